@@ -1,0 +1,209 @@
+"""Qwen2-family decoder as a pure function of a parameter pytree (layout: docs/architecture.md).
+
+Covers Qwen2 / Qwen2.5 / Qwen2.5-Math (q/k/v biases) and Qwen3's per-head q/k RMSNorm (`qk_norm`). Norms, softmax
+and logits run in fp32 whatever the compute dtype; matmuls run in `compute_dtype`.
+
+Positions count from each row's first real token (`attention_mask.cumsum - 1`), so left padding does not change a
+row's logits. The same code path serves training (no cache) and the sampler (KV cache, `decode_step`).
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from twocircuit_jax.config.sections import ModelConfig
+
+Hook = Callable[[int, jax.Array], tuple]  # (layer, h [B,T,H]) -> (h_new, aux)
+_NEG = -1e30  # finite "minus infinity": fully masked rows (padding queries) stay finite
+
+
+def dtype_of(name: str):
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+def rms_norm(x, scale, eps):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    # HF casts back to the input dtype before the scale multiply; keep the same order for parity.
+    return scale.astype(x.dtype) * y.astype(x.dtype)
+
+
+def rope_tables(positions, head_dim: int, theta: float):
+    """cos/sin [B, T, D] for integer positions [B, T] (non-interleaved halves, as HF Qwen2)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    ang = jnp.concatenate([ang, ang], axis=-1)
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope(x, cos, sin):
+    """x [B, T, N, D]."""
+    d = x.shape[-1] // 2
+    rot = jnp.concatenate([-x[..., d:], x[..., :d]], axis=-1)
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return (x.astype(jnp.float32) * c + rot.astype(jnp.float32) * s).astype(x.dtype)
+
+
+def default_positions(attention_mask):
+    return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def _linear(x, p, dt):
+    y = x @ p["kernel"].astype(dt)
+    if "bias" in p:
+        y = y + p["bias"].astype(dt)
+    return y
+
+
+def _attention(cfg: ModelConfig, lp, x, cos, sin, bias, kv=None, slot=None):
+    """Self-attention of one layer. With `kv` (k_cache, v_cache [B, S, Nkv, D]) writes this chunk at `slot`."""
+    dt = dtype_of(cfg.compute_dtype)
+    B, T, _ = x.shape
+    nq, nkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q = _linear(x, lp["q_proj"], dt).reshape(B, T, nq, D)
+    k = _linear(x, lp["k_proj"], dt).reshape(B, T, nkv, D)
+    v = _linear(x, lp["v_proj"], dt).reshape(B, T, nkv, D)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    new_kv = None
+    if kv is not None:
+        kc = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), slot, axis=1)
+        vc = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), slot, axis=1)
+        k, v, new_kv = kc, vc, (kc, vc)
+    g = nq // nkv
+    q = q.reshape(B, T, nkv, g, D)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k.astype(q.dtype)).astype(jnp.float32) / jnp.sqrt(float(D))
+    scores = scores + bias[:, None, None, :, :]
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(dt)).reshape(B, T, nq * D)
+    return _linear(out, lp["o_proj"], dt), new_kv
+
+
+def _mlp(cfg, lp, x):
+    dt = dtype_of(cfg.compute_dtype)
+    return _linear(jax.nn.silu(_linear(x, lp["gate_proj"], dt)) * _linear(x, lp["up_proj"], dt), lp["down_proj"], dt)
+
+
+def _layer(cfg, lp, x, cos, sin, bias, kv=None, slot=None):
+    a, new_kv = _attention(cfg, lp, rms_norm(x, lp["input_norm"], cfg.rms_norm_eps), cos, sin, bias, kv, slot)
+    x = x + a
+    x = x + _mlp(cfg, lp, rms_norm(x, lp["post_norm"], cfg.rms_norm_eps))
+    return x, new_kv
+
+
+def layer_params(params, i: int):
+    return jax.tree.map(lambda a: a[i], params["layers"])
+
+
+def _head(cfg, params, x):
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    w = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+    return (x @ w.astype(x.dtype)).astype(jnp.float32)
+
+
+def _embed(cfg, params, tokens):
+    return jnp.take(params["embed"], tokens, axis=0).astype(dtype_of(cfg.compute_dtype))
+
+
+def forward_with_aux(cfg: ModelConfig, params, tokens, attention_mask=None, *, positions=None,
+                     hook: Optional[Hook] = None, hook_layers: Sequence[int] = ()):
+    """Logits [B, T, V] (fp32) and {layer: aux} from `hook` applied to the hidden state leaving `hook_layers`."""
+    B, T = tokens.shape
+    if attention_mask is None:
+        attention_mask = jnp.ones((B, T), jnp.int32)
+    if positions is None:
+        positions = default_positions(attention_mask)
+    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    causal = jnp.tril(jnp.ones((T, T), bool))
+    allowed = causal[None] & (attention_mask[:, None, :] > 0)
+    bias = jnp.where(allowed, 0.0, _NEG).astype(jnp.float32)
+    x = _embed(cfg, params, tokens)
+    hooked, aux = set(hook_layers), {}
+    for i in range(cfg.num_layers):
+        x, _ = _layer(cfg, layer_params(params, i), x, cos, sin, bias)
+        if hook is not None and i in hooked:
+            x, aux[i] = hook(i, x)
+    return _head(cfg, params, x), aux
+
+
+def forward(cfg: ModelConfig, params, tokens, attention_mask=None, *, positions=None, hook=None, hook_layers=()):
+    """Logits [B, T, V] in fp32."""
+    return forward_with_aux(cfg, params, tokens, attention_mask, positions=positions, hook=hook,
+                            hook_layers=hook_layers)[0]
+
+
+class KVCache(NamedTuple):
+    k: jax.Array  # [L, B, S, Nkv, D] compute dtype
+    v: jax.Array  # [L, B, S, Nkv, D] compute dtype
+    valid: jax.Array  # [B, S] bool: slot holds a real token
+    length: jax.Array  # [] int32: slots written so far
+    next_pos: jax.Array  # [B] int32: RoPE position of the next token
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    dt = dtype_of(cfg.compute_dtype)
+    return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.zeros((batch, max_len), bool),
+                   jnp.zeros((), jnp.int32), jnp.zeros((batch,), jnp.int32))
+
+
+def decode_step(cfg: ModelConfig, params, cache: KVCache, tokens, token_mask):
+    """Run `tokens` [B, Tq] (with `token_mask` [B, Tq], 1 = real) through the model at the next cache slots.
+
+    Returns (logits [B, Tq, V] fp32, cache'). A prefill is one call with the whole left-padded prompt; each
+    generated token is one call with Tq = 1.
+    """
+    B, Tq = tokens.shape
+    S = cache.valid.shape[1]
+    slot = cache.length
+    positions = cache.next_pos[:, None] + jnp.cumsum(token_mask.astype(jnp.int32), axis=1) - 1
+    positions = jnp.maximum(positions, 0)
+    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, token_mask > 0, slot, axis=1)
+    q_slots = slot + jnp.arange(Tq)
+    allowed = (jnp.arange(S)[None, :] <= q_slots[:, None])[None] & valid[:, None, :]
+    bias = jnp.where(allowed, 0.0, _NEG).astype(jnp.float32)
+    x = _embed(cfg, params, tokens)
+    ks, vs = [], []
+    for i in range(cfg.num_layers):
+        x, (kc, vc) = _layer(cfg, layer_params(params, i), x, cos, sin, bias, (cache.k[i], cache.v[i]), slot)
+        ks.append(kc)
+        vs.append(vc)
+    new = KVCache(jnp.stack(ks), jnp.stack(vs), valid, slot + Tq,
+                  cache.next_pos + jnp.sum(token_mask.astype(jnp.int32), axis=1))
+    return _head(cfg, params, x), new
+
+
+def init_params(cfg: ModelConfig, key, std: float = 0.02):
+    """Random parameters (normal(std) matrices, unit norms, zero biases) in `param_dtype`."""
+    dt = dtype_of(cfg.param_dtype)
+    L, H, V, F = cfg.num_layers, cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size
+    nq, nkv, D = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+    keys = iter(jax.random.split(key, 16))
+
+    def mat(*shape):
+        return (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dt)
+
+    def proj(n_in, n_out, bias):
+        p = {"kernel": mat(L, n_in, n_out)}
+        if bias:
+            p["bias"] = jnp.zeros((L, n_out), dt)
+        return p
+
+    layers = {
+        "input_norm": jnp.ones((L, H), dt), "post_norm": jnp.ones((L, H), dt),
+        "q_proj": proj(H, nq, cfg.qkv_bias), "k_proj": proj(H, nkv, cfg.qkv_bias), "v_proj": proj(H, nkv, cfg.qkv_bias),
+        "o_proj": proj(nq, H, False), "gate_proj": proj(H, F, False), "up_proj": proj(H, F, False),
+        "down_proj": proj(F, H, False),
+    }
+    if cfg.qk_norm:
+        layers["q_norm"] = jnp.ones((L, D), dt)
+        layers["k_norm"] = jnp.ones((L, D), dt)
+    params = {"embed": mat(V, H), "layers": layers, "final_norm": jnp.ones((H,), dt)}
+    if not cfg.tie_embeddings:
+        params["lm_head"] = mat(H, V)
+    return params
