@@ -1,0 +1,77 @@
+"""Truncated importance sampling weights (SPEC §5).
+
+The rollouts were drawn by the sampler (ℓ_s) while the loss treats ℓ_old (trainer, codec view) as the behaviour
+policy. TIS re-weights each token's policy loss by w = min(exp(ℓ_old − ℓ_s), C) under stop-gradient:
+- `token`:    per token, Δ_t = ℓ_old − ℓ_s;
+- `sequence`: one weight per sequence, exp(Σ_t Δ_t) capped at C, broadcast over that row's tokens;
+- `off`:      exactly ones (multiplying by 1.0 is bitwise the identity, so `off` is a true no-op).
+
+Metrics: `tis/weight_mean`, `tis/weight_max`, `tis/weight_min`, `tis/clip_frac` (share whose raw weight exceeded C)
+and `tis/ess` = (Σw)²/(N·Σw²) of the weights in use (SPEC §5: always log ESS). They are taken over response
+tokens in `token` mode and over sequences with at least one response token in `sequence` mode.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+TIS_MODES = ("off", "token", "sequence")
+
+
+def _capped_exp(log_w, cap: float):
+    """min(exp(log_w), cap) without overflow: above log(cap) the weight is exactly `cap`. Returns (w, was_capped)."""
+    log_cap = math.log(cap)
+    over = log_w > log_cap
+    return jnp.where(over, cap, jnp.exp(jnp.minimum(log_w, log_cap))), over
+
+
+def _stats(w, valid):
+    """Masked weight stats over entries where `valid` (bool); neutral values when nothing is valid."""
+    v = valid.astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(v), 1.0)
+    s1 = jnp.sum(w * v)
+    s2 = jnp.sum(w * w * v)
+    anyv = jnp.any(valid)
+    return {
+        "tis/weight_mean": s1 / n,
+        "tis/weight_max": jnp.where(anyv, jnp.max(jnp.where(valid, w, -jnp.inf)), 1.0),
+        "tis/weight_min": jnp.where(anyv, jnp.min(jnp.where(valid, w, jnp.inf)), 1.0),
+        "tis/ess": jnp.where(s2 > 0, s1 * s1 / (n * jnp.maximum(s2, 1e-30)), 1.0),
+    }
+
+
+def tis_weights(old_logp, sampler_logp, mask, mode: str = "off", cap: float = 2.0):
+    """old_logp, sampler_logp, mask [B, T] -> (w [B, T] float32, stop-gradient; metrics dict of scalars).
+
+    `mode` and `cap` are static (python values from GRPOConfig.tis / tis_cap). Off-mask positions get weight 1;
+    the loss masks them anyway.
+    """
+    if mode not in TIS_MODES:
+        raise ValueError(f"unknown tis mode {mode!r}; allowed {TIS_MODES}")
+    if not cap > 0:
+        raise ValueError(f"tis cap must be > 0, got {cap}")
+    if mode == "off":
+        one, zero = jnp.ones((), jnp.float32), jnp.zeros((), jnp.float32)
+        metrics = {"tis/weight_mean": one, "tis/weight_max": one, "tis/weight_min": one,
+                   "tis/clip_frac": zero, "tis/ess": one}
+        return jnp.ones(old_logp.shape, jnp.float32), metrics
+
+    valid = mask > 0
+    delta = jnp.where(valid, old_logp.astype(jnp.float32) - sampler_logp.astype(jnp.float32), 0.0)
+    delta = jax.lax.stop_gradient(delta)
+    if mode == "token":
+        w, over = _capped_exp(delta, cap)
+        w = jnp.where(valid, w, 1.0)                                          # 1 off-mask (delta 0 there too)
+        metrics = _stats(w, valid)
+        metrics["tis/clip_frac"] = jnp.sum(over & valid) / jnp.maximum(jnp.sum(valid), 1)
+    else:
+        seq_valid = jnp.any(valid, axis=-1)                                  # [B]
+        w_seq, over = _capped_exp(jnp.sum(delta, axis=-1), cap)              # [B]
+        w_seq = jnp.where(seq_valid, w_seq, 1.0)
+        metrics = _stats(w_seq, seq_valid)
+        metrics["tis/clip_frac"] = jnp.sum(over & seq_valid) / jnp.maximum(jnp.sum(seq_valid), 1)
+        w = jnp.broadcast_to(w_seq[:, None], delta.shape)
+    metrics["tis/clip_frac"] = metrics["tis/clip_frac"].astype(jnp.float32)
+    return jax.lax.stop_gradient(w), metrics
