@@ -1,0 +1,184 @@
+"""The `prf_mask` codec (SPEC §3.2): h~ = g * (h ⊙ m) at each pipeline boundary.
+
+m[b, t, j] comes from the stateless PRF key (seed, boundary layer, step key, sample_id[b], position[b, t], j)
+of `fast/prf.py`. Nothing else enters the key (no path tag, no tick, no mesh coordinate), so the old-log-prob,
+train and reference forwards, every mini-batch, any padding and `jax.checkpoint` recomputation regenerate the
+same bits. The backward message is grad * g * m through ordinary autodiff (no straight-through estimator).
+
+Shape: an (empty) `MaskState` plus pure functions; `make_mask_hook` closes over the traced per-batch context.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from twocircuit_jax.fast import prf
+
+RESCALE_MODES = ("none", "constant", "rms_match")
+RMS_EPS = 1e-8
+
+
+class MaskState(NamedTuple):
+    """The mask is stateless: every bit is regenerated from the key. Kept for the optax-like shape."""
+
+
+def init_mask_state() -> MaskState:
+    return MaskState()
+
+
+def _validate(cfg, boundaries):
+    if cfg.rescale_mode not in RESCALE_MODES:
+        raise ValueError(f"fast.rescale_mode: got {cfg.rescale_mode!r}; allowed {', '.join(RESCALE_MODES)}")
+    if cfg.prf_impl not in prf.IMPLS:
+        raise ValueError(f"fast.prf_impl: got {cfg.prf_impl!r}; allowed {', '.join(prf.IMPLS)}")
+    if cfg.p_by_boundary and len(cfg.p_by_boundary) != len(boundaries):
+        raise ValueError(f"fast.p_by_boundary: got {len(cfg.p_by_boundary)} values for {len(boundaries)} "
+                         f"boundaries {tuple(boundaries)}; give one p per boundary or none")
+
+
+def layer_p(cfg, boundaries, layer: int) -> float:
+    """Masked fraction at one boundary: p_by_boundary[i] for the i-th boundary, else cfg.p."""
+    if layer not in boundaries:
+        raise ValueError(f"prf_mask: layer {layer} is not a boundary; boundaries are {tuple(boundaries)}")
+    return float(cfg.p_by_boundary[list(boundaries).index(layer)]) if cfg.p_by_boundary else float(cfg.p)
+
+
+def keep_count(p: float, width: int) -> int:
+    """Exact-k k = round((1-p) H), half up, at least 1 (H=1536, p=0.95 -> 77)."""
+    return max(1, min(width, int(math.floor((1.0 - p) * width + 0.5))))
+
+
+def bernoulli_threshold(p: float) -> int:
+    """floor(p 2^53): exact, since multiplying a double by 2^53 only shifts its exponent."""
+    return int(math.floor(p * 2.0**53))
+
+
+def step_key(cfg, step):
+    """(step key, odd flag): gs, or gs // 2 with antithetic; odd steps then use 2^53-1-u."""
+    step = jnp.asarray(step, jnp.int32)
+    if cfg.antithetic:
+        return step // 2, (step % 2) == 1
+    return step, jnp.asarray(False)
+
+
+def flipped_u(cfg, layer, step, sample_ids, positions, width, direction=None) -> prf.U64:
+    """u' [B, T, H]: the PRF u after the antithetic flip (XOR with 2^53-1 equals 2^53-1-u for u < 2^53)."""
+    key, odd = step_key(cfg, step)
+    u = prf.prf_u(cfg.prf_impl, cfg.seed, layer, key, sample_ids, positions, width, direction)
+    f = jnp.where(odd, prf._u32(0xFFFFFFFF), prf._u32(0)).astype(jnp.uint32)
+    return prf.U64(u.hi ^ (f & prf._u32(0x1FFFFF)), u.lo ^ f)
+
+
+def exact_k_threshold(u: prf.U64, k: int):
+    """Per-row (thr, thr_j) = k-th largest (u, -j) via an XLA three-key sort (no Mosaic lowering needed).
+
+    Cost: one sort of [N, H] with three uint32 operands per boundary application."""
+    j = jax.lax.broadcasted_iota(jnp.uint32, u.hi.shape, u.hi.ndim - 1)
+    # ascending on (~hi, ~lo, j) = descending on u, ascending on j
+    s_hi, s_lo, s_j = jax.lax.sort((~u.hi, ~u.lo, j), dimension=u.hi.ndim - 1, num_keys=3)
+    return prf.U64(~s_hi[..., k - 1], ~s_lo[..., k - 1]), s_j[..., k - 1]
+
+
+def thresholds(cfg, p: float, u: prf.U64 | None, row_shape):
+    """(thr U64 [B, T], thr_j [B, T]) for Bernoulli or exact-k."""
+    if cfg.exact_k:
+        return exact_k_threshold(u, keep_count(p, u.hi.shape[-1]))
+    t = prf.const64(bernoulli_threshold(p))
+    full = lambda x: jnp.full(row_shape, x, jnp.uint32)
+    return prf.U64(full(t.hi), full(t.lo)), full(0xFFFFFFFF)
+
+
+def _keep(cfg, p: float, layer: int, step, sample_ids, positions, width: int):
+    u = flipped_u(cfg, layer, step, sample_ids, positions, width)
+    thr, thr_j = thresholds(cfg, p, u, u.hi.shape[:-1])
+    j = jnp.arange(width, dtype=jnp.uint32)
+    return prf.keep_rule(u, prf.U64(thr.hi[..., None], thr.lo[..., None]), thr_j[..., None], j)
+
+
+def mask_bits(cfg, boundaries, layer: int, step, sample_ids, positions, width: int) -> jax.Array:
+    """The boolean mask m [B, T, H] (True = channel sent) of one boundary."""
+    _validate(cfg, boundaries)
+    return _keep(cfg, layer_p(cfg, boundaries, layer), layer, step, sample_ids, positions, width)
+
+
+def constant_gain(p: float):
+    """1/(1-p) as float32; both the reference and the kernel multiply by this same number."""
+    return np.float32(1.0 / (1.0 - p))
+
+
+def _rms(x):
+    return jnp.sqrt(jnp.mean(jnp.square(x), axis=-1) + RMS_EPS)
+
+
+def rescale(cfg, p: float, h, masked):
+    """g * masked in h.dtype: none (g=1), constant (1/(1-p)), rms_match (per token, stop-gradient)."""
+    if cfg.rescale_mode == "none":
+        return masked
+    if cfg.rescale_mode == "constant":
+        return (masked.astype(jnp.float32) * constant_gain(p)).astype(h.dtype)
+    h32, m32 = jax.lax.stop_gradient(h).astype(jnp.float32), jax.lax.stop_gradient(masked).astype(jnp.float32)
+    g = jax.lax.stop_gradient(_rms(h32) / _rms(m32))[..., None]
+    return (masked.astype(jnp.float32) * g).astype(h.dtype)
+
+
+def _apply_reference(cfg, p, layer, step, sample_ids, positions, h):
+    keep = _keep(cfg, p, layer, step, sample_ids, positions, h.shape[-1])
+    masked = jnp.where(keep, h, jnp.zeros((), h.dtype))
+    return rescale(cfg, p, h, masked), keep
+
+
+def _apply_kernel(cfg, p, layer, step, sample_ids, positions, h, interpret):
+    from pallas_kernels.prf_mask import MaskRows, prf_mask_kernel  # kernels are optional at import time
+
+    if cfg.prf_impl == "threefry":
+        raise ValueError("fast.use_kernel: the Pallas mask kernel hashes with u32pair; prf_impl 'threefry' "
+                         "is not available there (allowed with the kernel: u32pair, x64)")
+    b, t, width = h.shape
+    key, odd = step_key(cfg, step)
+    rk = prf.row_key(prf.prefix_key(cfg.seed, layer, key), jnp.asarray(sample_ids, jnp.int32),
+                     jnp.asarray(positions, jnp.int32))
+    u = flipped_u(cfg, layer, step, sample_ids, positions, width) if cfg.exact_k else None
+    thr, thr_j = thresholds(cfg, p, u, (b, t))
+    gain = constant_gain(p) if cfg.rescale_mode == "constant" else 1.0
+    col = lambda x, dt=jnp.uint32: jnp.broadcast_to(jnp.asarray(x, dt), (b, t)).reshape(b * t, 1)
+    flip = jnp.where(odd, prf._u32(0xFFFFFFFF), prf._u32(0)).astype(jnp.uint32)
+    rows = MaskRows(col(rk.hi), col(rk.lo), col(thr.hi), col(thr.lo), col(thr_j), col(flip),
+                    col(gain, jnp.float32))
+    out = prf_mask_kernel(h.reshape(b * t, width), rows, interpret=interpret).reshape(b, t, width)
+    if cfg.rescale_mode == "rms_match":
+        g = jax.lax.stop_gradient(_rms(h.astype(jnp.float32)) / _rms(out.astype(jnp.float32)))[..., None]
+        out = (out.astype(jnp.float32) * g).astype(h.dtype)
+    return out
+
+
+def make_mask_hook(cfg, boundaries, step, sample_ids, positions, attention_mask=None, *, interpret=False):
+    """Build hook(layer, h [B, T, H]) -> (h~, {"mask_ratio": 1 - mean(m) over real tokens}).
+
+    step: global step gs (int or traced int32 scalar); sample_ids [B] int32 global rows; positions [B, T] int32
+    counted from each row's first real token (padding may hold anything); attention_mask [B, T] (1 = real token)
+    only excludes padding from the metric. cfg.use_kernel selects the Pallas kernel (interpret=True on CPU)."""
+    boundaries = tuple(int(x) for x in boundaries)
+    _validate(cfg, boundaries)
+
+    def hook(layer: int, h):
+        p = layer_p(cfg, boundaries, layer)
+        width = h.shape[-1]
+        if cfg.use_kernel:
+            out = _apply_kernel(cfg, p, layer, step, sample_ids, positions, h, interpret)
+            # exact-k: the ratio is static; Bernoulli: the metric re-hashes in XLA (one extra pass, metric only)
+            keep = None if cfg.exact_k else _keep(cfg, p, layer, step, sample_ids, positions, width)
+        else:
+            out, keep = _apply_reference(cfg, p, layer, step, sample_ids, positions, h)
+        if keep is None:
+            ratio = jnp.float32(1.0 - keep_count(p, width) / width)
+        else:
+            kept = jnp.mean(keep.astype(jnp.float32), axis=-1)  # [B, T]
+            w = jnp.ones_like(kept) if attention_mask is None else jnp.asarray(attention_mask, jnp.float32)
+            ratio = 1.0 - jnp.sum(kept * w) / jnp.maximum(jnp.sum(w), 1.0)
+        return out, {"mask_ratio": ratio}
+
+    return hook
