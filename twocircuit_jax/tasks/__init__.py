@@ -1,1 +1,23 @@
-"""tasks"""
+"""Verifiable-reward tasks (reasoning-gym, MATH files) and reward shaping."""
+from __future__ import annotations
+
+from twocircuit_jax.tasks.base import DataError, Problem, ScoreResult, Task
+
+
+def make_task(task_cfg) -> Task:
+    """The task for a TaskConfig subclass (chosen in YAML by `task.type`)."""
+    from twocircuit_jax.config.sections import MathFilesTask as MathCfg, ReasoningGymTask as RGCfg
+
+    if isinstance(task_cfg, RGCfg):
+        from twocircuit_jax.tasks.reasoning_gym_task import ReasoningGymTask
+
+        return ReasoningGymTask(task_cfg)
+    if isinstance(task_cfg, MathCfg):
+        from twocircuit_jax.tasks.math_files_task import MathFilesTask
+
+        return MathFilesTask(task_cfg)
+    raise ValueError(f"task: no task implementation for config {type(task_cfg).__name__}; "
+                     f"allowed task.type: reasoning_gym, math_files")
+
+
+__all__ = ["DataError", "Problem", "ScoreResult", "Task", "make_task"]
