@@ -1,0 +1,92 @@
+"""Reward shaping (SPEC §5): format penalty, the overlong policy, and a verifier that may fail.
+
+Order for one sample: score (a raising scorer gives 0 and is counted) -> an unparsable answer gets
+`format_penalty` instead of its score -> the overlong policy:
+  zero  a truncated sample's reward is 0 (whatever it scored), and it stays in the loss;
+  mask  the reward is kept (the group statistics still see it) but the sample leaves the loss (loss_mask 0);
+  soft  for limit - buffer < length <= limit, add ((limit - buffer) - length) / buffer, from 0 down to -1 at the
+        limit (DAPO's soft overlong punishment); truncated samples sit at the limit and get -1 added.
+`length` counts generated tokens (EOS included); `limit` is sampling.max_new_tokens.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from twocircuit_jax.tasks.base import Problem, ScoreResult, Task
+
+
+class Shaped(NamedTuple):
+    reward: float
+    loss_mask: float  # 1.0 = in the loss, 0.0 = excluded (overlong_mode: mask)
+
+
+def safe_score(task: Task, problem: Problem, completion_text: str) -> ScoreResult:
+    """`task.score`, except that an exception (verifier bug, parser blow-up) becomes reward 0 with `error` set."""
+    try:
+        res = task.score(problem, completion_text)
+    except Exception as e:  # noqa: BLE001 - any verifier failure must not end the run; it is counted instead
+        return ScoreResult(0.0, False, f"{type(e).__name__}: {e}")
+    return ScoreResult(float(res.reward), bool(res.parsed), res.error)
+
+
+def overlong_penalty(length: int, limit: int, buffer: int) -> float:
+    """Soft overlong term: 0 up to limit - buffer, then linear down to -1 at the limit (and -1 beyond)."""
+    start = limit - buffer
+    if length <= start:
+        return 0.0
+    return max((start - length) / buffer, -1.0)
+
+
+def shape(score: ScoreResult, length: int, truncated: bool, limit: int, grpo) -> Shaped:
+    """Shaped reward of one sample; `grpo` is a GRPOConfig (format_penalty, overlong_mode, overlong_buffer)."""
+    if score.error is not None:
+        reward = 0.0  # a failed verifier is not the policy's format error
+    elif not score.parsed:
+        reward = grpo.format_penalty
+    else:
+        reward = score.reward
+    mode = grpo.overlong_mode
+    if mode == "zero":
+        return Shaped(0.0 if truncated else reward, 1.0)
+    if mode == "mask":
+        return Shaped(reward, 0.0 if truncated else 1.0)
+    if mode == "soft":
+        return Shaped(reward + overlong_penalty(length, limit, grpo.overlong_buffer), 1.0)
+    raise ValueError(f"grpo.overlong_mode: got {mode!r}; allowed 'zero', 'mask', 'soft'")
+
+
+def score_batch(task: Task, problems: Sequence[Problem], completions: Sequence[str], lengths: Sequence[int],
+                truncated: Sequence[bool], limit: int, grpo):
+    """Rewards for a batch of rows (row i answers problems[i]).
+
+    Returns (rewards [B] float32, loss_mask [B] float32, raw [B] float32 verifier scores, metrics dict).
+    """
+    n = len(problems)
+    if not (len(completions) == len(lengths) == len(truncated) == n):
+        raise ValueError(f"score_batch: lengths differ: problems {n}, completions {len(completions)}, "
+                         f"lengths {len(lengths)}, truncated {len(truncated)}")
+    rewards, mask, raw = (np.zeros(n, np.float32) for _ in range(3))
+    errors = unparsed = 0
+    first_error = None
+    for i, (p, text) in enumerate(zip(problems, completions)):
+        s = safe_score(task, p, text)
+        if s.error is not None:
+            errors += 1
+            first_error = first_error or f"{p.id}: {s.error}"
+        elif not s.parsed:
+            unparsed += 1
+        shaped = shape(s, int(lengths[i]), bool(truncated[i]), limit, grpo)
+        rewards[i], mask[i], raw[i] = shaped.reward, shaped.loss_mask, s.reward
+    metrics = {
+        "reward/mean": float(rewards.mean()) if n else 0.0,
+        "reward/std": float(rewards.std()) if n else 0.0,
+        "reward/raw_mean": float(raw.mean()) if n else 0.0,
+        "reward/score_errors": float(errors),
+        "reward/unparsed_frac": unparsed / n if n else 0.0,
+        "reward/loss_mask_frac": float(mask.mean()) if n else 0.0,
+    }
+    if first_error is not None:
+        metrics["reward/first_score_error"] = first_error  # a string: the logger may print it, not plot it
+    return rewards, mask, raw, metrics
