@@ -1,0 +1,144 @@
+"""Versioned weight exports for the vLLM sampler process (SPEC §1, §2 step 6 "Publish").
+
+Layout of one version:
+
+    export_root/v00000007/params/...   orbax PyTree checkpoint of the dense parameter pytree
+    export_root/v00000007/meta.json    {"version": 7, "model_config": {...ModelConfig fields...}}
+
+A version is written under `export_root/.tmp-v00000007-<pid>` and renamed into place with one `os.rename`, so a
+reader never sees a half-written folder: either `v00000007` exists whole or not at all. Only the newest `keep`
+versions stay on disk (a 0.5B fp32 export is ~2 GiB; a long run would otherwise fill the disk).
+
+Restoring (`load_export`) returns numpy arrays in host memory, never device arrays: the sampler process needs no
+accelerator and must not grab one from the trainer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+
+import numpy as np
+
+_NAME = re.compile(r"^v(\d{8})$")
+META = "meta.json"
+PARAMS = "params"
+
+
+class ExportError(RuntimeError):
+    """A weight export that is missing or cannot be read; the message names the folder and what is wrong."""
+
+
+def version_dir(export_root: str, version: int) -> str:
+    return os.path.join(export_root, f"v{int(version):08d}")
+
+
+def _config_dict(config) -> dict:
+    if dataclasses.is_dataclass(config):
+        return dataclasses.asdict(config)
+    if isinstance(config, dict):
+        return dict(config)
+    raise TypeError(f"model config must be a dataclass or dict, got {type(config).__name__}")
+
+
+def list_versions(export_root: str) -> list[int]:
+    """Complete versions on disk, ascending (temporary folders are never listed)."""
+    if not os.path.isdir(export_root):
+        return []
+    return sorted(int(m.group(1)) for m in map(_NAME.match, os.listdir(export_root)) if m)
+
+
+def latest_version(export_root: str):
+    """Newest complete version, or None when there is none."""
+    v = list_versions(export_root)
+    return v[-1] if v else None
+
+
+def export_weights(params, config, export_root: str, version: int, keep: int = 3) -> str:
+    """Save `params` (jax or numpy pytree) as version `version`; returns the version folder.
+
+    Costs one host copy of the parameters (orbax gathers sharded arrays). Re-exporting an existing version
+    replaces it. `keep` >= 1 newest versions are retained; older ones are deleted after the rename.
+    """
+    import orbax.checkpoint as ocp
+
+    if version < 0:
+        raise ValueError(f"version must be >= 0, got {version}")
+    os.makedirs(export_root, exist_ok=True)
+    final = version_dir(export_root, version)
+    tmp = os.path.join(export_root, f".tmp-v{int(version):08d}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)  # leftover of a crashed earlier attempt by this pid
+    os.makedirs(tmp)
+    try:
+        ocp.PyTreeCheckpointer().save(os.path.join(tmp, PARAMS), params)
+        with open(os.path.join(tmp, META), "w") as fh:
+            json.dump({"version": int(version), "model_config": _config_dict(config)}, fh, indent=1)
+        if os.path.isdir(final):  # rename cannot replace a non-empty folder; move the old one aside first
+            old = tmp + ".old"
+            os.rename(final, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    prune(export_root, keep)
+    return final
+
+
+def prune(export_root: str, keep: int) -> None:
+    """Delete all but the newest `keep` versions (and stale temporary folders of dead writers)."""
+    keep = max(1, int(keep))
+    for v in list_versions(export_root)[:-keep]:
+        shutil.rmtree(version_dir(export_root, v), ignore_errors=True)
+    for name in os.listdir(export_root):
+        m = re.match(r"^\.tmp-v\d{8}-(\d+)", name)
+        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+            shutil.rmtree(os.path.join(export_root, name), ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_meta(path: str) -> dict:
+    meta_path = os.path.join(path, META)
+    if not os.path.isdir(path):
+        raise ExportError(f"{path}: export folder not found")
+    try:
+        with open(meta_path) as fh:
+            meta = json.load(fh)
+        int(meta["version"])
+        dict(meta["model_config"])
+    except FileNotFoundError:
+        raise ExportError(f"{meta_path}: missing (incomplete or corrupt export)") from None
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ExportError(f"{meta_path}: malformed ({type(e).__name__}: {e})") from None
+    return meta
+
+
+def load_export(path: str):
+    """(model_config dict, params as a numpy pytree) from one version folder; ExportError if missing/corrupt."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    meta = read_meta(path)
+    ppath = os.path.join(path, PARAMS)
+    if not os.path.isdir(ppath):
+        raise ExportError(f"{ppath}: missing (incomplete or corrupt export)")
+    try:
+        ckpt = ocp.PyTreeCheckpointer()
+        tree = ckpt.metadata(ppath).item_metadata.tree
+        # restore_type=np.ndarray keeps every leaf in host memory: no device placement, no accelerator needed.
+        args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+        params = ckpt.restore(ppath, restore_args=args)
+    except Exception as e:  # orbax/tensorstore raise many types for truncated or garbled files
+        raise ExportError(f"{ppath}: cannot restore orbax checkpoint ({type(e).__name__}: {e})") from None
+    return meta["model_config"], params
