@@ -1,0 +1,159 @@
+"""Byte accounting (SPEC §3.6): logical per-step bytes of each boundary codec and of the dp gradient all-reduce,
+plus a parser of compiled HLO that sums collective operand bytes, to check the formulas (SPEC §8 inv. 9).
+
+All functions return plain Python floats: the numbers depend only on static shapes and the config, so they cost
+nothing at run time and can be logged as `comm/bytes_compressed`, `comm/bytes_dense`, `comm/bytes_ratio`
+(`comm/elements_*` too). Activation traffic counts the gradient-bearing forward only; activations are 16-bit on
+the wire (`act_bytes`), bases fp32.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Optional, Sequence
+
+import numpy as np
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e5m2fnuz": 1,
+                "f8e4m3fnuz": 1, "f8e4m3b11fnuz": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5}
+COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+ERROR_NORM_BYTES = 4  # powersgd packs one fp32 scalar (‖e‖²) into its uncompressed mean
+
+
+def _result(compressed: float, dense: float, el_c: float, el_d: float) -> dict:
+    return {"comm/bytes_compressed": float(compressed), "comm/bytes_dense": float(dense),
+            "comm/bytes_ratio": float(compressed) / float(dense) if dense else 1.0,
+            "comm/elements_compressed": float(el_c), "comm/elements_dense": float(el_d)}
+
+
+def exact_k(p: float, hidden: int) -> int:
+    """k = round((1 − p)·H) kept channels, at least 1 (SPEC §3.2: H=1536, p=0.95 -> 77)."""
+    return max(1, int(round((1.0 - p) * hidden)))
+
+
+def activation_bytes(cfg, *, tokens: int, hidden: int, boundaries: Sequence[int], act_bytes: int = 2,
+                     codec: Optional[str] = None, basis_bytes: int = 4) -> dict:
+    """Per-step boundary traffic of the codec (cfg.codec unless `codec` given) for `tokens` tokens (N).
+
+    prf_mask: (1−p)·H values/token (exact_k: k values), no index bytes (the receiver regenerates the mask);
+    lowrank: N·r per boundary plus the basis broadcast n_b·H·r fp32 amortised over `update_cadence` steps;
+    sr_quant: H·bits + ⌈H/block⌉·16 bits per token; none: dense. Dense equivalent: N·H·act_bytes per boundary.
+    """
+    codec = codec or cfg.codec
+    nb = len(boundaries)
+    N, H = int(tokens), int(hidden)
+    el_d = nb * N * H
+    dense = el_d * act_bytes
+    if codec == "none":
+        return _result(dense, dense, el_d, el_d)
+    if codec == "prf_mask":
+        ps = list(cfg.p_by_boundary) or [cfg.p] * nb
+        if len(ps) != nb:
+            raise ValueError(f"p_by_boundary has {len(ps)} entries for {nb} boundaries")
+        per_tok = [exact_k(p, H) if cfg.exact_k else (1.0 - p) * H for p in ps]
+        el_c = N * sum(per_tok)
+        return _result(el_c * act_bytes, dense, el_c, el_d)
+    if codec == "lowrank":
+        r = cfg.rank
+        el_msg = nb * N * r
+        el_basis = nb * H * r / cfg.update_cadence
+        return _result(el_msg * act_bytes + el_basis * basis_bytes, dense, el_msg + el_basis, el_d)
+    if codec == "sr_quant":
+        bits_tok = H * cfg.quant_bits + math.ceil(H / cfg.quant_block) * 16
+        el_c = nb * N * H  # every channel travels, at `bits` each, plus one 16-bit scale per block
+        return _result(nb * N * bits_tok / 8.0, dense, el_c, el_d)
+    raise ValueError(f"activation_bytes: unknown codec {codec!r}")
+
+
+def grad_allreduce_bytes(params_like, cfg, *, powersgd: Optional[bool] = None) -> dict:
+    """Per-replica bytes of one dp gradient reduction (logical, as in SPEC §3.6).
+
+    Dense: Σ size·bytes(dtype). PowerSGD (cfg.grad_codec == "powersgd" unless `powersgd` given): per compressible
+    leaf L·(n+m)·r·4 (P sum + Q mean), plus every other leaf in fp32 and the 4-byte error-norm scalar that our
+    packed mean carries. The powersgd=False case with the powersgd packing is `plain`: all leaves fp32 + 4.
+    """
+    from twocircuit_jax.fast.powersgd import flat_leaves, plan_leaves
+    leaves = flat_leaves(params_like)
+    dense = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves.values())
+    el_d = sum(int(np.prod(x.shape)) for x in leaves.values())
+    use = (cfg.grad_codec == "powersgd") if powersgd is None else powersgd
+    if not use:
+        return _result(dense, dense, el_d, el_d)
+    el_c = 0
+    for p in plan_leaves(cfg, params_like):
+        el_c += p.layers * (p.n + p.m) * cfg.grad_rank if p.compress else int(np.prod(p.shape))
+    return _result(el_c * 4 + ERROR_NORM_BYTES, dense, el_c + 1, el_d)
+
+
+def powersgd_plain_bytes(params_like) -> float:
+    """Bytes of powersgd_reduce's warm-up (plain mean) branch: every leaf in fp32 plus the error-norm scalar."""
+    from twocircuit_jax.fast.powersgd import flat_leaves
+    return float(sum(int(np.prod(x.shape)) for x in flat_leaves(params_like).values()) * 4 + ERROR_NORM_BYTES)
+
+
+def combine(*parts: dict) -> dict:
+    """Sum several accounting dicts (activations + gradients) into one step total."""
+    c = sum(p["comm/bytes_compressed"] for p in parts)
+    d = sum(p["comm/bytes_dense"] for p in parts)
+    ec = sum(p.get("comm/elements_compressed", 0.0) for p in parts)
+    ed = sum(p.get("comm/elements_dense", 0.0) for p in parts)
+    return _result(c, d, ec, ed)
+
+
+_SHAPE = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?(%?[\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
+_NAME = re.compile(r"%[\w.\-]+")
+
+
+def _shape_bytes(text: str) -> float:
+    total = 0.0
+    for dt, dims in _SHAPE.findall(text):
+        if dt not in _DTYPE_BYTES:
+            continue
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * _DTYPE_BYTES[dt]
+    return total
+
+
+def _operand_list(args: str) -> str:
+    depth = 1
+    for i, ch in enumerate(args):  # the operand list ends at the matching parenthesis
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0:
+            return args[:i]
+    return args
+
+
+def collective_bytes_from_hlo(hlo_text: str) -> dict:
+    """Sum operand bytes of collectives in HLO text, by kind, plus "total" and per-kind "counts".
+
+    Counts `kind(` and async `kind-start(` instructions (never `-done`, which would double count). Compiled HLO
+    prints operands by name only (`all-reduce(%fusion.3)`), so shapes come from a table of every instruction's
+    result shape; typed operands (`f32[8]{0} %x`, pre-optimisation text) are read directly. Bytes are per
+    participant (what one replica contributes), which is what the §3.6 formulas count.
+    """
+    defs, ops = {}, []
+    for line in hlo_text.splitlines():
+        m = _DEF.match(line)
+        if not m:
+            continue
+        name, shape, op, rest = m.groups()
+        defs[name.lstrip("%")] = shape
+        base = op[:-len("-start")] if op.endswith("-start") else op
+        if base in COLLECTIVE_KINDS:
+            ops.append((base, _operand_list(rest)))
+    out = {k: 0.0 for k in COLLECTIVE_KINDS}
+    counts = {k: 0 for k in COLLECTIVE_KINDS}
+    for kind, args in ops:
+        if _SHAPE.search(args):
+            b = _shape_bytes(args)
+        else:
+            b = sum(_shape_bytes(defs.get(n.lstrip("%"), "")) for n in _NAME.findall(args))
+        out[kind] += b
+        counts[kind] += 1
+    out["total"] = sum(out[k] for k in COLLECTIVE_KINDS)
+    out["counts"] = counts
+    return out

@@ -1,0 +1,197 @@
+"""Gradient PowerSGD with error feedback on the data-parallel axis (SPEC §3.5), optax-shaped.
+
+Call `powersgd_reduce` INSIDE `jax.shard_map` over the data axis, on this replica's gradients:
+
+    for each compressible leaf (2-D [n, m], or stacked [L, n, m] treated per layer):
+        M = g + e (fp32);  P = M·Q;  psum P;  P̂ = orth(P);  Q = Mᵀ·P̂;  pmean Q;  Ĝ = P̂·Qᵀ;  e ← M − Ĝ
+    everything else (vectors, small matrices, embeddings/lm_head unless compress_embeddings): pmean.
+
+Exactly three all-reduces per tick, each one packed fp32 vector in a fixed sorted-path order (SPEC §8 inv. 8):
+all P (sum), all Q (mean), all uncompressed leaves (mean; one extra fp32 element carries ‖e‖² for the
+`powersgd/error_norm` metric so it is replica-invariant). P is summed, not averaged: it is orthonormalised next.
+
+State layout: Q is replicated; the error memory e is per replica. Globally e has the leaf's shape with axis 0
+multiplied by the replica count (replica i owns rows [i·n0, (i+1)·n0)), so shard_map with
+`state_specs(state, axis)` (P(axis) on e) hands every replica an e of the leaf's own shape.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from twocircuit_jax.fast.orth import orth
+
+F32 = jnp.float32
+_SALT = 0x50575344  # "PWSD": keeps the Q₀ and refill keys apart from other users of cfg.seed
+
+
+class PowerSGDState(NamedTuple):
+    Q: dict          # leaf path -> [m, r] or [L, m, r] f32, replicated warm-start basis
+    e: dict          # leaf path -> [R·n, m] or [R·L, n, m] f32 error memory, R replicas stacked on axis 0
+    step: jax.Array  # [] int32 reduces done (plain-mean warm-up ones included)
+
+
+class LeafPlan(NamedTuple):
+    path: str
+    shape: tuple
+    compress: bool
+    layers: int   # L of a stacked leaf, 1 for a matrix, 0 when not compressed
+    n: int
+    m: int
+
+
+def _path_str(kp) -> str:
+    return jax.tree_util.keystr(kp, simple=True, separator="/")
+
+
+def flat_leaves(tree) -> dict:
+    """{path: leaf}; the sorted path order is the collective order."""
+    return {_path_str(kp): x for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def plan_leaves(cfg, params_like) -> list[LeafPlan]:
+    """Sorted per-leaf decision: compress iff 2-D/stacked and (n+m)·r·min_compression_rate < n·m."""
+    out = []
+    for path, x in sorted(flat_leaves(params_like).items()):
+        shape = tuple(x.shape)
+        is_embed = ("embed" in path) or ("lm_head" in path)
+        if len(shape) >= 2 and not (is_embed and not cfg.compress_embeddings):
+            n, m = shape[-2], shape[-1]
+            L = 1
+            for d in shape[:-2]:
+                L *= d
+            if (n + m) * cfg.grad_rank * cfg.min_compression_rate < n * m:
+                out.append(LeafPlan(path, shape, True, L, n, m))
+                continue
+        out.append(LeafPlan(path, shape, False, 0, 0, 0))
+    return out
+
+
+def _fresh_q(cfg, idx: int, p: LeafPlan, step) -> jax.Array:
+    """Shared normal draw [..., m, r] for leaf idx at `step` (0: Q₀). Same key on every replica -> replicated."""
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(cfg.seed ^ _SALT), idx), step)
+    return jax.random.normal(key, p.shape[:-2] + (p.m, cfg.grad_rank), F32)
+
+
+def init_powersgd(cfg, params_like, n_replicas: int = 1) -> PowerSGDState:
+    """Q₀ from a shared key (same on every replica); zero error memory for `n_replicas` replicas."""
+    Q, e = {}, {}
+    for i, p in enumerate(plan_leaves(cfg, params_like)):
+        if p.compress:
+            Q[p.path] = _fresh_q(cfg, i, p, 0)
+            e[p.path] = jnp.zeros((p.shape[0] * n_replicas,) + p.shape[1:], F32)
+    return PowerSGDState(Q=Q, e=e, step=jnp.zeros((), jnp.int32))
+
+
+def state_specs(state: PowerSGDState, axis_name: str) -> PowerSGDState:
+    """shard_map specs: Q and step replicated, e split over the replica axis."""
+    return PowerSGDState(Q={k: PartitionSpec() for k in state.Q}, e={k: PartitionSpec(axis_name) for k in state.e},
+                         step=PartitionSpec())
+
+
+def _pack(xs):
+    return jnp.concatenate([x.astype(F32).reshape(-1) for x in xs]) if xs else jnp.zeros((0,), F32)
+
+
+def _unpack(vec, likes):
+    out, o = [], 0
+    for x in likes:
+        out.append(vec[o:o + x.size].reshape(x.shape))
+        o += x.size
+    return out
+
+
+def _orth_batched(P, eps, key):
+    """orth over the leading (layer) axes of P [..., n, r]."""
+    lead = P.shape[:-2]
+    flat = P.reshape((-1,) + P.shape[-2:])
+    Q = jax.vmap(lambda v: orth(v, eps, key))(flat)
+    return Q.reshape(lead + P.shape[-2:])
+
+
+def _project(g, e, Q, cfg, interpret):
+    """P = (g + e)·Q in fp32, through the Pallas kernel when cfg.use_kernel."""
+    if cfg.use_kernel:
+        from pallas_kernels.powersgd import ef_project
+        if g.ndim > 3:  # the kernel takes [n, m] or [L, n, m]
+            lead = g.shape[:-2]
+            g, e, Q = (a.reshape((-1,) + a.shape[-2:]) for a in (g, e, Q))
+            P = ef_project(g, e, Q, interpret=interpret)
+            return P.reshape(lead + P.shape[-2:])
+        return ef_project(g, e, Q, interpret=interpret)
+    return jnp.einsum("...nm,...mr->...nr", g.astype(F32) + e, Q)
+
+
+def powersgd_reduce(grads, state: PowerSGDState, cfg, axis_name: str, *, skip=False, interpret: bool = False):
+    """One tick of the dp reduction. Returns (mean_grad_estimate like grads, new_state, metrics).
+
+    skip (bool or traced bool): leave e and Q unchanged (SPEC §2: a skipped update keeps the error memories);
+    a non-finite estimate skips by itself. Plain pmean for the first `cfg.start_after` steps (e, Q untouched).
+    metrics: powersgd/error_norm (RMS over replicas of ‖e‖ entering the tick), powersgd/compressed,
+    powersgd/skipped, powersgd/bytes_compressed, powersgd/bytes_dense (per replica, logical, SPEC §3.6).
+    """
+    if cfg.use_kernel:
+        from pallas_kernels.lowrank import check_can_run
+        check_can_run(interpret, "powersgd (fast.use_kernel=true)")
+    leaves = flat_leaves(grads)
+    plan = plan_leaves(cfg, grads)
+    comp = [p for p in plan if p.compress]
+    unc = [p for p in plan if not p.compress]
+    e2 = sum((jnp.sum(state.e[p.path] ** 2) for p in comp), jnp.zeros((), F32))
+
+    def plain(_):
+        vec = jax.lax.pmean(_pack([leaves[p.path] for p in plan] + [e2]), axis_name)
+        outs = _unpack(vec, [leaves[p.path] for p in plan])
+        return {p.path: o for p, o in zip(plan, outs)}, state.Q, state.e, vec[-1]
+
+    def compressed(_):
+        M = {p.path: leaves[p.path].astype(F32) + state.e[p.path] for p in comp}
+        Ps = [_project(leaves[p.path], state.e[p.path], state.Q[p.path], cfg, interpret) for p in comp]
+        Ps = _unpack(jax.lax.psum(_pack(Ps), axis_name), Ps)
+        Ph = [_orth_batched(P, cfg.reortho_eps, jax.random.PRNGKey(cfg.seed ^ _SALT ^ i)) for i, P in enumerate(Ps)]
+        Qs = [jnp.einsum("...nm,...nr->...mr", M[p.path], ph) for p, ph in zip(comp, Ph)]
+        Qs = _unpack(jax.lax.pmean(_pack(Qs), axis_name), Qs)
+        uvec = jax.lax.pmean(_pack([leaves[p.path] for p in unc] + [e2]), axis_name)
+        out = {p.path: o for p, o in zip(unc, _unpack(uvec, [leaves[p.path] for p in unc]))}
+        new_e = {}
+        for p, ph, q in zip(comp, Ph, Qs):
+            G = jnp.einsum("...nr,...mr->...nm", ph, q)
+            out[p.path] = G
+            new_e[p.path] = M[p.path] - G if cfg.error_feedback else state.e[p.path]
+        if cfg.warm_start:
+            new_Q = {p.path: q for p, q in zip(comp, Qs)}
+        else:  # a fresh shared draw each tick: same key on every replica, so Q stays replicated
+            new_Q = {p.path: _fresh_q(cfg, plan.index(p), p, state.step + 1) for p in comp}
+        return out, new_Q, new_e, uvec[-1]
+
+    if cfg.start_after <= 0:
+        out, new_Q, new_e, e2m = compressed(None)
+        is_comp = jnp.ones((), bool)
+    else:
+        is_comp = state.step >= cfg.start_after
+        out, new_Q, new_e, e2m = jax.lax.cond(is_comp, compressed, plain, None)
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in out.values()]))
+    skipped = jnp.logical_or(jnp.asarray(skip), ~finite)
+    keep = lambda new, old: jnp.where(skipped, old, new)  # noqa: E731
+    new_state = PowerSGDState(Q=jax.tree.map(keep, new_Q, state.Q), e=jax.tree.map(keep, new_e, state.e),
+                              step=state.step + 1)
+    dtypes = {p.path: leaves[p.path].dtype for p in plan}
+    mean = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(grads),
+                                        [out[p].astype(dtypes[p]) for p in sorted(out, key=_order(grads))])
+    from twocircuit_jax.fast.bytes import grad_allreduce_bytes, powersgd_plain_bytes
+    b_comp = grad_allreduce_bytes(grads, cfg, powersgd=True)
+    metrics = {"powersgd/error_norm": jnp.sqrt(e2m), "powersgd/compressed": is_comp.astype(F32),
+               "powersgd/skipped": skipped.astype(F32),
+               "powersgd/bytes_compressed": jnp.where(is_comp, b_comp["comm/bytes_compressed"],
+                                                      powersgd_plain_bytes(grads)).astype(F32),
+               "powersgd/bytes_dense": jnp.asarray(b_comp["comm/bytes_dense"], F32)}
+    return mean, new_state, metrics
+
+
+def _order(tree):
+    """Key function putting paths back into the tree's own flatten order (for tree_unflatten)."""
+    pos = {p: i for i, p in enumerate(flat_leaves(tree))}
+    return lambda p: pos[p]
