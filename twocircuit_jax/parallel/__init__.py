@@ -1,1 +1,5 @@
-"""parallel"""
+"""Mesh construction and sharding rules."""
+from twocircuit_jax.parallel.mesh import (
+    AXES, BATCH_AXES, batch_sharding, batch_shardings, dp_size, make_mesh, mesh_shape, param_shardings, param_spec,
+    replicated,
+)
