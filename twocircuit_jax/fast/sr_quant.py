@@ -1,0 +1,138 @@
+"""The `sr_quant` codec (SPEC §3.4, an ablation): blockwise stochastic-rounding quantizer at each boundary.
+
+Per token and block of `quant_block` channels: s = max|h|; 2^bits evenly spaced levels on [-s, s] (1 bit: {-s, s});
+h is rounded to one of its two neighbouring levels with probability proportional to proximity, so E[q] = h.
+The uniforms come from the mask's PRF key extended with a direction link (0 forward, 1 backward): the backward
+wire message (the cotangent) is quantized independently with fresh bits, via `jax.custom_vjp`. The backward pass
+regenerates its uniforms from (step, sample_ids, positions), so no [B, T, H] residual is stored.
+`rounding: rn` rounds to the nearest level (deterministic, biased baseline). `subset_k > 0` keeps only an exact-k
+channel subset (chosen by the mask's u, never by value), quantizes it and rescales by H/k; other channels are 0.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from twocircuit_jax.fast import mask as mask_lib
+from twocircuit_jax.fast import prf
+
+ROUNDINGS = ("sr", "rn")
+FORWARD, BACKWARD = 0, 1
+
+
+class QuantState(NamedTuple):
+    """Stateless, like the mask: bits are regenerated from the key."""
+
+
+def init_quant_state() -> QuantState:
+    return QuantState()
+
+
+def quantize(h: jax.Array, unif: jax.Array | None, bits: int, block: int, rounding: str = "sr") -> jax.Array:
+    """Dequantized blockwise quantization of h [..., H] (float32 math, result in h.dtype).
+
+    unif [..., H] float32 in [0, 1) drives stochastic rounding (ignored for rn). A ragged last block is padded with
+    zeros, which never change max|h|."""
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"fast.rounding: got {rounding!r}; allowed {', '.join(ROUNDINGS)}")
+    width = h.shape[-1]
+    pad = -width % block
+    x = h.astype(jnp.float32)
+    if pad:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+    xb = x.reshape(x.shape[:-1] + (-1, block))
+    s = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
+    levels = 2**bits - 1  # number of gaps between the 2^bits levels
+    step = jnp.where(s > 0, 2.0 * s / levels, 1.0)
+    t = (xb + s) / step  # in [0, levels]
+    if rounding == "rn":
+        q = jnp.round(t)
+    else:
+        if pad:
+            unif = jnp.pad(unif, [(0, 0)] * (unif.ndim - 1) + [(0, pad)])
+        lower = jnp.floor(t)
+        q = lower + (unif.reshape(xb.shape) < (t - lower)).astype(jnp.float32)
+    q = jnp.clip(q, 0.0, float(levels))
+    out = jnp.where(s > 0, q * step - s, 0.0).reshape(x.shape)[..., :width]
+    return out.astype(h.dtype)
+
+
+def _uniforms(cfg, layer, step, sample_ids, positions, width, direction):
+    u = mask_lib.flipped_u(cfg, layer, step, sample_ids, positions, width, direction)
+    return prf.u_to_unit_float(u)
+
+
+def subset_keep(cfg, layer, step, sample_ids, positions, width):
+    """Exact-k (k = subset_k) channel subset from the mask's own u (no direction link)."""
+    if not 1 <= cfg.subset_k <= width:
+        raise ValueError(f"fast.subset_k: got {cfg.subset_k}; allowed 0 (off) or 1..H={width}")
+    u = mask_lib.flipped_u(cfg, layer, step, sample_ids, positions, width)
+    thr, thr_j = mask_lib.exact_k_threshold(u, cfg.subset_k)
+    j = jnp.arange(width, dtype=jnp.uint32)
+    return prf.keep_rule(u, prf.U64(thr.hi[..., None], thr.lo[..., None]), thr_j[..., None], j)
+
+
+def encode(cfg, layer: int, step, sample_ids, positions, h, direction: int = FORWARD):
+    """One direction of the codec without autodiff rules: h [B, T, H] -> dequantized message."""
+    width = h.shape[-1]
+    unif = None if cfg.rounding == "rn" else _uniforms(cfg, layer, step, sample_ids, positions, width, direction)
+    if cfg.subset_k <= 0:
+        return quantize(h, unif, cfg.quant_bits, cfg.quant_block, cfg.rounding)
+    keep = subset_keep(cfg, layer, step, sample_ids, positions, width)
+    zero = jnp.zeros((), h.dtype)
+    q = quantize(jnp.where(keep, h, zero), unif, cfg.quant_bits, cfg.quant_block, cfg.rounding)
+    gain = width / cfg.subset_k
+    return jnp.where(keep, (q.astype(jnp.float32) * gain).astype(h.dtype), zero)
+
+
+def _float0_like(tree):
+    return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jax.dtypes.float0), tree)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _codec(cfg, layer, h, ctx):
+    return encode(cfg, layer, *ctx, h, FORWARD)
+
+
+def _codec_fwd(cfg, layer, h, ctx):
+    return encode(cfg, layer, *ctx, h, FORWARD), ctx
+
+
+def _codec_bwd(cfg, layer, ctx, g):
+    # the backward wire message is quantized on its own, with the direction-1 bits
+    return encode(cfg, layer, *ctx, g, BACKWARD), _float0_like(ctx)
+
+
+_codec.defvjp(_codec_fwd, _codec_bwd)
+
+
+def sr_quant(cfg, layer: int, step, sample_ids, positions, h):
+    """Differentiable codec: forward quantizes h with direction 0, backward the cotangent with direction 1."""
+    ctx = (jnp.asarray(step, jnp.int32), jnp.asarray(sample_ids, jnp.int32), jnp.asarray(positions, jnp.int32))
+    return _codec(cfg, int(layer), h, ctx)
+
+
+def make_quant_hook(cfg, boundaries, step, sample_ids, positions, attention_mask=None):
+    """Build hook(layer, h [B, T, H]) -> (h_q, {"quant_rel_err": ||h_q - h|| / ||h|| over real tokens})."""
+    boundaries = tuple(int(x) for x in boundaries)
+    if cfg.rounding not in ROUNDINGS:
+        raise ValueError(f"fast.rounding: got {cfg.rounding!r}; allowed {', '.join(ROUNDINGS)}")
+    if cfg.prf_impl not in prf.IMPLS:
+        raise ValueError(f"fast.prf_impl: got {cfg.prf_impl!r}; allowed {', '.join(prf.IMPLS)}")
+
+    def hook(layer: int, h):
+        if layer not in boundaries:
+            raise ValueError(f"sr_quant: layer {layer} is not a boundary; boundaries are {boundaries}")
+        out = sr_quant(cfg, layer, step, sample_ids, positions, h)
+        w = jnp.ones(h.shape[:-1], jnp.float32) if attention_mask is None \
+            else jnp.asarray(attention_mask, jnp.float32)
+        h32 = jax.lax.stop_gradient(h).astype(jnp.float32)
+        err = jnp.sum(jnp.sum(jnp.square(jax.lax.stop_gradient(out).astype(jnp.float32) - h32), -1) * w)
+        ref = jnp.sum(jnp.sum(jnp.square(h32), -1) * w)
+        rel = jnp.sqrt(err / jnp.maximum(ref, 1e-30))
+        return out, {"quant_rel_err": rel}
+
+    return hook
