@@ -1,0 +1,130 @@
+"""Run metrics: `metrics.jsonl` (the public record, SPEC §9), TensorBoard scalars, and a tqdm progress bar.
+
+`metrics.jsonl` holds one JSON object per GRPO step, written and flushed as the step ends, so a crash loses at most
+the step in flight. Values are converted to plain JSON: jax/numpy scalars become int/float/bool, arrays become
+lists. Non-finite floats are written as the *strings* "nan", "inf", "-inf" (strict JSON has no NaN, and null would
+hide whether a value blew up or was infinite by definition, e.g. `codec/basis_cond`); `float(x)` reads them back.
+
+Resume: `MetricsLogger(run_dir, total, resume_from_step=k)` drops lines with step > k (and a torn last line) so the
+resumed run rewrites them without duplicates; TensorBoard gets `purge_step=k+1`, which makes it discard the old
+run's events from step k+1 on.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+
+_JSONL = "metrics.jsonl"
+
+
+def _plain(v):
+    """A value from a metrics dict as plain JSON (see module doc for non-finite floats)."""
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, (np.ndarray, np.generic)):
+        return _plain(v.tolist())
+    if isinstance(v, bool) or v is None or isinstance(v, (int, str)):
+        return v
+    if isinstance(v, float):
+        return v if math.isfinite(v) else ("nan" if math.isnan(v) else ("inf" if v > 0 else "-inf"))
+    raise TypeError(f"metric value of type {type(v).__name__} is not loggable: {v!r}")
+
+
+def _scalar(v):
+    """A float for TensorBoard, or None for non-numeric / non-scalar values."""
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, str) and v in ("nan", "inf", "-inf"):
+        return float(v)
+    return None
+
+
+def _truncate_jsonl(path: Path, last_step: int) -> list[dict]:
+    """Keep the records with step <= last_step; rewrite the file atomically. Returns the kept records."""
+    kept, lines = [], []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:        # a line torn by a crash
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= last_step:
+                kept.append(rec)
+                lines.append(line)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(x + "\n" for x in lines))
+    os.replace(tmp, path)
+    return kept
+
+
+class MetricsLogger:
+    """`log(step, metrics)` after each GRPO step; `close()` at the end (or use as a context manager)."""
+
+    def __init__(self, run_dir, total_steps: int, show_progress: bool = True, resume_from_step: int | None = None):
+        from tensorboardX import SummaryWriter
+        from tqdm.auto import tqdm
+
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / _JSONL
+        self._last = {"reward": None, "eval": None}
+        start = 0
+        if resume_from_step is not None:
+            for rec in _truncate_jsonl(self.path, int(resume_from_step)):
+                self._remember(rec)
+            start = int(resume_from_step)
+        self._file = open(self.path, "a", encoding="utf-8")
+        purge = None if resume_from_step is None else int(resume_from_step) + 1
+        self._tb = SummaryWriter(logdir=str(self.run_dir), purge_step=purge)
+        self._bar = tqdm(total=total_steps, initial=min(start, total_steps), disable=not show_progress,
+                         unit="step", dynamic_ncols=True)
+        self._bar.set_description("grpo")
+        self._refresh_postfix()
+
+    def log(self, step: int, metrics: dict):
+        """Append one record {"step": step, **metrics}. One device-to-host transfer for all jax values in `metrics`
+        (this is a host sync: call it after the step's results are needed anyway)."""
+        host = jax.device_get(dict(metrics))
+        rec = {"step": int(step)}
+        rec.update(_plain({k: v for k, v in host.items() if k != "step"}))
+        self._file.write(json.dumps(rec) + "\n")
+        self._file.flush()
+        for k, v in rec.items():
+            x = _scalar(v)
+            if k != "step" and x is not None:
+                self._tb.add_scalar(k, x, global_step=int(step))
+        self._remember(rec)
+        self._refresh_postfix()
+        if step > self._bar.n:
+            self._bar.update(min(step, self._bar.total or step) - self._bar.n)
+
+    def close(self):
+        self._bar.close()
+        self._tb.flush()
+        self._tb.close()
+        self._file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _remember(self, rec: dict):
+        if "reward/mean" in rec:
+            self._last["reward"] = rec["reward/mean"]
+        if "eval/accuracy" in rec:
+            self._last["eval"] = rec["eval/accuracy"]
+
+    def _refresh_postfix(self):
+        fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
+        self._bar.set_postfix(reward=fmt(self._last["reward"]), eval=fmt(self._last["eval"]), refresh=False)
