@@ -1,0 +1,109 @@
+"""The embedded dense sampler: batched generation with a KV cache, in one jitted function.
+
+Rows are prompt-major (prompt i's n samples are rows i*n .. i*n+n-1), prompts left-padded to a fixed bucket so a
+run compiles once per (rows, prompt bucket, max_new_tokens). The log-prob returned for each sampled token is taken
+under the distribution actually sampled from (temperature, top-k, top-p applied and renormalised); at temperature 1
+with no truncation that is the model's own distribution, so it matches a teacher-forced forward. Greedy decoding
+(temperature 0) reports the untempered log-prob of the argmax token.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from twocircuit_jax.config.sections import ModelConfig, SamplingConfig
+from twocircuit_jax.model.qwen2 import decode_step, init_cache
+from twocircuit_jax.sampler.base import Rollout
+
+
+def process_logits(logits, temperature, top_k, top_p):
+    """Log-probs [B, V] of the sampling distribution. temperature 0 -> untempered (argmax is taken outside)."""
+    t = jnp.where(temperature > 0, temperature, 1.0)
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32) / t, axis=-1)
+    V = lp.shape[-1]
+    sorted_lp = jnp.sort(lp, axis=-1)[:, ::-1]
+    # top-k: keep values >= the k-th largest (k = 0 disables)
+    kth = sorted_lp[:, jnp.clip(top_k - 1, 0, V - 1)][:, None]
+    keep = jnp.where(top_k > 0, lp >= kth, True)
+    # top-p: keep the smallest prefix of the sorted distribution whose mass reaches top_p
+    cum = jnp.cumsum(jnp.exp(sorted_lp), axis=-1)
+    n_keep = jnp.sum((cum - jnp.exp(sorted_lp)) < top_p, axis=-1, keepdims=True)
+    thresh = jnp.take_along_axis(sorted_lp, jnp.maximum(n_keep - 1, 0), axis=-1)
+    keep = keep & jnp.where(top_p < 1.0, lp >= thresh, True)
+    masked = jnp.where(keep, lp, -jnp.inf)
+    return jax.nn.log_softmax(masked, axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens"))
+def generate_tokens(cfg: ModelConfig, params, prompt, prompt_mask, key, temperature, top_k, top_p, *,
+                    max_new_tokens: int):
+    """prompt [B, P] left-padded. Returns tokens [B, N], logps [B, N], lengths [B], truncated [B]."""
+    B, P = prompt.shape
+    cache = init_cache(cfg, B, P + max_new_tokens)
+    logits, cache = decode_step(cfg, params, cache, prompt, prompt_mask)
+    eos = cfg.eos_token_id
+
+    def pick(logits, k):
+        lp = process_logits(logits, temperature, top_k, top_p)
+        sampled = jax.random.categorical(k, lp, axis=-1)
+        greedy = jnp.argmax(logits, axis=-1)
+        tok = jnp.where(temperature > 0, sampled, greedy)
+        return tok.astype(jnp.int32), jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
+
+    def body(carry, t):
+        cache, last_logits, done = carry
+        tok, lp = pick(last_logits, jax.random.fold_in(key, t))
+        tok = jnp.where(done, cfg.pad_token_id, tok)
+        lp = jnp.where(done, 0.0, lp)
+        new_done = done | (tok == eos)
+        logits, cache = decode_step(cfg, params, cache, tok[:, None], jnp.ones((B, 1), jnp.int32))
+        return (cache, logits[:, -1], new_done), (tok, lp, done)
+
+    init = (cache, logits[:, -1], jnp.zeros((B,), bool))
+    (_, _, done), (toks, lps, was_done) = jax.lax.scan(body, init, jnp.arange(max_new_tokens))
+    toks, lps, was_done = toks.T, lps.T, was_done.T  # [B, N]
+    lengths = jnp.sum(~was_done, axis=1)
+    return toks, lps, lengths, ~done
+
+
+class JaxSampler:
+    """Sampler on the trainer's own devices; `update_weights` just swaps the parameter reference."""
+
+    def __init__(self, cfg: ModelConfig, params=None, *, prompt_bucket: int = 32, version: int = 0):
+        self.cfg, self.params, self.version = cfg, params, version
+        self.prompt_bucket = prompt_bucket
+
+    def update_weights(self, params, version: int) -> None:
+        self.params, self.version = params, version
+
+    def _pad(self, prompts: list[list[int]]):
+        P = max(self.prompt_bucket, max(len(p) for p in prompts))
+        P = -(-P // self.prompt_bucket) * self.prompt_bucket  # round up to a bucket: few distinct shapes
+        tok = np.full((len(prompts), P), self.cfg.pad_token_id, np.int32)
+        mask = np.zeros((len(prompts), P), np.int32)
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            tok[i, P - len(p):] = p
+            mask[i, P - len(p):] = 1
+        return tok, mask
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int) -> Rollout:
+        if self.params is None:
+            raise RuntimeError("JaxSampler has no weights; call update_weights first")
+        rows = [p for p in prompts for _ in range(n)]
+        tok, mask = self._pad(rows)
+        out = generate_tokens(self.cfg, self.params, jnp.asarray(tok), jnp.asarray(mask), jax.random.key(seed),
+                              jnp.float32(sampling.temperature), jnp.int32(sampling.top_k),
+                              jnp.float32(sampling.top_p), max_new_tokens=sampling.max_new_tokens)
+        toks, lps, lengths, trunc = jax.device_get(out)  # host sync: the loop scores text on the host
+        tokens = [toks[i, : lengths[i]].tolist() for i in range(len(rows))]
+        logps = [lps[i, : lengths[i]].astype(np.float64).tolist() for i in range(len(rows))]
+        return Rollout(tokens, logps, [bool(t) for t in trunc], self.version)
+
+    def close(self) -> None:
+        self.params = None
