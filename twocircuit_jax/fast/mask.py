@@ -176,9 +176,9 @@ def make_mask_hook(cfg, boundaries, step, sample_ids, positions, attention_mask=
         if keep is None:
             ratio = jnp.float32(1.0 - keep_count(p, width) / width)
         else:
-            kept = jnp.mean(keep.astype(jnp.float32), axis=-1)  # [B, T]
-            w = jnp.ones_like(kept) if attention_mask is None else jnp.asarray(attention_mask, jnp.float32)
-            ratio = 1.0 - jnp.sum(kept * w) / jnp.maximum(jnp.sum(w), 1.0)
+            dropped = jnp.mean((~keep).astype(jnp.float32), axis=-1)  # [B, T]; counts drops: p=0 gives exactly 0
+            w = jnp.ones_like(dropped) if attention_mask is None else jnp.asarray(attention_mask, jnp.float32)
+            ratio = jnp.sum(dropped * w) / jnp.maximum(jnp.sum(w), 1.0)
         return out, {"mask_ratio": ratio}
 
     return hook
