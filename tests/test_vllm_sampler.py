@@ -1,0 +1,176 @@
+"""The vLLM sampler process end to end: ONE server for the whole module (engine start is ~20 s on CPU).
+
+Tests run in file order and share the server; each leaves it serving a known version.
+"""
+import dataclasses
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+psutil = pytest.importorskip("psutil")
+
+from twocircuit_jax.config.sections import ModelConfig, SamplerConfig, SamplingConfig  # noqa: E402
+from twocircuit_jax.model import init_params, save_hf  # noqa: E402
+from twocircuit_jax.sampler import export as ex  # noqa: E402
+from twocircuit_jax.sampler.vllm_client import SamplerError, VLLMSampler  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+CFG = ModelConfig(vocab_size=96, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
+                  intermediate_size=128, max_position_embeddings=256, tie_embeddings=False, eos_token_id=2)
+PROMPTS = [[5, 6, 7], [9], [10, 11, 12, 13, 14]]
+SAMPLING = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm")
+    # std 0.3: a peaked policy, so log-prob comparisons are not all near log(1/V).
+    params = jax.tree.map(np.asarray, init_params(CFG, jax.random.PRNGKey(0), std=0.3))
+    save_hf(CFG, params, str(root / "model"))
+    cfg = SamplerConfig(startup_timeout_s=240, request_timeout_s=120, max_retries=2)
+    s = VLLMSampler(cfg, str(root / "model"), str(root / "exports"), CFG, dtype="float32",
+                    kv_cache_bytes=64 << 20, max_model_len=256)
+    try:
+        yield s, params, root
+    finally:
+        s.close()
+
+
+def _check_rollout(r, rows, max_new, eos=2):
+    assert len(r.tokens) == len(r.logprobs) == len(r.truncated) == rows
+    for t, lp, tr in zip(r.tokens, r.logprobs, r.truncated):
+        assert 1 <= len(t) <= max_new and len(lp) == len(t)
+        assert all(x <= 0 and math.isfinite(x) for x in lp)
+        if tr:
+            assert len(t) == max_new and t[-1] != eos
+        else:
+            assert t[-1] == eos and eos not in t[:-1]
+
+
+def test_generate_shapes_and_determinism(setup):
+    s, _, _ = setup
+    r = s.generate(PROMPTS, 4, SAMPLING, seed=3)
+    _check_rollout(r, 12, 8)
+    assert r.weight_version == 0
+    again = s.generate(PROMPTS, 4, SAMPLING, seed=3)
+    assert again.tokens == r.tokens
+    assert s.generate(PROMPTS, 4, SAMPLING, seed=4).tokens != r.tokens
+    # Per-prompt seeds: different prompts do not share one noise stream.
+    assert r.tokens[0:4] != r.tokens[4:8]
+
+
+def _hf_logprobs(model_dir, prompt, resp):
+    if "torchaudio" not in sys.modules:  # a torchaudio built for another torch breaks `import transformers`
+        try:
+            import torchaudio  # noqa: F401
+        except Exception:  # noqa: BLE001
+            sys.modules["torchaudio"] = None
+    import torch
+    import transformers
+
+    model = transformers.Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + resp])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0]
+    return [float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(resp)]
+
+
+def test_logprobs_match_transformers(setup):
+    s, _, root = setup
+    r = s.generate(PROMPTS, 2, SAMPLING, seed=11)
+    gaps = []
+    for i, (toks, lps) in enumerate(zip(r.tokens, r.logprobs)):
+        ref = _hf_logprobs(str(root / "model"), PROMPTS[i // 2], toks)
+        gaps += [abs(a - b) for a, b in zip(lps, ref)]
+    gaps = np.asarray(gaps)
+    print(f"\nvLLM vs transformers fp32 sampled-token logprob gap: max {gaps.max():.3e} mean {gaps.mean():.3e} "
+          f"over {gaps.size} tokens")
+    assert gaps.max() < 1e-3, gaps.max()
+
+
+def test_update_weights_changes_outputs_and_version(setup):
+    s, params, _ = setup
+    before = s.generate(PROMPTS, 4, SAMPLING, seed=5)
+    flat = dict(params, lm_head=np.zeros_like(params["lm_head"]))  # uniform policy: every logprob is -log V
+    s.update_weights(flat, 1)
+    r = s.generate(PROMPTS, 16, SAMPLING, seed=5)
+    assert r.weight_version == 1 and s.metrics()["sampler/weight_version"] == 1
+    _check_rollout(r, 48, 8)
+    np.testing.assert_allclose(np.concatenate(r.logprobs), -math.log(CFG.vocab_size), atol=1e-5)
+    assert any(not t for t in r.truncated), "uniform policy over 96 tokens should emit EOS somewhere"
+    s.update_weights(params, 2)  # back to the original weights: the outputs come back exactly
+    after = s.generate(PROMPTS, 4, SAMPLING, seed=5)
+    assert after.weight_version == 2
+    assert after.tokens == before.tokens
+    np.testing.assert_allclose(np.concatenate(after.logprobs), np.concatenate(before.logprobs), atol=1e-6)
+
+
+def test_missing_or_corrupt_export_keeps_previous_version(setup):
+    s, params, root = setup
+    with pytest.raises(SamplerError, match="v00000009: export folder not found"):
+        s.load(9)
+    path = ex.export_weights(params, CFG, str(root / "exports"), 3)
+    with open(os.path.join(path, "meta.json"), "w") as fh:
+        fh.write("{garbled")
+    with pytest.raises(SamplerError, match="still serving 2.*meta.json: malformed"):
+        s.load(3)
+    wrong = dataclasses.replace(CFG, intermediate_size=64)  # a readable export of the wrong shape
+    ex.export_weights(init_params(wrong, jax.random.PRNGKey(1)), wrong, str(root / "exports"), 3)
+    with pytest.raises(SamplerError, match="does not fit the served model: shape mismatch"):
+        s.load(3)
+    assert s.generate(PROMPTS, 1, SAMPLING, seed=0).weight_version == 2
+
+
+def test_stale_server_is_refused_and_reloaded(setup):
+    s, params, root = setup
+    ex.export_weights(params, CFG, str(root / "exports"), 4)
+    s.latest = 4  # the trainer moved on; the server still serves 2 and max_staleness is 0
+    r = s.generate(PROMPTS, 1, SAMPLING, seed=0)
+    assert r.weight_version == 4
+
+
+def test_killed_server_is_restarted(setup):
+    s, _, _ = setup
+    old = s.proc.pid
+    os.kill(old, signal.SIGKILL)
+    r = s.generate(PROMPTS, 2, SAMPLING, seed=1)
+    _check_rollout(r, 6, 8)
+    assert s.restarts == 1 and s.proc.pid != old
+    assert r.weight_version == 4  # the restarted engine reloaded the latest export
+    assert not psutil.pid_exists(old) or psutil.Process(old).status() == psutil.STATUS_ZOMBIE
+
+
+def test_port_in_use_names_the_port(setup):
+    _, _, root = setup
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "twocircuit_jax.sampler.vllm_server", "--model-dir",
+                              str(root / "model"), "--export-root", str(root / "exports"), "--port", str(port)],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2
+        assert f"port {port} is already in use" in out.stderr
+        with pytest.raises(SamplerError, match=f"port {port} is already in use"):
+            VLLMSampler(SamplerConfig(port=port, startup_timeout_s=60), str(root / "model"),
+                        str(root / "exports2"), CFG)
+
+
+def test_close_leaves_no_orphan(setup):
+    s, _, _ = setup
+    leader = psutil.Process(s.proc.pid)
+    family = [leader.pid] + [c.pid for c in leader.children(recursive=True)]
+    s.close()
+    s.close()  # idempotent
+    for pid in family:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
+    assert not [c for c in psutil.Process().children(recursive=True) if c.pid in family]

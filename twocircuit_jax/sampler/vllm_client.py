@@ -1,0 +1,258 @@
+"""`VLLMSampler`: the trainer's side of the vLLM sampler process (the `Sampler` protocol of sampler/base.py).
+
+Owns the server process: starts it in its own process group (so a terminal Ctrl-C reaches only the trainer, which
+then stops the group), waits for `READY host:port`, restarts it when it dies and reloads the newest export, and stops
+it on close(), interpreter exit, SIGTERM, or (server side) when the trainer process disappears. Every request loop
+is bounded by `max_retries` and by timeouts from SamplerConfig.
+"""
+from __future__ import annotations
+
+import atexit
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+
+from twocircuit_jax.config.sections import SamplerConfig, SamplingConfig
+from twocircuit_jax.sampler.base import Rollout
+from twocircuit_jax.sampler.export import export_weights
+
+_LIVE: "weakref.WeakSet[VLLMSampler]" = weakref.WeakSet()
+_TRANSPORT_ERRORS = (OSError, http.client.HTTPException, ValueError)  # refused/reset/timeout, bad HTTP, bad JSON
+
+
+class SamplerError(RuntimeError):
+    """The sampler process failed in a way retries did not fix; the message says what and where its log is."""
+
+
+def _close_all() -> None:
+    for s in list(_LIVE):
+        s.close()
+
+
+def _on_sigterm(signum, frame):
+    _close_all()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+atexit.register(_close_all)
+
+
+class VLLMSampler:
+    def __init__(self, config: SamplerConfig, model_dir: str, export_root: str = "", model_config=None, *,
+                 dtype: str = "auto", kv_cache_bytes: int = 0, max_model_len=None, keep_versions: int = 3,
+                 command=None, env=None, log_path: str = ""):
+        """`model_dir`: HF folder the engine starts from (config.json + safetensors; its weights are version 0).
+        `export_root`: where update_weights() writes versions (default config.export_dir, else a temp folder).
+        `model_config`: ModelConfig of the exports (default: read from model_dir/config.json).
+        `command`: argv prefix that replaces `python -m twocircuit_jax.sampler.vllm_server` (tests)."""
+        self.config = config
+        self.model_dir = model_dir
+        self.export_root = export_root or config.export_dir or tempfile.mkdtemp(prefix="twocircuit-export-")
+        if model_config is None:
+            from twocircuit_jax.model.hf_io import config_from_hf
+
+            with open(os.path.join(model_dir, "config.json")) as fh:
+                model_config = config_from_hf(json.load(fh), model_dir)
+        self.model_config = model_config
+        self.keep_versions = keep_versions
+        self._cmd = list(command or [sys.executable, "-m", "twocircuit_jax.sampler.vllm_server"])
+        self._extra = ["--dtype", dtype, "--gpu-memory-utilization", str(config.gpu_memory_utilization),
+                       "--kv-cache-bytes", str(kv_cache_bytes)]
+        if max_model_len:
+            self._extra += ["--max-model-len", str(max_model_len)]
+        self._env = dict(os.environ if env is None else env)
+        self.log_path = log_path or os.path.join(self.export_root, "sampler.log")
+        self.latest = None  # newest version exported by update_weights (None: still the model_dir weights)
+        self.restarts = 0
+        self.proc = None
+        self.address = None
+        self._lock = threading.RLock()
+        _LIVE.add(self)
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) in (
+                signal.SIG_DFL, None):
+            signal.signal(signal.SIGTERM, _on_sigterm)
+        self._start()
+
+    # ---------------------------------------------------------------- process lifecycle
+    def _start(self) -> None:
+        os.makedirs(self.export_root, exist_ok=True)
+        argv = self._cmd + ["--model-dir", self.model_dir, "--export-root", self.export_root,
+                            "--host", self.config.host, "--port", str(self.config.port),
+                            "--parent-pid", str(os.getpid())] + self._extra
+        self._log_offset = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=self._env, start_new_session=True)
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise SamplerError(f"sampler process exited with code {self.proc.returncode} during startup; "
+                                   f"log {self.log_path}:\n{self._log_tail()}")
+            m = re.search(r"^READY (\S+):(\d+)$", self._log_text(), re.M)
+            if m:
+                self.address = (m.group(1), int(m.group(2)))
+                break
+            if time.monotonic() > deadline:
+                self._kill()
+                raise SamplerError(f"sampler not ready after {self.config.startup_timeout_s:.0f}s "
+                                   f"(sampler.startup_timeout_s); log {self.log_path}:\n{self._log_tail()}")
+            time.sleep(0.2)
+        status, body = self._request("GET", "/health", None, timeout=10.0)
+        if status != 200 or not body.get("ok"):
+            raise SamplerError(f"sampler at {self.address} unhealthy after start: {status} {body}")
+        if self.latest is not None:  # a restarted engine holds the model_dir weights: bring it back up to date
+            self.load(self.latest)
+
+    def _log_text(self) -> str:
+        with open(self.log_path, "rb") as fh:
+            fh.seek(self._log_offset)
+            return fh.read().decode("utf-8", "replace")
+
+    def _log_tail(self, lines: int = 25) -> str:
+        return "\n".join(self._log_text().splitlines()[-lines:])
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def restart(self) -> None:
+        with self._lock:
+            self._kill()
+            self.restarts += 1
+            self._start()
+
+    def _kill(self, grace_s: float = 5.0) -> None:
+        """SIGTERM the whole process group, SIGKILL what is left after `grace_s`, reap the leader."""
+        p, self.proc, self.address = self.proc, None, None
+        if p is None:
+            return
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                p.wait(timeout=wait)
+                os.killpg(p.pid, 0)  # leader reaped; is anything else left in the group?
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            p.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def close(self) -> None:
+        with self._lock:
+            self._kill()
+        _LIVE.discard(self)
+
+    # ---------------------------------------------------------------- requests
+    def _request(self, method: str, path: str, payload, timeout: float):
+        conn = http.client.HTTPConnection(*self.address, timeout=timeout)
+        try:
+            conn.request(method, path, body=None if payload is None else json.dumps(payload),
+                         headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            return resp.status, json.loads(resp.read())
+        finally:
+            conn.close()
+
+    def load(self, version: int) -> int:
+        """Make the server serve export `version`; SamplerError (server keeps its old version) if it cannot."""
+        status, body = self._request("POST", "/load", {"version": int(version)}, self.config.request_timeout_s)
+        if status != 200:
+            raise SamplerError(f"sampler could not load weight version {version} (still serving "
+                               f"{body.get('version')}): {body.get('error')}")
+        return int(body["version"])
+
+    def update_weights(self, params, version: int) -> None:
+        export_weights(params, self.model_config, self.export_root, version, keep=self.keep_versions)
+        prev, self.latest = self.latest, int(version)  # set first: a restart inside the retries loads it
+        try:
+            self._retrying("load", lambda: self.load(version))
+        except SamplerError:
+            self.latest = prev
+            raise
+
+    def generate(self, prompts, n: int, sampling: SamplingConfig, seed: int) -> Rollout:
+        rows = len(prompts) * n
+        min_version = -1 if self.latest is None else self.latest - self.config.max_staleness
+        payload = {"prompts": [list(map(int, p)) for p in prompts], "n": int(n), "temperature": sampling.temperature,
+                   "top_p": sampling.top_p, "top_k": sampling.top_k, "max_new_tokens": sampling.max_new_tokens,
+                   "seed": int(seed), "min_version": min_version}
+
+        def once():
+            status, body = self._request("POST", "/generate", payload, self.config.request_timeout_s)
+            if status == 409 and self.latest is not None:  # stale weights on the server: reload, then retry
+                self.load(self.latest)
+                raise _Retry(f"sampler served stale weights: {body.get('error')}")
+            if status == 400:
+                raise SamplerError(f"sampler rejected the request: {body.get('error')}")
+            if status != 200:
+                raise _Retry(f"HTTP {status}: {body.get('error')}")
+            return _parse_rollout(body, rows, sampling.max_new_tokens, min_version)
+
+        return self._retrying("generate", once)
+
+    def _retrying(self, what: str, fn):
+        """Run fn up to 1 + max_retries times. A dead server (noticed by poll() or a refused/reset connection,
+        i.e. within a request, not after a timeout) or an unhealthy one is restarted before the next try."""
+        last = None
+        for _ in range(1 + self.config.max_retries):
+            with self._lock:
+                try:
+                    if not self.alive():
+                        self.restart()
+                    return fn()
+                except (_Retry, *_TRANSPORT_ERRORS) as e:
+                    last = e
+                    if self.alive() and not self._healthy():
+                        self._kill()  # hung or half-loaded: the next attempt starts a fresh process
+        raise SamplerError(f"sampler {what} failed after {1 + self.config.max_retries} attempts "
+                           f"(sampler.max_retries={self.config.max_retries}); last error: "
+                           f"{type(last).__name__}: {last}; log {self.log_path}")
+
+    def _healthy(self) -> bool:
+        try:
+            status, body = self._request("GET", "/health", None, timeout=5.0)
+            return status == 200 and bool(body.get("ok"))
+        except _TRANSPORT_ERRORS:
+            return False
+
+    def metrics(self) -> dict:
+        return {"sampler/weight_version": -1 if self.latest is None else self.latest, "sampler/restarts": self.restarts}
+
+
+class _Retry(Exception):
+    """A bad answer worth another attempt."""
+
+
+def _parse_rollout(body, rows: int, max_new: int, min_version: int) -> Rollout:
+    """Validate an answer fully before the trainer sees it; any defect is a _Retry (malformed or short answer)."""
+    try:
+        version, items = int(body["version"]), body["rows"]
+        if len(items) != rows:
+            raise _Retry(f"short answer: {len(items)} rows, expected {rows}")
+        toks, lps, trunc = [], [], []
+        for r in items:
+            t, lp, fr = [int(x) for x in r["tokens"]], [float(x) for x in r["logprobs"]], r["finish_reason"]
+            if not (1 <= len(t) <= max_new) or len(lp) != len(t) or fr not in ("stop", "length"):
+                raise _Retry(f"malformed row: {len(t)} tokens, {len(lp)} logprobs, finish_reason {fr!r}")
+            if any(x > 1e-4 for x in lp):
+                raise _Retry("malformed row: positive log-probability")
+            toks.append(t), lps.append(lp), trunc.append(fr == "length")
+    except (KeyError, TypeError, ValueError) as e:
+        raise _Retry(f"malformed answer: {type(e).__name__}: {e}") from None
+    if version < min_version:
+        raise _Retry(f"answer from weight version {version} < allowed {min_version} (sampler.max_staleness)")
+    return Rollout(tokens=toks, logprobs=lps, truncated=trunc, weight_version=version)

@@ -1,0 +1,279 @@
+"""The dense vLLM sampler process (`twocircuit serve-sampler`, or `python -m twocircuit_jax.sampler.vllm_server`).
+
+Protocol (JSON over HTTP on loopback by default; one engine, requests serialised by a lock):
+
+    GET  /health   -> {"ok": bool, "version": int}
+    POST /generate {"prompts": [[ids]], "n", "temperature", "top_p", "top_k", "max_new_tokens", "seed",
+                    "min_version"} -> {"rows": [{"tokens", "logprobs", "finish_reason": "stop"|"length"}],
+                    "version"}; rows are prompt-major (prompt i -> rows i*n .. i*n+n-1). 409 if version < min_version.
+    POST /load     {"version": v} -> {"version": v}. Restores export_root/v{v:08d} to host memory, maps the names onto
+                    vLLM's Hugging Face names and reloads the weights in place (no engine restart), then clears the
+                    prefix cache. A missing/corrupt/mismatched export answers 422 and the old version keeps serving.
+
+Log-probs are vLLM's `raw_logprobs`: log-softmax of the unmodified logits, i.e. the policy at temperature 1 with no
+top-p/top-k truncation (SPEC §1), whatever sampling parameters the request uses. The engine runs in this process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0): no engine-core child to orphan, and reload tensors pass by reference.
+Prints `READY host:port` once the engine is up and the socket is serving.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+
+from twocircuit_jax.sampler.export import ExportError, load_export, version_dir
+
+
+class RequestError(ValueError):
+    """Bad request body: answered 400, never retried by the client."""
+
+
+def _prepare_process_env() -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # hf_io imports jax; this process must not take an accelerator
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Optional audio/video packages built for another torch make `import vllm` die with OSError (seen with
+    # torchaudio 2.11 / torchcodec 0.17 next to torch 2.13). The sampler needs neither: mark them absent.
+    blocked = []
+    for pkg in ("torchaudio", "torchcodec"):
+        try:
+            __import__(pkg)
+        except Exception:  # noqa: BLE001 - OSError from a missing .so is the usual case
+            sys.modules[pkg] = None
+            blocked.append(pkg)
+    if blocked:
+        print(f"vllm_server: {', '.join(blocked)} cannot be imported here; treated as not installed", flush=True)
+        import vllm.model_executor.models.registry as registry
+
+        # vLLM inspects model classes in a fresh interpreter (to keep CUDA out of the parent); that interpreter
+        # would not see the block above. The engine is in-process anyway, so inspect here.
+        registry._run_in_subprocess = lambda fn: fn()
+
+
+def _safetensors_shapes(model_dir: str) -> dict:
+    """{name: shape} of the model directory's safetensors headers (no tensor data read)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for f in sorted(os.listdir(model_dir)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(model_dir, f), framework="numpy") as fh:
+                for k in fh.keys():
+                    shapes[k] = tuple(fh.get_slice(k).get_shape())
+    return shapes
+
+
+def _to_torch(a):
+    import numpy as np
+    import torch
+
+    a = np.ascontiguousarray(a)
+    if a.dtype.name == "bfloat16":  # ml_dtypes bfloat16 has no torch.from_numpy path; reinterpret the bits
+        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+class Engine:
+    def __init__(self, args):
+        from vllm import LLM
+
+        with open(os.path.join(args.model_dir, "config.json")) as fh:
+            hf = json.load(fh)
+        eos = hf.get("eos_token_id")
+        self.eos = [] if eos is None else (list(eos) if isinstance(eos, list) else [int(eos)])
+        self.vocab = int(hf["vocab_size"])
+        self.tied = bool(hf.get("tie_word_embeddings", False))
+        self.expected = _safetensors_shapes(args.model_dir)
+        self.export_root = args.export_root
+        kw = dict(kv_cache_memory_bytes=args.kv_cache_bytes) if args.kv_cache_bytes else {}
+        # skip_tokenizer_init: the protocol is token ids both ways, so the engine needs no tokenizer; EOS therefore
+        # comes from config.json and is passed as a stop token id.
+        self.llm = LLM(model=args.model_dir, skip_tokenizer_init=True, dtype=args.dtype, seed=args.seed,
+                       max_model_len=args.max_model_len, logprobs_mode="raw_logprobs", enforce_eager=True,
+                       gpu_memory_utilization=args.gpu_memory_utilization, **kw)
+        self.version = args.initial_version
+        self.healthy = True
+        self.lock = threading.Lock()
+
+    def generate(self, req: dict) -> tuple[int, dict]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        try:
+            prompts = [[int(t) for t in p] for p in req["prompts"]]
+            n, max_new = int(req.get("n", 1)), int(req["max_new_tokens"])
+            temperature, top_p = float(req.get("temperature", 1.0)), float(req.get("top_p", 1.0))
+            top_k, seed = int(req.get("top_k", 0)), req.get("seed")
+            min_version = int(req.get("min_version", -1))
+        except (KeyError, TypeError, ValueError) as e:
+            raise RequestError(f"bad /generate body: {type(e).__name__}: {e}") from None
+        if not prompts or any(not p or min(p) < 0 or max(p) >= self.vocab for p in prompts):
+            raise RequestError(f"prompts must be non-empty lists of token ids in [0, {self.vocab})")
+        if n < 1 or max_new < 1:
+            raise RequestError(f"n and max_new_tokens must be >= 1 (got {n}, {max_new})")
+        # One seed per prompt: a shared seed would give every prompt the same noise stream (correlated samples).
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_new,
+                                 logprobs=0, stop_token_ids=self.eos,
+                                 seed=None if seed is None else (int(seed) * 1_000_003 + i) % (2**31 - 1))
+                  for i in range(len(prompts))]
+        with self.lock:
+            if self.version < min_version:
+                return 409, {"error": f"serving version {self.version} < min_version {min_version}",
+                             "version": self.version}
+            version = self.version
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        rows = []
+        for o in outs:
+            for c in sorted(o.outputs, key=lambda c: c.index):
+                toks = [int(t) for t in c.token_ids]
+                lps = [float(d[t].logprob) for d, t in zip(c.logprobs or [], toks)]
+                rows.append({"tokens": toks, "logprobs": lps,
+                             "finish_reason": "length" if c.finish_reason == "length" else str(c.finish_reason)})
+        return 200, {"rows": rows, "version": version}
+
+    def load(self, req: dict) -> tuple[int, dict]:
+        from twocircuit_jax.config.base import from_dict
+        from twocircuit_jax.config.sections import ModelConfig
+        from twocircuit_jax.model.hf_io import to_hf_state_dict
+
+        try:
+            version = int(req["version"])
+        except (KeyError, TypeError, ValueError):
+            raise RequestError("bad /load body: needs an integer 'version'") from None
+        path = version_dir(self.export_root, version)
+        t0 = time.perf_counter()
+        try:
+            cfg_dict, params = load_export(path)
+            tensors = to_hf_state_dict(from_dict(ModelConfig, cfg_dict), params)
+        except ExportError as e:
+            return 422, {"error": str(e), "version": self.version}
+        except Exception as e:  # noqa: BLE001 - config/param tree that does not fit the mapping
+            return 422, {"error": f"{path}: cannot map export onto Hugging Face names ({type(e).__name__}: {e})",
+                         "version": self.version}
+        problem = self._mismatch(tensors)
+        if problem:
+            return 422, {"error": f"{path}: export does not fit the served model: {problem}", "version": self.version}
+        t1 = time.perf_counter()
+        with self.lock:
+            try:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [
+                    (k, _to_torch(v)) for k, v in tensors.items()]})
+                self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+            except BaseException:
+                self.healthy = False  # weights may be half-swapped: report unhealthy so the client restarts us
+                raise
+            self.version = version
+        return 200, {"version": version, "restore_s": t1 - t0, "reload_s": time.perf_counter() - t1}
+
+    def _mismatch(self, tensors: dict) -> str:
+        exp = dict(self.expected)
+        got = {k: tuple(v.shape) for k, v in tensors.items()}
+        if self.tied:  # vLLM ties lm_head to the embedding; a stored copy is ignored either way
+            exp.pop("lm_head.weight", None)
+            got.pop("lm_head.weight", None)
+        missing, extra = sorted(set(exp) - set(got)), sorted(set(got) - set(exp))
+        if missing or extra:
+            return f"missing {missing[:4]}, unexpected {extra[:4]}"
+        bad = [f"{k}: {got[k]} vs {exp[k]}" for k in sorted(exp) if got[k] != exp[k]]
+        return f"shape mismatch {bad[:4]}" if bad else ""
+
+
+def _handler(engine: Engine):
+    from http.server import BaseHTTPRequestHandler
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _send(self, status: int, body: dict):
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):  # noqa: N802
+            if self.path == "/health":
+                self._send(200 if engine.healthy else 503, {"ok": engine.healthy, "version": engine.version})
+            else:
+                self._send(404, {"error": f"unknown path {self.path}"})
+
+        def do_POST(self):  # noqa: N802
+            route = {"/generate": engine.generate, "/load": engine.load}.get(self.path)
+            try:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                if route is None:
+                    return self._send(404, {"error": f"unknown path {self.path}"})
+                status, out = route(body)
+            except (RequestError, json.JSONDecodeError) as e:
+                status, out = 400, {"error": str(e)}
+            except Exception as e:  # noqa: BLE001 - report, keep serving
+                status, out = 500, {"error": f"{type(e).__name__}: {e}"}
+            self._send(status, out)
+
+        def log_message(self, fmt, *a):  # one line per request is noise at thousands of requests
+            pass
+
+    return Handler
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit when the trainer that started us is gone (covers a SIGKILLed trainer: no orphan sampler)."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(3)
+        time.sleep(1.0)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="vllm_server", description=__doc__.splitlines()[0])
+    p.add_argument("--model-dir", required=True, help="Hugging Face model folder (config.json + safetensors)")
+    p.add_argument("--export-root", required=True, help="folder of versioned exports (v00000001, ...)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 = any free port (printed in the READY line)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.2)
+    p.add_argument("--kv-cache-bytes", type=int, default=0, help="explicit KV cache size; 0 = from utilization")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--initial-version", type=int, default=0, help="version tag of the model-dir weights")
+    p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is no longer our parent")
+    return p.parse_args(argv)
+
+
+def serve(args) -> int:
+    """Bind first (a busy port fails in milliseconds, not after engine start), then start the engine and serve."""
+    import signal
+    from http.server import ThreadingHTTPServer
+
+    try:
+        httpd = ThreadingHTTPServer((args.host, args.port), None)
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port}: port {args.port} is already in use or not "
+              f"available ({e.strerror})", file=sys.stderr, flush=True)
+        return 2
+    if args.parent_pid:
+        threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    _prepare_process_env()
+    engine = Engine(args)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # again: engine start may install its own handler
+    httpd.RequestHandlerClass = _handler(engine)
+    host, port = httpd.server_address[:2]
+    print(f"READY {host}:{port}", flush=True)
+    try:
+        httpd.serve_forever(poll_interval=0.2)
+    finally:
+        httpd.server_close()
+    return 0
+
+
+def main(argv=None) -> int:
+    return serve(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
