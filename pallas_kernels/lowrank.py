@@ -32,6 +32,41 @@ def check_can_run(interpret: bool, what: str) -> None:
             "fast.use_kernel=false to use the jnp reference; there is no silent fallback.")
 
 
+def match_vma(*xs):
+    """Cast inputs to vary over the union of their manual axes: inside a pallas body a replicated Q times a
+    per-replica block must type-check under shard_map's check_vma (no data moves; a no-op outside shard_map)."""
+    axes = frozenset().union(*(jax.typeof(x).mat.varying for x in xs))
+    out = []
+    for x in xs:
+        missing = tuple(sorted(axes - jax.typeof(x).mat.varying))
+        out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
+    return out, axes
+
+
+def call_kernel(kernel, *, grid, in_specs, out_specs, out_shapes, args, interpret, name):
+    """pallas_call that also type-checks inside `jax.shard_map(check_vma=True)` (jax 0.10, version pinned).
+
+    Outputs are declared varying over the union of the inputs' manual axes. Interpret mode on jax 0.10 seeds its
+    output loop carry with an invariant buffer, which check_vma rejects; there (only) each output gets a varying
+    zero buffer aliased in through input_output_aliases. Cost: one output-sized zero fill, interpret mode only.
+    """
+    args, axes = match_vma(*args)
+    mat = jax.typeof(args[0]).mat
+    structs = [jax.ShapeDtypeStruct(s, d, manual_axis_type=mat) for s, d in out_shapes]
+    if not (interpret and axes):
+        return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=structs,
+                              interpret=interpret, name=name)(*args)
+    k_in = len(args)
+    seeds = [jax.lax.pcast(jnp.zeros(s, d), tuple(sorted(axes)), to="varying") for s, d in out_shapes]
+
+    def body(*refs):  # drop the aliased seed refs: the kernel writes its outputs, never reads them
+        kernel(*refs[:k_in], *refs[k_in + len(seeds):])
+
+    return pl.pallas_call(body, grid=grid, in_specs=list(in_specs) + list(out_specs), out_specs=out_specs,
+                          out_shape=structs, interpret=interpret, name=name,
+                          input_output_aliases={k_in + i: i for i in range(len(seeds))})(*args, *seeds)
+
+
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
@@ -63,15 +98,12 @@ def lowrank_fused(M: jax.Array, Q: jax.Array, *, interpret: bool = False,
     bn = min(block_rows, _round_up(max(N, 1), 16))  # 16: bf16 sublane packing
     Np = _round_up(max(N, 1), bn)
     Mp = jnp.pad(M, ((0, Np - N), (0, 0))) if Np != N else M
-    Y, Mh = pl.pallas_call(
-        _kernel,
-        grid=(Np // bn,),
+    Y, Mh = call_kernel(
+        _kernel, grid=(Np // bn,),
         in_specs=[pl.BlockSpec((bn, H), lambda i: (i, 0)), pl.BlockSpec((H, r), lambda i: (0, 0))],
         out_specs=[pl.BlockSpec((bn, r), lambda i: (i, 0)), pl.BlockSpec((bn, H), lambda i: (i, 0))],
-        out_shape=[jax.ShapeDtypeStruct((Np, r), M.dtype), jax.ShapeDtypeStruct((Np, H), M.dtype)],
-        interpret=interpret,
-        name="lowrank_project_reconstruct",
-    )(Mp, Q)
+        out_shapes=[((Np, r), M.dtype), ((Np, H), M.dtype)], args=(Mp, Q), interpret=interpret,
+        name="lowrank_project_reconstruct")
     return Y[:N], Mh[:N]
 
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.lowrank import check_can_run
+from pallas_kernels.lowrank import call_kernel, check_can_run
 
 
 def ef_project_reference(G: jax.Array, E: jax.Array, Q: jax.Array) -> jax.Array:
@@ -40,16 +40,12 @@ def _ef_project_2d(G, E, Q, interpret, block_rows):
     if n_pad != n:
         G = jnp.pad(G, ((0, n_pad - n), (0, 0)))
         E = jnp.pad(E, ((0, n_pad - n), (0, 0)))
-    P = pl.pallas_call(
-        _kernel,
-        grid=(n_pad // bn,),
+    (P,) = call_kernel(
+        _kernel, grid=(n_pad // bn,),
         in_specs=[pl.BlockSpec((bn, m), lambda i: (i, 0)), pl.BlockSpec((bn, m), lambda i: (i, 0)),
                   pl.BlockSpec((m, r), lambda i: (0, 0))],
-        out_specs=pl.BlockSpec((bn, r), lambda i: (i, 0)),
-        out_shape=jax.ShapeDtypeStruct((n_pad, r), jnp.float32),
-        interpret=interpret,
-        name="powersgd_ef_project",
-    )(G, E, Q)
+        out_specs=[pl.BlockSpec((bn, r), lambda i: (i, 0))], out_shapes=[((n_pad, r), jnp.float32)],
+        args=(G, E, Q), interpret=interpret, name="powersgd_ef_project")
     return P[:n]
 
 

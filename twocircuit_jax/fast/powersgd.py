@@ -195,3 +195,44 @@ def _order(tree):
     """Key function putting paths back into the tree's own flatten order (for tree_unflatten)."""
     pos = {p: i for i, p in enumerate(flat_leaves(tree))}
     return lambda p: pos[p]
+
+
+def powersgd_reference(replica_grads: list, state: PowerSGDState, cfg, *, skip: bool = False):
+    """Single-device reference of `powersgd_reduce` for tests: the replicas are a Python list, collectives are
+    sums over it (same math, different summation order, so it matches to fp32 round-off, not bit for bit).
+    `state` uses the global layout (e of replica i in rows [i·n0, (i+1)·n0)). Returns (mean, new_state, metrics)."""
+    R = len(replica_grads)
+    flats = [flat_leaves(g) for g in replica_grads]
+    plan = plan_leaves(cfg, replica_grads[0])
+    comp = [p for p in plan if p.compress]
+
+    def e_of(p, i):
+        n0 = p.shape[0]
+        return state.e[p.path][i * n0:(i + 1) * n0]
+
+    e2 = sum(float(jnp.sum(state.e[p.path] ** 2)) for p in comp) / R
+    mean_plain = {p.path: sum(f[p.path].astype(F32) for f in flats) / R for p in plan}
+    if int(state.step) < cfg.start_after:
+        out, new_Q, new_e = mean_plain, state.Q, state.e
+        compressed = False
+    else:
+        compressed = True
+        out, new_Q, new_e = dict(mean_plain), {}, {}
+        for i_leaf, p in enumerate(comp):
+            Ms = [f[p.path].astype(F32) + e_of(p, i) for i, f in enumerate(flats)]
+            P = sum(jnp.einsum("...nm,...mr->...nr", M, state.Q[p.path]) for M in Ms)
+            Ph = _orth_batched(P, cfg.reortho_eps, jax.random.PRNGKey(cfg.seed ^ _SALT ^ i_leaf))
+            Qn = sum(jnp.einsum("...nm,...nr->...mr", M, Ph) for M in Ms) / R
+            G = jnp.einsum("...nr,...mr->...nm", Ph, Qn)
+            out[p.path] = G
+            new_e[p.path] = jnp.concatenate([M - G for M in Ms], 0) if cfg.error_feedback else state.e[p.path]
+            new_Q[p.path] = Qn if cfg.warm_start else _fresh_q(cfg, plan.index(p), p, state.step + 1)
+    skipped = bool(skip) or not all(bool(jnp.all(jnp.isfinite(v))) for v in out.values())
+    if skipped:
+        new_Q, new_e = state.Q, state.e
+    leaves = flats[0]
+    mean = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(replica_grads[0]),
+                                        [out[p].astype(leaves[p].dtype) for p in leaves])
+    metrics = {"powersgd/error_norm": e2 ** 0.5, "powersgd/compressed": float(compressed),
+               "powersgd/skipped": float(skipped)}
+    return mean, PowerSGDState(Q=dict(new_Q), e=dict(new_e), step=state.step + 1), metrics

@@ -1,0 +1,162 @@
+"""Gradient PowerSGD with error feedback (SPEC §3.5, §8 invariant 7) on the 8-device fake CPU mesh."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from twocircuit_jax.config.sections import FastConfig
+from twocircuit_jax.fast.powersgd import (flat_leaves, init_powersgd, plan_leaves, powersgd_reduce,
+                                          powersgd_reference, state_specs)
+
+R = 8
+AX = "data"
+# A leaf of every kind: stacked decoder matrix, plain matrix, vector, embedding (uncompressed by default).
+PARAMS = {"embed": jnp.zeros((12, 8)), "layers": {"w": jnp.zeros((2, 24, 16)), "b": jnp.zeros((2, 16))},
+          "head": jnp.zeros((20, 18))}
+
+
+def _mesh():
+    return Mesh(np.array(jax.devices()[:R]), (AX,))
+
+
+def _grads(seed, params=PARAMS, scale=1.0):
+    """Per-replica gradients stacked on a leading replica axis [R, ...]."""
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    return jax.tree.unflatten(tree, [scale * jax.random.normal(k, (R,) + x.shape) for k, x in zip(keys, leaves)])
+
+
+def _replica(g, i):
+    return jax.tree.map(lambda x: x[i], g)
+
+
+_CACHE = {}
+
+
+def _sharded(cfg, state, skip=False, interpret=False):
+    key = (cfg, skip, interpret)
+    if key not in _CACHE:
+        specs = state_specs(state, AX)
+
+        def body(g, st):
+            return powersgd_reduce(_replica(g, 0), st, cfg, AX, skip=skip, interpret=interpret)
+
+        _CACHE[key] = jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=(P(AX), specs),
+                                            out_specs=(P(), specs, P())))
+    return _CACHE[key]
+
+
+def _close(a, b, tol):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
+
+
+def test_plan_rule_and_embeddings():
+    cfg = FastConfig(grad_rank=2)
+    plan = {p.path: p for p in plan_leaves(cfg, PARAMS)}
+    assert [p for p in plan] == sorted(plan)
+    assert plan["layers/w"].compress and plan["layers/w"].layers == 2
+    assert plan["head"].compress  # (20+18)·2·2 = 152 < 360
+    assert not plan["layers/b"].compress and not plan["embed"].compress
+    assert plan_leaves(dataclasses.replace(cfg, compress_embeddings=True), {"embed": jnp.zeros((40, 40))})[0].compress
+    # The rule is strict: (8+8)·2·2 = 64 = 8·8 does not qualify.
+    assert not plan_leaves(cfg, {"w": jnp.zeros((8, 8))})[0].compress
+
+
+def test_full_rank_recovers_dp_mean_and_error_identity():
+    # r = min(n, m) makes P̂ span the whole column space, so Ĝ must equal the dp mean exactly (fp32 round-off).
+    params = {"a": jnp.zeros((10, 5)), "s": jnp.zeros((2, 7, 5)), "t": jnp.zeros((5, 9))}
+    cfg = FastConfig(grad_rank=5, min_compression_rate=0.1, start_after=0)
+    state = init_powersgd(cfg, params, R)
+    assert all(p.compress for p in plan_leaves(cfg, params))
+    g = _grads(1, params)
+    mean, new, metrics = jax.jit(jax.shard_map(
+        lambda g, st: powersgd_reduce(_replica(g, 0), st, cfg, AX), mesh=_mesh(),
+        in_specs=(P(AX), state_specs(state, AX)), out_specs=(P(), state_specs(state, AX), P())))(g, state)
+    want = jax.tree.map(lambda x: jnp.mean(x, 0), g)
+    _close(mean, want, 2e-5)
+    assert float(metrics["powersgd/compressed"]) == 1.0
+    # Ĝ + new e == M = g + e_old for every replica (e_old = 0).
+    for path, e in flat_leaves(new.e).items():
+        gl = flat_leaves(g)[path]
+        e = np.asarray(e).reshape((R,) + gl.shape[1:])
+        np.testing.assert_allclose(e + np.asarray(flat_leaves(mean)[path])[None], np.asarray(gl), atol=1e-5)
+
+
+def test_shard_map_matches_reference_over_two_ticks():
+    cfg = FastConfig(grad_rank=2, start_after=0)
+    state = init_powersgd(cfg, PARAMS, R)
+    ref_state = state
+    f = _sharded(cfg, state)
+    for step in range(2):  # the second tick uses the warm-started Q and a non-zero error memory
+        g = _grads(10 + step)
+        mean, state, m = f(g, state)
+        rmean, ref_state, rm = powersgd_reference([_replica(g, i) for i in range(R)], ref_state, cfg)
+        _close(mean, rmean, 1e-4)
+        _close(state.Q, ref_state.Q, 1e-4)
+        _close(state.e, ref_state.e, 1e-4)
+        np.testing.assert_allclose(float(m["powersgd/error_norm"]), rm["powersgd/error_norm"], rtol=1e-4)
+    assert int(state.step) == 2
+    assert float(jnp.abs(state.e["head"]).max()) > 0  # rank 2 of a random matrix: error memory is busy
+    # Ĝ + new e == M per replica on the reference too: the algebra, not just agreement.
+    g = _grads(20)
+    reps = [_replica(g, i) for i in range(R)]
+    rmean, new, _ = powersgd_reference(reps, ref_state, cfg)
+    for i, rg in enumerate(reps):
+        n0 = 20
+        M = rg["head"] + ref_state.e["head"][i * n0:(i + 1) * n0]
+        np.testing.assert_allclose(np.asarray(rmean["head"] + new.e["head"][i * n0:(i + 1) * n0]), np.asarray(M),
+                                   atol=1e-5)
+
+
+def test_skip_leaves_error_memory_and_q_untouched():
+    cfg = FastConfig(grad_rank=2, start_after=0)
+    state = init_powersgd(cfg, PARAMS, R)
+    state = _sharded(cfg, state)(_grads(3), state)[1]  # non-zero e
+    _, kept, m = _sharded(cfg, state, skip=True)(_grads(4), state)
+    assert float(m["powersgd/skipped"]) == 1.0
+    _close(kept.e, state.e, 0)
+    _close(kept.Q, state.Q, 0)
+    assert int(kept.step) == int(state.step) + 1
+    # A non-finite gradient on one replica skips by itself.
+    g = _grads(5)
+    g["head"] = g["head"].at[3, 0, 0].set(jnp.nan)
+    _, kept, m = _sharded(cfg, state)(g, state)
+    assert float(m["powersgd/skipped"]) == 1.0
+    _close(kept.e, state.e, 0)
+
+
+def test_start_after_is_plain_mean_and_error_feedback_off():
+    cfg = FastConfig(grad_rank=2, start_after=1)
+    state = init_powersgd(cfg, PARAMS, R)
+    f = _sharded(cfg, state)
+    g = _grads(6)
+    mean, s1, m = f(g, state)
+    _close(mean, jax.tree.map(lambda x: jnp.mean(x, 0), g), 1e-6)
+    assert float(m["powersgd/compressed"]) == 0.0
+    _close(s1.e, state.e, 0)
+    _close(s1.Q, state.Q, 0)
+    mean2, s2, m2 = f(g, s1)  # step 1 >= start_after: compressed now
+    assert float(m2["powersgd/compressed"]) == 1.0
+    assert float(jnp.abs(mean2["head"] - jnp.mean(g["head"], 0)).max()) > 1e-3
+    cfg_nf = dataclasses.replace(cfg, start_after=0, error_feedback=False)
+    _, s3, _ = powersgd_reference([_replica(g, i) for i in range(R)], init_powersgd(cfg_nf, PARAMS, R), cfg_nf)
+    assert all(float(jnp.abs(e).max()) == 0 for e in s3.e.values())
+
+
+def test_kernel_path_matches_and_refuses_without_interpret():
+    cfg = FastConfig(grad_rank=2, start_after=0)
+    state = init_powersgd(cfg, PARAMS, R)
+    g = _grads(7)
+    reps = [_replica(g, i) for i in range(R)]
+    kcfg = dataclasses.replace(cfg, use_kernel=True)
+    mean_k, _, _ = jax.jit(jax.shard_map(
+        lambda g, st: powersgd_reduce(_replica(g, 0), st, kcfg, AX, interpret=True), mesh=_mesh(),
+        in_specs=(P(AX), state_specs(state, AX)), out_specs=(P(), state_specs(state, AX), P())))(g, state)
+    rmean, _, _ = powersgd_reference(reps, state, cfg)
+    _close(mean_k, rmean, 1e-4)
+    with pytest.raises(RuntimeError, match="interpret"):
+        powersgd_reduce(reps[0], state, kcfg, AX)
