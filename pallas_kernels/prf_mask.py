@@ -42,7 +42,7 @@ class MaskRows(NamedTuple):
 def _keep(rows: MaskRows, j):
     """keep mask for row inputs broadcast against uint32 channel indices j."""
     u = prf.channel_u(prf.U64(rows.key_hi, rows.key_lo), j)
-    u = prf.U64(u.hi ^ (rows.flip & prf._u32(0x1FFFFF)), u.lo ^ rows.flip)
+    u = prf.U64(u.hi ^ (rows.flip & prf.u32(0x1FFFFF)), u.lo ^ rows.flip)
     return prf.keep_rule(u, prf.U64(rows.thr_hi, rows.thr_lo), rows.thr_j, j)
 
 

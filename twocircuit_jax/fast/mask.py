@@ -69,8 +69,8 @@ def flipped_u(cfg, layer, step, sample_ids, positions, width, direction=None) ->
     """u' [B, T, H]: the PRF u after the antithetic flip (XOR with 2^53-1 equals 2^53-1-u for u < 2^53)."""
     key, odd = step_key(cfg, step)
     u = prf.prf_u(cfg.prf_impl, cfg.seed, layer, key, sample_ids, positions, width, direction)
-    f = jnp.where(odd, prf._u32(0xFFFFFFFF), prf._u32(0)).astype(jnp.uint32)
-    return prf.U64(u.hi ^ (f & prf._u32(0x1FFFFF)), u.lo ^ f)
+    f = jnp.where(odd, prf.u32(0xFFFFFFFF), prf.u32(0)).astype(jnp.uint32)
+    return prf.U64(u.hi ^ (f & prf.u32(0x1FFFFF)), u.lo ^ f)
 
 
 def exact_k_threshold(u: prf.U64, k: int):
@@ -145,7 +145,7 @@ def _apply_kernel(cfg, p, layer, step, sample_ids, positions, h, interpret):
     thr, thr_j = thresholds(cfg, p, u, (b, t))
     gain = constant_gain(p) if cfg.rescale_mode == "constant" else 1.0
     col = lambda x, dt=jnp.uint32: jnp.broadcast_to(jnp.asarray(x, dt), (b, t)).reshape(b * t, 1)
-    flip = jnp.where(odd, prf._u32(0xFFFFFFFF), prf._u32(0)).astype(jnp.uint32)
+    flip = jnp.where(odd, prf.u32(0xFFFFFFFF), prf.u32(0)).astype(jnp.uint32)
     rows = MaskRows(col(rk.hi), col(rk.lo), col(thr.hi), col(thr.lo), col(thr_j), col(flip),
                     col(gain, jnp.float32))
     out = prf_mask_kernel(h.reshape(b * t, width), rows, interpret=interpret).reshape(b, t, width)

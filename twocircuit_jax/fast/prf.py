@@ -63,14 +63,14 @@ class U64(NamedTuple):
     lo: jax.Array  # [...] uint32, bits 31..0
 
 
-def _u32(x: int):
+def u32(x: int):
     return np.uint32(x & 0xFFFFFFFF)
 
 
 def const64(x: int) -> U64:
     """A Python int (taken mod 2^64) as a scalar pair of numpy uint32 (safe to close over inside Pallas kernels)."""
     x &= MASK64
-    return U64(_u32(x >> 32), _u32(x))
+    return U64(u32(x >> 32), u32(x))
 
 
 def from_int(x) -> U64:
@@ -80,7 +80,7 @@ def from_int(x) -> U64:
     x = jnp.asarray(x)
     lo = x.astype(jnp.uint32)
     if jnp.issubdtype(x.dtype, jnp.signedinteger):
-        hi = jnp.where(x < 0, _u32(0xFFFFFFFF), _u32(0)).astype(jnp.uint32)
+        hi = jnp.where(x < 0, u32(0xFFFFFFFF), u32(0)).astype(jnp.uint32)
     else:
         hi = jnp.zeros_like(lo)
     return U64(hi, lo)
@@ -99,21 +99,21 @@ def add64(a: U64, b: U64) -> U64:
 def shr64(a: U64, n: int) -> U64:
     """Logical right shift by a static 0 < n < 64."""
     if n >= 32:
-        return U64(jnp.zeros_like(a.hi), a.hi >> _u32(n - 32))
-    return U64(a.hi >> _u32(n), (a.lo >> _u32(n)) | (a.hi << _u32(32 - n)))
+        return U64(jnp.zeros_like(a.hi), a.hi >> u32(n - 32))
+    return U64(a.hi >> u32(n), (a.lo >> u32(n)) | (a.hi << u32(32 - n)))
 
 
 def _mul32_wide(a, b) -> U64:
     """Full 64-bit product of two uint32 arrays from 16-bit limbs (each partial product fits in 32 bits)."""
-    m16 = _u32(0xFFFF)
-    a0, a1 = a & m16, a >> _u32(16)
-    b0, b1 = b & m16, b >> _u32(16)
+    m16 = u32(0xFFFF)
+    a0, a1 = a & m16, a >> u32(16)
+    b0, b1 = b & m16, b >> u32(16)
     p00, p01, p10, p11 = a0 * b0, a0 * b1, a1 * b0, a1 * b1
     mid = p01 + p10
     mid_carry = (mid < p01).astype(jnp.uint32)  # the lost 2^32 of mid is 2^48 of the product
-    lo = p00 + (mid << _u32(16))
+    lo = p00 + (mid << u32(16))
     lo_carry = (lo < p00).astype(jnp.uint32)
-    hi = p11 + (mid >> _u32(16)) + (mid_carry << _u32(16)) + lo_carry
+    hi = p11 + (mid >> u32(16)) + (mid_carry << u32(16)) + lo_carry
     return U64(hi, lo)
 
 
@@ -243,5 +243,5 @@ def prf_u(impl: str, seed: int, layer: int, step_key, sample_ids, positions, wid
 
 def u_to_unit_float(u: U64):
     """Top 24 of the 53 bits as float32 in [0, 1) (exact: 24 bits fit the mantissa)."""
-    top = (u.hi << _u32(3)) | (u.lo >> _u32(29))
+    top = (u.hi << u32(3)) | (u.lo >> u32(29))
     return top.astype(jnp.float32) * np.float32(2.0**-24)
