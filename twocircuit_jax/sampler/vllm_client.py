@@ -73,6 +73,7 @@ class VLLMSampler:
         self.log_path = log_path or os.path.join(self.export_root, "sampler.log")
         self.latest = None  # newest version exported by update_weights (None: still the model_dir weights)
         self.restarts = 0
+        self.last_load = {}
         self.proc = None
         self.address = None
         self._lock = threading.RLock()
@@ -173,6 +174,7 @@ class VLLMSampler:
         if status != 200:
             raise SamplerError(f"sampler could not load weight version {version} (still serving "
                                f"{body.get('version')}): {body.get('error')}")
+        self.last_load = body  # carries the server's restore_s / reload_s timings
         return int(body["version"])
 
     def update_weights(self, params, version: int) -> None:

@@ -271,6 +271,21 @@ def serve(args) -> int:
     return 0
 
 
+def serve_from_config(run_config, model_dir: str = "", export_root: str = "") -> int:
+    """`twocircuit serve-sampler`: serve `model_dir` (default run_config.base_model, an HF folder) with the
+    sampler section's host/port/memory settings, loading versions from `export_root` (default sampler.export_dir)."""
+    sc = run_config.sampler
+    model_dir = model_dir or run_config.base_model
+    export_root = export_root or sc.export_dir
+    if not model_dir or not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise FileNotFoundError(f"serve-sampler needs a Hugging Face model folder (config.json + safetensors); "
+                                f"got {model_dir!r} (set --model-dir or base_model; `twocircuit export-hf` makes one)")
+    if not export_root:
+        raise FileNotFoundError("serve-sampler needs an export folder: set --export-root or sampler.export_dir")
+    return main(["--model-dir", model_dir, "--export-root", export_root, "--host", sc.host, "--port", str(sc.port),
+                 "--gpu-memory-utilization", str(sc.gpu_memory_utilization), "--dtype", run_config.model.param_dtype])
+
+
 def main(argv=None) -> int:
     return serve(parse_args(argv))
 
