@@ -18,9 +18,9 @@ from pallas_kernels.lowrank import call_kernel, check_can_run
 
 
 def ef_project_reference(G: jax.Array, E: jax.Array, Q: jax.Array) -> jax.Array:
-    """P = (G + E)·Q in fp32. G [n, m], E [n, m], Q [m, r] -> [n, r] f32."""
+    """P = (G + E)·Q in fp32. G, E [.., n, m], Q [.., m, r] -> [.., n, r] f32 (leading dims batched)."""
     M = G.astype(jnp.float32) + E.astype(jnp.float32)
-    return jnp.dot(M, Q.astype(jnp.float32), preferred_element_type=jnp.float32)
+    return jnp.einsum("...nm,...mr->...nr", M, Q.astype(jnp.float32), preferred_element_type=jnp.float32)
 
 
 def _kernel(g_ref, e_ref, q_ref, p_ref):
