@@ -160,3 +160,19 @@ def test_kernel_path_matches_and_refuses_without_interpret():
     _close(mean_k, rmean, 1e-4)
     with pytest.raises(RuntimeError, match="interpret"):
         powersgd_reduce(reps[0], state, kcfg, AX)
+
+
+def test_replicated_outputs_bit_identical_across_replicas():
+    # SPEC §8 inv. 8: Q, P̂-derived Ĝ and the mean are the same bits on every replica (checked per replica).
+    cfg = FastConfig(grad_rank=2, start_after=0)
+    state = init_powersgd(cfg, PARAMS, R)
+    specs = state_specs(state, AX)
+
+    def body(g, st):
+        mean, new, _ = powersgd_reduce(_replica(g, 0), st, cfg, AX)
+        return jax.tree.map(lambda x: x[None], (mean, new.Q))
+
+    per = jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=(P(AX), specs), out_specs=P(AX)))(_grads(8), state)
+    for x in jax.tree.leaves(per):
+        x = np.asarray(x)
+        assert all(np.array_equal(x[0], x[i]) for i in range(1, R))

@@ -103,7 +103,7 @@ def combine(*parts: dict) -> dict:
 
 _SHAPE = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
 _DEF = re.compile(r"^\s*(?:ROOT\s+)?(%?[\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
-_NAME = re.compile(r"%[\w.\-]+")
+_NAME = re.compile(r"%?([A-Za-z_][\w.\-]*)")
 
 
 def _shape_bytes(text: str) -> float:
@@ -134,6 +134,10 @@ def collective_bytes_from_hlo(hlo_text: str) -> dict:
     prints operands by name only (`all-reduce(%fusion.3)`), so shapes come from a table of every instruction's
     result shape; typed operands (`f32[8]{0} %x`, pre-optimisation text) are read directly. Bytes are per
     participant (what one replica contributes), which is what the §3.6 formulas count.
+
+    Accepts compiled (`.compile().as_text()`) and unoptimised (`.compiler_ir("hlo").as_hlo_text()`) text. Note:
+    XLA:CPU widens bf16 collectives to f32 during compilation (no bf16 reductions on CPU), so on the fake CPU
+    mesh bf16 wire bytes must be read from the unoptimised text; TPU/GPU compiled HLO keeps bf16.
     """
     defs, ops = {}, []
     for line in hlo_text.splitlines():
@@ -151,7 +155,7 @@ def collective_bytes_from_hlo(hlo_text: str) -> dict:
         if _SHAPE.search(args):
             b = _shape_bytes(args)
         else:
-            b = sum(_shape_bytes(defs.get(n.lstrip("%"), "")) for n in _NAME.findall(args))
+            b = sum(_shape_bytes(defs.get(n, "")) for n in _NAME.findall(args))
         out[kind] += b
         counts[kind] += 1
     out["total"] = sum(out[k] for k in COLLECTIVE_KINDS)

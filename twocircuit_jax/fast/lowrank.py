@@ -76,14 +76,18 @@ def _codec(h2d, Q, use_kernel: bool, interpret: bool):
 
 def make_lowrank_hook(state: LowRankState, boundaries: Sequence[int], sketch: bool, *,
                       attention_mask: Optional[jax.Array] = None, encode: bool = True,
-                      use_kernel: bool = False, interpret: bool = False):
+                      use_kernel: bool = False, interpret: bool = False, cfg=None):
     """Boundary hook `hook(layer, h [B, T, H]) -> (h_new, aux)`.
 
     encode=True: h_new = M̂ (the codec view); encode=False: h passes unchanged (the anchor's dense forward that
     only sketches). aux = {"sketch": [H, r] f32 (zeros when sketch=False), "tokens": [] f32 real tokens,
     "recon_rel_err": [] f32 ‖M − M̂‖_F/‖M‖_F over real tokens}. attention_mask [B, T] (1 = real) keeps padding
     out of the sketch and the error. Layers not in `boundaries` raise: a silent identity would hide a wiring bug.
+    cfg (a FastConfig), when given, supplies use_kernel (`fast.use_kernel`). The Pallas kernel on CPU needs
+    interpret=True, otherwise this raises (never a silent fallback to the jnp path).
     """
+    if cfg is not None:
+        use_kernel = bool(cfg.use_kernel)
     bset = {int(b) for b in boundaries}
     missing = bset - set(state.Q)
     if missing:
