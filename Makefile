@@ -17,8 +17,8 @@ $(VENV)/.stamp-base:
 
 $(VENV)/.stamp-test: $(VENV)/.stamp-base
 	$(VPY) -m pip install -q -e ".[test,$(VLLM_EXTRA)]"
-	# vllm pulls torchvision and torchaudio builds whose operators do not match this torch; they break `import transformers`.
-	$(VPY) -m pip uninstall -q -y torchvision torchaudio || true
+	# vllm pulls torchvision, torchaudio and torchcodec builds whose operators do not match this torch; they break `import transformers`.
+	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@
 
 install: $(VENV)/.stamp-base

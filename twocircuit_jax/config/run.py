@@ -34,8 +34,9 @@ class RunConfig:
     def check(self):
         """Cross-section rules (SPEC §4 config checks, §3 validation)."""
         f, a = self.fast, self.anchor
-        require(f.pp_size <= self.model.num_layers, "fast.pp_size",
-                f"got {f.pp_size}; must not exceed model.num_layers={self.model.num_layers}")
+        if f.codec != "none" or not self.base_model:  # a checkpoint's layer count is known only once loaded
+            require(f.pp_size <= self.model.num_layers, "fast.pp_size",
+                    f"got {f.pp_size}; must not exceed model.num_layers={self.model.num_layers}")
         if f.p_by_boundary:
             require(len(f.p_by_boundary) == f.pp_size - 1, "fast.p_by_boundary",
                     f"got {len(f.p_by_boundary)} values; need pp_size - 1 = {f.pp_size - 1}")

@@ -1,0 +1,116 @@
+"""Dense GRPO end to end through the CLI: 3 steps, exact resume, bad input, failing scorer, best checkpoint."""
+import json
+import os
+
+import numpy as np
+import pytest
+import yaml
+
+from twocircuit_jax.cli import main
+
+TINY = {
+    "name": "tiny", "tokenizer": "char",
+    "model": {"vocab_size": 100, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1,
+              "head_dim": 16, "intermediate_size": 64, "eos_token_id": 2, "pad_token_id": 0, "bos_token_id": 1},
+    "mesh": {"data": -1},
+    "optim": {"lr": 1e-3},
+    "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 64, "eval_size": 16},
+    "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
+    "fast": {"pp_size": 2},
+    "train": {"steps": 3, "train_batch": 4, "mini_batch": 2, "eval_every": 2, "eval_size": 16, "max_prompt_len": 16,
+              "checkpoint_every": 1},
+}
+
+
+def write_cfg(tmp_path, data=None, name="cfg.yaml"):
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(data or TINY))
+    return str(p)
+
+
+def read_metrics(run):
+    return [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl"))]
+
+
+@pytest.fixture(scope="module")
+def three_steps(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("e2e")
+    run = str(tmp / "run")
+    assert main(["train", "--config", write_cfg(tmp), "--out", run, "--no-progress"]) == 0
+    return tmp, run
+
+
+def test_three_steps_write_run_folder(three_steps):
+    _, run = three_steps
+    assert os.path.isfile(os.path.join(run, "config.yaml"))
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[2] and "eval/accuracy" in rows[3]
+    for r in rows[1:]:
+        for key in ("tick", "reward/mean", "policy/entropy", "length/mean", "length/max", "length/limit_share",
+                    "length/truncated_frac", "grad/norm", "kl/ref", "ppo/ratio_mean", "ppo/clip_frac", "lr",
+                    "time/step_s", "time/tokens_per_s", "mismatch/prob_gap_mean", "mismatch/prob_corr"):
+            assert key in r, key
+    assert [r["tick"] for r in rows[1:]] == [2, 4, 6]  # two ticks per GRPO step
+    # dense JAX sampler vs trainer: the same policy
+    assert all(r["mismatch/prob_gap_mean"] < 1e-5 for r in rows[1:])
+    # first tick of a step has ratio exactly 1; KL to the reference is 0 before any update
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(run))
+    ck = os.listdir(os.path.join(run, "checkpoints"))
+    assert "best" in ck and "step_00000003" in ck
+
+
+def test_exact_resume_after_interrupt(three_steps, monkeypatch):
+    from twocircuit_jax.train import loop
+
+    tmp, full = three_steps
+    run = str(tmp / "interrupted")
+    real = loop.GRPOTrainer.grpo_step
+
+    def dying(self, gs):
+        if gs == 3:
+            raise KeyboardInterrupt  # killed after step 2's checkpoint
+        return real(self, gs)
+
+    monkeypatch.setattr(loop.GRPOTrainer, "grpo_step", dying)
+    assert main(["train", "--config", write_cfg(tmp), "--out", run, "--no-progress"]) == 130
+    monkeypatch.setattr(loop.GRPOTrainer, "grpo_step", real)
+    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]
+    assert main(["train", "--config", write_cfg(tmp), "--out", run, "--no-progress", "--resume"]) == 0
+    a, b = read_metrics(full), read_metrics(run)
+    assert [r["step"] for r in b] == [0, 1, 2, 3]
+    for ra, rb in zip(a[3:], b[3:]):
+        for k, v in ra.items():
+            if k.startswith("time/") or not isinstance(v, float):
+                continue
+            assert rb[k] == pytest.approx(v, abs=1e-6), k
+
+
+def test_bad_config_exits_2_and_writes_nothing(tmp_path, capsys):
+    bad = dict(TINY, train=dict(TINY["train"], mini_batch=3))
+    out = tmp_path / "runs" / "x"
+    assert main(["train", "--config", write_cfg(tmp_path, bad), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.mini_batch" in err[0] and "cfg.yaml" in err[0]
+    assert not out.exists()
+    assert main(["train", "--config", write_cfg(tmp_path), "--out", str(out), "--set", "grpo.tis=maybe"]) == 2
+    assert "grpo.tis" in capsys.readouterr().err
+    assert not out.exists()
+    mf = dict(TINY, task={"type": "math_files", "train_files": [str(tmp_path / "missing.jsonl")]})
+    assert main(["train", "--config", write_cfg(tmp_path, mf), "--out", str(out)]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_raising_scorer_gives_zero_and_is_counted(tmp_path, monkeypatch):
+    from twocircuit_jax.tasks.reasoning_gym_task import ReasoningGymTask
+
+    def boom(self, problem, text):
+        raise RuntimeError("verifier bug")
+
+    monkeypatch.setattr(ReasoningGymTask, "score", boom)
+    data = dict(TINY, train=dict(TINY["train"], steps=1, eval_every=0, checkpoint_every=0))
+    run = str(tmp_path / "r")
+    assert main(["train", "--config", write_cfg(tmp_path, data), "--out", run, "--no-progress"]) == 0
+    r = read_metrics(run)[1]
+    assert r["reward/mean"] == 0.0 and r["reward/score_errors"] == 16.0

@@ -1,0 +1,158 @@
+"""The `twocircuit` command. Exit codes: 0 success, 2 bad input (config, data, paths), 1 failure at run time."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+BAD_INPUT = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="twocircuit", description="Two-circuit compressed RLVR (GRPO) in JAX.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def with_config(sp, out_help):
+        sp.add_argument("--config", required=True, help="YAML config file (see configs/)")
+        sp.add_argument("--out", required=True, help=out_help)
+        sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key (dotted key, YAML value); repeatable")
+
+    t = sub.add_parser("train", help="run GRPO; writes config.yaml, metrics.jsonl, TensorBoard events, checkpoints/")
+    with_config(t, "run folder, e.g. runs/NAME")
+    t.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in --out")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s = sub.add_parser("sft", help="supervised training of a base model (the tiny embedded default)")
+    with_config(s, "output folder (a Hugging Face checkpoint directory)")
+    e = sub.add_parser("eval", help="held-out evaluation; prints and writes a JSON summary")
+    e.add_argument("--checkpoint", required=True, help="HF dir, native dir, or run checkpoint (…/checkpoints/best)")
+    e.add_argument("--config", required=True)
+    e.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    e.add_argument("--out", default="", help="JSON summary path (default: print only)")
+    i = sub.add_parser("import-hf", help="Hugging Face checkpoint -> native (orbax) checkpoint")
+    i.add_argument("--hf-dir", required=True)
+    i.add_argument("--out", required=True)
+    x = sub.add_parser("export-hf", help="native or run checkpoint -> Hugging Face checkpoint")
+    x.add_argument("--checkpoint", required=True)
+    x.add_argument("--out", required=True)
+    x.add_argument("--tokenizer", default="", help="tokenizer to save beside the weights ('char' or a local dir)")
+    v = sub.add_parser("serve-sampler", help="the dense vLLM sampler process")
+    v.add_argument("--config", required=True)
+    v.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    v.add_argument("--model-dir", default="", help="HF checkpoint to serve (default: the config's base_model)")
+    v.add_argument("--export-root", default="", help="folder of versioned weight exports to load from")
+    w = sub.add_parser("sweep", help="run the arms of a one-knob sweep, one run folder per arm")
+    w.add_argument("--config", required=True, help="sweep YAML (configs/sweeps/)")
+    w.add_argument("--out", required=True)
+    w.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="applied to every arm")
+    return p
+
+
+def _bad_input_types():
+    from twocircuit_jax.config.base import ConfigError
+    from twocircuit_jax.model.hf_io import CheckpointError
+    from twocircuit_jax.tasks.base import DataError
+
+    return (ConfigError, CheckpointError, DataError, FileNotFoundError)
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    created = None
+    out = getattr(args, "out", "")
+    if args.cmd in ("train", "sft", "sweep") and out and not os.path.exists(out):
+        created = out  # removed again if the run ends on bad input: nothing half-written under runs/
+    try:
+        return _dispatch(args)
+    except _bad_input_types() as e:
+        if created and os.path.isdir(created) and not getattr(args, "resume", False):
+            shutil.rmtree(created, ignore_errors=True)
+        print(f"twocircuit {args.cmd}: error: {e}", file=sys.stderr)
+        return BAD_INPUT
+    except KeyboardInterrupt:
+        print(f"twocircuit {args.cmd}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _dispatch(args) -> int:
+    from twocircuit_jax.config import load_config
+
+    if args.cmd == "train":
+        from twocircuit_jax.train.loop import GRPOTrainer
+
+        cfg = load_config(args.config, args.set)
+        if not args.resume and os.path.isdir(args.out) and os.listdir(args.out):
+            from twocircuit_jax.config.base import ConfigError
+
+            raise ConfigError("--out", f"{args.out} exists and is not empty; use --resume or a new folder")
+        summary = GRPOTrainer(cfg, args.out, resume=args.resume, show_progress=not args.no_progress).run()
+        print(json.dumps(summary))
+        return 0
+    if args.cmd == "sft":
+        from twocircuit_jax.train.sft import run_sft
+
+        res = run_sft(load_config(args.config, args.set), args.out)
+        print(json.dumps({"out": res["out"], "eval/accuracy": res["eval/accuracy"]}))
+        return 0
+    if args.cmd == "eval":
+        return _eval(args)
+    if args.cmd == "import-hf":
+        from twocircuit_jax.model.hf_io import load_hf
+        from twocircuit_jax.train.policy_io import save_native
+
+        cfg, params = load_hf(args.hf_dir)
+        print(save_native(cfg, params, args.out))
+        return 0
+    if args.cmd == "export-hf":
+        from twocircuit_jax.model.hf_io import save_hf
+        from twocircuit_jax.model.tokenizer import load_tokenizer
+        from twocircuit_jax.train.policy_io import load_policy
+
+        cfg, params = load_policy(args.checkpoint)
+        tok = load_tokenizer(args.tokenizer) if args.tokenizer else None
+        print(save_hf(cfg, params, args.out, tokenizer=tok))
+        return 0
+    if args.cmd == "serve-sampler":
+        from twocircuit_jax.sampler.vllm_server import serve_from_config
+
+        return serve_from_config(load_config(args.config, args.set), model_dir=args.model_dir,
+                                 export_root=args.export_root)
+    if args.cmd == "sweep":
+        from twocircuit_jax.train.sweep import run_sweep
+
+        run_sweep(args.config, args.out, args.set)
+        return 0
+    raise AssertionError(args.cmd)
+
+
+def _eval(args) -> int:
+    import dataclasses
+
+    from twocircuit_jax.sampler.jax_sampler import JaxSampler
+    from twocircuit_jax.tasks import make_task
+    from twocircuit_jax.train.evaluate import Evaluator
+    from twocircuit_jax.train.policy_io import load_policy
+    from twocircuit_jax.train.setup import check_vocab, load_run_tokenizer
+    from twocircuit_jax.config import load_config
+
+    cfg = load_config(args.config, args.set)
+    mcfg, params = load_policy(args.checkpoint)
+    tok_cfg = cfg if cfg.tokenizer not in ("", "auto") else dataclasses.replace(cfg, base_model=args.checkpoint)
+    tokenizer = load_run_tokenizer(tok_cfg)
+    mcfg = check_vocab(mcfg, tokenizer)
+    task = make_task(cfg.task)
+    t = cfg.train
+    ev = Evaluator(task, tokenizer, list(task.eval_problems())[: t.eval_size], t.max_prompt_len,
+                   cfg.sampler.sampling.max_new_tokens, greedy=t.eval_greedy)
+    res = {"checkpoint": args.checkpoint, **ev.run(JaxSampler(mcfg, params, prompt_bucket=t.max_prompt_len))}
+    print(json.dumps(res))
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(res, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

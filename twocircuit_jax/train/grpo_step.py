@@ -1,0 +1,60 @@
+"""GRPO through the trainer's view of the policy: log-prob passes and the loss the train step differentiates.
+
+The fast circuit enters only through `codec` (an object with `applies(tag)`, `hook(state, tag, step, batch)` and
+`summarize(aux)`; see fast/circuit.py). With `codec=None` no hook is installed at all, so the dense trainer is the
+plain GRPO step bit for bit. Path tags (SPEC §3.1): `train`, `old_logprob`, `ref_logprob`, `dense`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from twocircuit_jax.grpo.loss import grpo_loss, token_entropy, token_logprobs
+from twocircuit_jax.model.qwen2 import default_positions, forward_with_aux
+
+TRAIN, OLD, REF, DENSE = "train", "old_logprob", "ref_logprob", "dense"
+
+
+def _policy_pass(model_cfg, params, batch, ctx, codec, tag):
+    hook, layers = None, ()
+    if codec is not None and codec.applies(tag):
+        hook, layers = codec.hook(ctx["codec"], tag, ctx["step"], batch["sample_id"],
+                                  default_positions(batch["attention_mask"]), batch["attention_mask"])
+    logits, aux = forward_with_aux(model_cfg, params, batch["tokens"], batch["attention_mask"], hook=hook,
+                                   hook_layers=layers)
+    return logits, aux
+
+
+def make_logp_fn(model_cfg, codec=None, tag: str = OLD):
+    """(params, batch, ctx) -> (logp [B,T], entropy [B,T], codec aux). No gradient is taken through it."""
+
+    def fn(params, batch, ctx):
+        logits, aux = _policy_pass(model_cfg, params, batch, ctx, codec, tag)
+        logits = jax.lax.stop_gradient(logits)
+        return token_logprobs(logits, batch["tokens"]), token_entropy(logits), aux
+
+    return fn
+
+
+def make_grpo_loss(model_cfg, grpo_cfg, max_new_tokens: int, codec=None):
+    """loss_fn(params, batch, ctx) -> (loss, metrics) for train.step.make_train_step.
+
+    batch carries old_logp (and ref_logp when kl_coef > 0), advantages, response_mask (loss mask applied),
+    is_weight (importance weights; absent when TIS is off so that the loss is untouched bit for bit).
+    """
+
+    def loss_fn(params, batch, ctx):
+        logits, aux = _policy_pass(model_cfg, params, batch, ctx, codec, TRAIN)
+        logp = token_logprobs(logits, batch["tokens"])
+        ent = token_entropy(jax.lax.stop_gradient(logits)) if grpo_cfg.entropy_coeff == 0 else token_entropy(logits)
+        ref = batch.get("ref_logp") if grpo_cfg.kl_coef > 0 else None
+        loss, metrics = grpo_loss(logp, batch["old_logp"], ref, batch["advantages"], batch["response_mask"],
+                                  batch.get("is_weight"), grpo_cfg, entropy=ent, norm_len=max_new_tokens)
+        if codec is not None and aux:
+            metrics.update(codec.summarize(aux))
+            metrics["codec/aux"] = aux  # raw per-boundary outputs (e.g. low-rank sketches) for the loop
+        return loss, metrics
+
+    return loss_fn

@@ -1,0 +1,275 @@
+"""The GRPO loop: rollout -> reward -> advantages -> old/ref log-probs -> ticks -> publish -> evaluate.
+
+One GRPO step `gs` is one rollout batch; one tick is one optimizer update on one mini-batch (SPEC §2). Every
+random choice is a function of (train.seed, gs), so a resumed run repeats an uninterrupted one step for step.
+The fast circuit plugs in as `codec` (fast/circuit.py), the anchor as `anchor` (anchor/circuit.py); both absent
+means the dense trainer.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from twocircuit_jax.config.base import ConfigError, to_dict
+from twocircuit_jax.config.run import save_config
+from twocircuit_jax.config.sections import SamplingConfig
+from twocircuit_jax.grpo.tis import tis_weights
+from twocircuit_jax.metrics.gauges import entropy_summary, length_slope, length_stats, to_floats
+from twocircuit_jax.metrics.logger import MetricsLogger
+from twocircuit_jax.metrics.mismatch import mismatch_metrics
+from twocircuit_jax.parallel import mesh as pmesh
+from twocircuit_jax.tasks import make_task
+from twocircuit_jax.train import rollout as ro
+from twocircuit_jax.train.checkpoint import CheckpointManager
+from twocircuit_jax.train.evaluate import Evaluator
+from twocircuit_jax.train.grpo_step import OLD, REF, make_grpo_loss, make_logp_fn
+from twocircuit_jax.train.setup import check_vocab, load_model, load_run_tokenizer, make_sampler
+from twocircuit_jax.train.step import init_state, jit_train_step, learning_rate, make_optimizer, make_train_step
+from twocircuit_jax.train.step import state_shardings
+
+
+def step_seed(seed: int, gs: int, salt: int = 0) -> int:
+    return (seed * 1_000_003 + gs * 7_919 + salt) & 0x7FFFFFFF
+
+
+class GRPOTrainer:
+    def __init__(self, cfg, run_dir: str, *, resume: bool = False, show_progress: bool = True):
+        run_dir = os.path.abspath(run_dir)  # orbax wants absolute paths
+        self.cfg, self.run_dir, self.resume = cfg, run_dir, resume
+        t, s = cfg.train, cfg.sampler
+        self.tokenizer = load_run_tokenizer(cfg)
+        self.task = make_task(cfg.task)
+        self.train_problems = list(self.task.train_problems())
+        self.eval_problems = list(self.task.eval_problems())[: t.eval_size]
+        model_cfg, params = load_model(cfg, t.seed)
+        self.model_cfg = check_vocab(model_cfg, self.tokenizer)
+        self.mesh = pmesh.make_mesh(cfg.mesh)
+        dp = pmesh.dp_size(self.mesh)
+        if (t.mini_batch * s.n) % dp:
+            raise ConfigError("train.mini_batch", f"mini_batch*sampler.n = {t.mini_batch * s.n} rows must divide by "
+                                                  f"the data-parallel size {dp} (mesh.data*mesh.fsdp)")
+        self.max_new = s.sampling.max_new_tokens
+        # Rollouts sample the unmodified policy (SPEC §1): temperature 1, no truncation.
+        self.rollout_sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=self.max_new)
+        self.optimizer = make_optimizer(cfg.optim)
+        state = init_state(params, self.optimizer)
+        self.state_sh = state_shardings(state, self.mesh)
+        self.state = jax.device_put(state, self.state_sh)
+        self.param_sh = self.state_sh.params
+        # Frozen reference policy: a copy, since the train state's buffers are donated every tick.
+        self.ref_params = jax.tree.map(jnp.copy, jax.device_put(params, self.param_sh))
+        self.codec = self.anchor = None
+        self.ctx = {"step": jnp.zeros((), jnp.int32)}
+        self._build_circuits()
+        self._compile()
+        os.makedirs(run_dir, exist_ok=True)
+        self.ckpt = CheckpointManager(os.path.join(run_dir, "checkpoints"), keep_last=2)
+        self.start_step, self.history = 0, {"length/mean": [], "best": None}
+        if resume:
+            self._restore()
+        self.sampler = make_sampler(cfg, self.model_cfg, self.state.params, self.tokenizer, run_dir)
+        self.sampler.update_weights(self.state.params, self.start_step)
+        self.evaluator = Evaluator(self.task, self.tokenizer, self.eval_problems, t.max_prompt_len, self.max_new,
+                                   greedy=t.eval_greedy)
+        save_config(cfg, os.path.join(run_dir, "config.yaml"))
+        self.logger = MetricsLogger(run_dir, t.steps, show_progress=show_progress,
+                                    resume_from_step=self.start_step if resume else None)
+
+    # --- construction -----------------------------------------------------------------------------------------
+    def _build_circuits(self):
+        """Fast circuit and anchor, when the config turns them on (None = absent, not merely idle)."""
+        if self.cfg.fast.codec != "none" or self.cfg.fast.grad_codec != "none":
+            from twocircuit_jax.fast.circuit import FastCircuit
+
+            self.codec = FastCircuit(self.cfg, self.model_cfg, self.mesh)
+            self.ctx["codec"] = self.codec.init_state()
+        if self.cfg.anchor.enabled:
+            from twocircuit_jax.anchor.circuit import AnchorCircuit
+
+            self.anchor = AnchorCircuit(self.cfg, self.model_cfg, self.state.params)
+
+    def _compile(self):
+        cfg, mesh = self.cfg, self.mesh
+        codec = self.codec if (self.codec and self.codec.has_activation_codec) else None
+        loss_fn = make_grpo_loss(self.model_cfg, cfg.grpo, self.max_new, codec)
+        grad_fn = self.codec.grad_fn(self.state_sh.params) if self.codec else None
+        grad_transform = self.anchor.grad_transform if self.anchor else None
+        step = make_train_step(loss_fn, self.optimizer, grad_fn=grad_fn, grad_transform=grad_transform,
+                               skip_nonfinite=cfg.train.skip_nonfinite)
+        rep = pmesh.replicated(mesh)
+        self.train_step = jax.jit(step, in_shardings=(self.state_sh, None, rep), out_shardings=(self.state_sh, rep),
+                                  donate_argnums=(0,))
+        self.logp_old = jax.jit(make_logp_fn(self.model_cfg, codec, OLD))
+        self.logp_ref = jax.jit(make_logp_fn(self.model_cfg, codec, REF))
+
+    def _shard_batch(self, batch):
+        return jax.device_put(batch, pmesh.batch_shardings(batch, self.mesh))
+
+    # --- checkpoints ------------------------------------------------------------------------------------------
+    def _ckpt_state(self):
+        extra = {"ctx": self.ctx}
+        if self.anchor:
+            extra["anchor"] = self.anchor.device_state()
+        return {"train": self.state, **extra}
+
+    def _meta(self, gs):
+        meta = {"step": gs, "history": self.history, "model_config": to_dict(self.model_cfg)}
+        if self.anchor:
+            meta["anchor"] = self.anchor.host_state()
+        return meta
+
+    def _restore(self):
+        step = self.ckpt.latest()
+        if step is None:
+            raise ConfigError("--resume", f"no complete checkpoint under {self.ckpt.root}")
+        state, meta = self.ckpt.restore(step, self._ckpt_state())
+        self.state, self.ctx = state["train"], state["ctx"]
+        if self.anchor:
+            self.anchor.load(state.get("anchor"), meta.get("anchor"))
+        self.start_step, self.history = int(meta["step"]), meta["history"]
+
+    # --- one GRPO step ----------------------------------------------------------------------------------------
+    def _problems_for(self, gs):
+        """Deterministic data order: a fresh permutation per pass over the train set."""
+        t = self.cfg.train
+        per_epoch = max(1, len(self.train_problems) // t.train_batch)
+        epoch, k = divmod(gs - 1, per_epoch)
+        perm = np.random.default_rng(step_seed(t.seed, epoch, salt=17)).permutation(len(self.train_problems))
+        return [self.train_problems[i] for i in perm[k * t.train_batch:(k + 1) * t.train_batch]]
+
+    def _rollout(self, gs, problems):
+        s, t = self.cfg.sampler, self.cfg.train
+        prompts = ro.encode_prompts(self.tokenizer, self.task, problems, t.max_prompt_len)
+        t0 = time.perf_counter()
+        out = self.sampler.generate(prompts, s.n, self.rollout_sampling, seed=step_seed(t.seed, gs))
+        gen_s = time.perf_counter() - t0
+        if self.state_version - out.weight_version > s.max_staleness:
+            raise RuntimeError(f"sampler answered with weight version {out.weight_version}; the trainer is at "
+                               f"{self.state_version} and sampler.max_staleness is {s.max_staleness}")
+        return prompts, out, gen_s
+
+    def grpo_step(self, gs: int) -> dict:
+        cfg, t, n = self.cfg, self.cfg.train, self.cfg.sampler.n
+        t_start = time.perf_counter()
+        problems = self._problems_for(gs)
+        prompts, out, gen_s = self._rollout(gs, problems)
+        rewards, loss_mask, adv, metrics, _ = ro.score_and_advantages(self.task, self.tokenizer, problems, out, n,
+                                                                       self.max_new, cfg.grpo)
+        batch = ro.pack_batch(prompts, out, n, t.max_prompt_len, self.max_new, self.tokenizer.pad_id)
+        batch["response_mask"] = batch["response_mask"] * loss_mask[:, None]
+        batch["advantages"] = adv
+        truncated = batch.pop("truncated")
+        self.ctx["step"] = jnp.asarray(gs, jnp.int32)
+        dev = self._shard_batch(batch)
+        old_logp, ent, old_aux = self.logp_old(self.state.params, dev, self.ctx)
+        dev["old_logp"] = old_logp
+        if cfg.grpo.kl_coef > 0:
+            dev["ref_logp"] = self.logp_ref(self.ref_params, dev, self.ctx)[0]
+        full_mask = jnp.asarray(ro.pack_batch(prompts, out, n, t.max_prompt_len, self.max_new, 0)["response_mask"])
+        if cfg.grpo.tis != "off":
+            w, tis_m = tis_weights(old_logp, dev["sampler_logp"], dev["response_mask"], cfg.grpo.tis, cfg.grpo.tis_cap)
+            dev["is_weight"] = w
+            metrics.update(tis_m)
+        metrics.update(mismatch_metrics(old_logp, dev["sampler_logp"], full_mask, truncated,
+                                        weights=dev.get("is_weight")))
+        metrics.update(entropy_summary(ent, full_mask))
+        if self.codec:
+            metrics.update(self.codec.summarize_aux(old_aux, tag=OLD))
+        metrics.update(self._ticks(gs, dev))
+        if self.codec:
+            self.ctx["codec"], cm = self.codec.end_step(self.ctx["codec"], gs)
+            metrics.update(cm)
+        self.state_version = gs
+        self.sampler.update_weights(self.state.params, gs)  # publish: the next rollout uses these weights
+        lengths = [len(x) for x in out.tokens]
+        metrics.update(length_stats(lengths, out.truncated, self.max_new))
+        self.history["length/mean"].append(metrics["length/mean"])
+        metrics["length/slope"] = length_slope(self.history["length/mean"])
+        metrics["time/step_s"] = time.perf_counter() - t_start
+        metrics["time/tokens_per_s"] = sum(lengths) / max(gen_s, 1e-9)
+        metrics["sampler/weight_version"] = out.weight_version
+        metrics["sampler/restarts"] = getattr(self.sampler, "restarts", 0)
+        return metrics
+
+    def _ticks(self, gs, dev) -> dict:
+        cfg, t = self.cfg, self.cfg.train
+        n_mini = cfg.ticks_per_step
+        accum: dict = {}
+        for epoch in range(t.ppo_epochs):
+            for j, mb in enumerate(ro.split_minibatches(dev, n_mini)):
+                mb = self._shard_batch(mb)
+                tau = int(self.state.tick) + 1
+                if self.anchor:
+                    self.ctx, am = self.anchor.before_tick(tau, gs, j == 0 and epoch == 0, mb, self.state, self.ctx)
+                    _merge(accum, am)
+                self.state, m = self.train_step(self.state, mb, self.ctx)
+                m = dict(m)
+                aux = m.pop("codec/aux", None)
+                if self.codec and aux is not None:
+                    self.ctx["codec"] = self.codec.after_tick(self.ctx["codec"], aux)
+                if self.anchor:
+                    self.state, self.ctx, sm = self.anchor.after_tick(tau, self.state, self.ctx, m)
+                    m.update(sm)
+                _merge(accum, jax.device_get(m))  # host sync, once per tick
+        out = {k: float(np.mean(v)) for k, v in accum.items()}
+        for k in ("grad/skipped", "anchor/fire"):
+            if k in accum:
+                out[k] = float(np.sum(accum[k]))
+        out["tick"] = int(self.state.tick)
+        out["lr"] = learning_rate(cfg.optim, int(self.state.tick))
+        return out
+
+    # --- the run ----------------------------------------------------------------------------------------------
+    def evaluate(self, gs) -> dict:
+        return self.evaluator.run(self.sampler, seed=step_seed(self.cfg.train.seed, gs, salt=99))
+
+    def run(self) -> dict:
+        t = self.cfg.train
+        self.state_version = self.start_step
+        summary = {"base_accuracy": None, "final_accuracy": None}
+        try:
+            if self.start_step == 0:
+                ev = self.evaluate(0)
+                summary["base_accuracy"] = ev["eval/accuracy"]
+                self.logger.log(0, {"step": 0, "tick": 0, **ev})
+            for gs in range(self.start_step + 1, t.steps + 1):
+                metrics = {"step": gs, **self.grpo_step(gs)}
+                if self.anchor:
+                    metrics.update(self.anchor.step_metrics())
+                if (t.eval_every and gs % t.eval_every == 0) or gs == t.steps:
+                    metrics.update(self.evaluate(gs))
+                    summary["final_accuracy"] = metrics["eval/accuracy"]
+                err = metrics.pop("reward/first_score_error", None)
+                if err:
+                    print(f"warning: step {gs}: a scorer raised ({err}); that sample got reward 0", file=sys.stderr)
+                metrics = to_floats(metrics)  # empty splits (NaN) are left out: keys present when they apply
+                metrics["step"], metrics["tick"] = gs, int(metrics["tick"])
+                self.logger.log(gs, metrics)
+                self._maybe_checkpoint(gs, metrics)
+        finally:
+            self.logger.close()
+            self.sampler.close()
+        summary["steps"] = t.steps
+        return summary
+
+    def _maybe_checkpoint(self, gs, metrics):
+        t = self.cfg.train
+        if "eval/accuracy" in metrics:
+            best = self.history.get("best")
+            if best is None or metrics["eval/accuracy"] > best:
+                self.history["best"] = metrics["eval/accuracy"]
+                self.ckpt.save_best(gs, self._ckpt_state(), self._meta(gs), metrics["eval/accuracy"])
+        if (t.checkpoint_every and gs % t.checkpoint_every == 0) or gs == t.steps:
+            self.ckpt.save(gs, self._ckpt_state(), self._meta(gs))
+
+
+def _merge(acc: dict, m: dict):
+    for k, v in m.items():
+        if np.ndim(v) == 0:
+            acc.setdefault(k, []).append(float(v))

@@ -1,0 +1,78 @@
+"""Reading a policy (model config + params) from any of the three on-disk forms the project writes.
+
+- a Hugging Face directory (config.json + safetensors): `twocircuit sft`, `export-hf`;
+- a native directory (orbax params + meta.json): `import-hf`, the sampler's weight exports;
+- a run checkpoint (`runs/NAME/checkpoints/step_XXXXXXXX` or `.../best`): the GRPO loop.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from twocircuit_jax.config.base import from_dict, to_dict
+from twocircuit_jax.config.sections import ModelConfig
+from twocircuit_jax.model.hf_io import CheckpointError, load_hf
+
+
+def load_policy(path: str):
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: checkpoint directory not found")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return load_hf(path)
+    if os.path.isfile(os.path.join(path, "COMMITTED")):
+        return _from_run_checkpoint(path)
+    from twocircuit_jax.sampler.export import ExportError, load_export
+
+    try:
+        mcfg, params = load_export(path)
+    except ExportError as e:
+        raise CheckpointError(f"{path}: not a Hugging Face dir (no config.json), a run checkpoint (no COMMITTED) "
+                              f"or a native checkpoint ({e})") from None
+    return from_dict(ModelConfig, mcfg), jax.tree.map(jnp.asarray, params)
+
+
+def _from_run_checkpoint(path: str):
+    import orbax.checkpoint as ocp
+
+    meta_path = os.path.join(path, "meta.json")
+    try:
+        meta = json.loads(open(meta_path).read())
+        mcfg = from_dict(ModelConfig, meta["model_config"])
+    except (OSError, json.JSONDecodeError, KeyError) as e:
+        raise CheckpointError(f"{meta_path}: unreadable or without model_config ({e})") from None
+    # Restore without a target: plain nested containers of host arrays, in the saved structure.
+    tree = ocp.StandardCheckpointer().restore(os.path.abspath(os.path.join(path, "state")))
+    train = tree["train"]
+    params = train["params"] if isinstance(train, dict) else train[0]
+    return mcfg, jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), params)
+
+
+def save_native(cfg: ModelConfig, params, out_dir: str) -> str:
+    """`import-hf` output: the same layout as a sampler weight export (version 0)."""
+    import shutil
+    import tempfile
+
+    from twocircuit_jax.sampler.export import export_weights, version_dir
+
+    out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir) and os.listdir(out_dir):
+        raise CheckpointError(f"{out_dir}: exists and is not empty; choose a new --out")
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-import-", dir=parent)
+    try:
+        export_weights(params, cfg, tmp, 0)
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)
+        os.rename(version_dir(tmp, 0), out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def model_config_dict(cfg: ModelConfig) -> dict:
+    return to_dict(cfg)

@@ -1,0 +1,65 @@
+"""Host side of one GRPO step: prompts in, a fixed-shape rollout batch out (layout: docs/architecture.md).
+
+Everything here is numpy on the host. Shapes are fixed per run (prompt bucket + max_new_tokens) so the jitted
+functions compile once.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from twocircuit_jax.grpo.advantages import group_advantages
+from twocircuit_jax.sampler.base import Rollout
+from twocircuit_jax.tasks.rewards import score_batch
+
+
+def encode_prompts(tokenizer, task, problems, prompt_len: int, field: str = "train.max_prompt_len") -> list[list[int]]:
+    out = []
+    for p in problems:
+        ids = tokenizer.encode(task.prompt(p))
+        if tokenizer.bos_id is not None and tokenizer.is_char:
+            ids = [tokenizer.bos_id] + ids
+        if len(ids) > prompt_len:
+            raise ValueError(f"{field}: prompt of problem {p.id} has {len(ids)} tokens; the limit is {prompt_len}")
+        out.append(ids)
+    return out
+
+
+def pack_batch(prompts: Sequence[Sequence[int]], rollout: Rollout, n: int, prompt_len: int, max_new: int,
+               pad_id: int) -> dict:
+    """Rows prompt-major. tokens = [left-padded prompt | response right-padded]."""
+    B = len(rollout.tokens)
+    T = prompt_len + max_new
+    tokens = np.full((B, T), pad_id, np.int32)
+    attn = np.zeros((B, T), np.int32)
+    resp = np.zeros((B, T), np.float32)
+    slogp = np.zeros((B, T), np.float32)
+    for i in range(B):
+        p, r, lp = prompts[i // n], rollout.tokens[i], rollout.logprobs[i]
+        if len(r) != len(lp) or len(r) > max_new:
+            raise ValueError(f"sampler row {i}: {len(r)} tokens, {len(lp)} log-probs, limit {max_new}")
+        tokens[i, prompt_len - len(p): prompt_len] = p
+        attn[i, prompt_len - len(p): prompt_len + len(r)] = 1
+        tokens[i, prompt_len: prompt_len + len(r)] = r
+        resp[i, prompt_len: prompt_len + len(r)] = 1.0
+        slogp[i, prompt_len: prompt_len + len(r)] = lp
+    return {"tokens": tokens, "attention_mask": attn, "response_mask": resp, "sampler_logp": slogp,
+            "sample_id": np.arange(B, dtype=np.int32), "truncated": np.asarray(rollout.truncated, bool)}
+
+
+def score_and_advantages(task, tokenizer, problems, rollout: Rollout, n: int, max_new: int, grpo_cfg):
+    """Rewards (shaped), loss mask per row, advantages, reward metrics, decoded completions."""
+    rows = [problems[i // n] for i in range(len(rollout.tokens))]
+    texts = [tokenizer.decode(t) for t in rollout.tokens]
+    lengths = [len(t) for t in rollout.tokens]
+    rewards, loss_mask, raw, metrics = score_batch(task, rows, texts, lengths, rollout.truncated, max_new, grpo_cfg)
+    adv = np.asarray(group_advantages(np.asarray(rewards, np.float32), n, grpo_cfg.std_normalize))
+    return np.asarray(rewards, np.float32), np.asarray(loss_mask, np.float32), adv.astype(np.float32), metrics, texts
+
+
+def split_minibatches(batch: dict, n_mini: int) -> list[dict]:
+    """Contiguous row blocks: each block holds whole prompt groups."""
+    B = batch["tokens"].shape[0]
+    size = B // n_mini
+    return [{k: v[j * size:(j + 1) * size] for k, v in batch.items()} for j in range(n_mini)]

@@ -1,0 +1,90 @@
+"""Building the pieces of a run from its config: tokenizer, model weights, mesh, sampler."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+
+from twocircuit_jax.config.base import ConfigError
+from twocircuit_jax.model.hf_io import CheckpointError, load_hf
+from twocircuit_jax.model.qwen2 import dtype_of, init_params
+from twocircuit_jax.model.tokenizer import load_tokenizer
+
+
+def load_model(run_cfg, seed: int):
+    """(ModelConfig, params) from `base_model`: a Hugging Face dir (config.json), a native export/import dir
+    (meta.json + params/), or '' for random init from `model:`."""
+    path = run_cfg.base_model
+    if not path:
+        cfg = run_cfg.model
+        return cfg, init_params(cfg, jax.random.key(seed))
+    if not os.path.isdir(path):
+        raise ConfigError("base_model", f"got {path!r}; directory not found")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        try:
+            cfg, params = load_hf(path)
+        except CheckpointError as e:
+            raise ConfigError("base_model", str(e)) from None
+    else:
+        from twocircuit_jax.sampler.export import ExportError, load_export
+        from twocircuit_jax.config.base import from_dict
+        from twocircuit_jax.config.sections import ModelConfig
+
+        try:
+            mcfg, params = load_export(path)
+        except ExportError as e:
+            raise ConfigError("base_model", f"{path}: neither a Hugging Face dir (no config.json) nor a native "
+                                            f"checkpoint ({e})") from None
+        cfg = from_dict(ModelConfig, mcfg)
+        params = jax.tree.map(jnp.asarray, params)
+    # the run's dtypes win over the checkpoint's
+    cfg = dataclasses.replace(cfg, param_dtype=run_cfg.model.param_dtype, compute_dtype=run_cfg.model.compute_dtype)
+    params = jax.tree.map(lambda a: a.astype(dtype_of(cfg.param_dtype)), params)
+    return cfg, params
+
+
+def load_run_tokenizer(run_cfg):
+    spec = run_cfg.tokenizer
+    if spec in ("", "auto"):
+        spec = run_cfg.base_model
+    try:
+        return load_tokenizer(spec)
+    except (OSError, ValueError) as e:
+        raise ConfigError("tokenizer", str(e)) from None
+
+
+def check_vocab(model_cfg, tokenizer):
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise ConfigError("model.vocab_size", f"got {model_cfg.vocab_size}; the tokenizer has "
+                                              f"{tokenizer.vocab_size} tokens")
+    if model_cfg.eos_token_id != tokenizer.eos_id:
+        return dataclasses.replace(model_cfg, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
+    return model_cfg
+
+
+def make_sampler(run_cfg, model_cfg, params, tokenizer, run_dir: str):
+    """The rollout engine named by `sampler.backend`."""
+    if run_cfg.sampler.backend == "jax":
+        from twocircuit_jax.sampler.jax_sampler import JaxSampler
+
+        return JaxSampler(model_cfg, params, prompt_bucket=run_cfg.train.max_prompt_len)
+    from twocircuit_jax.model.hf_io import save_hf
+    from twocircuit_jax.sampler.vllm_client import VLLMSampler
+
+    # The engine starts from a Hugging Face folder of the run's own initial weights (version 0); every update
+    # after that arrives as an orbax export under `export_dir` and is reloaded in place.
+    model_dir = save_hf(model_cfg, jax.device_get(params), os.path.join(run_dir, "sampler", "model"))
+    export_root = run_cfg.sampler.export_dir or os.path.join(run_dir, "sampler", "exports")
+    T = run_cfg.train.max_prompt_len + run_cfg.sampler.sampling.max_new_tokens
+    return VLLMSampler(run_cfg.sampler, model_dir, export_root, model_cfg, dtype=run_cfg.model.param_dtype,
+                       max_model_len=max(T, 32), log_path=os.path.join(run_dir, "sampler", "sampler.log"))
+
+
+def write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=1)
+    os.replace(tmp, path)
