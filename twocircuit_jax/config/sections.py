@@ -144,6 +144,7 @@ class FastConfig:
     codec_old_logprob: bool = True
     codec_reference: bool = True
     use_kernel: bool = field(default=False, metadata=doc("Pallas kernel instead of the jnp reference; error if it cannot run"))
+    kernel_interpret: bool = field(default=False, metadata=doc("run the Pallas kernels in interpret mode (CPU tests; slow)"))
     # PRF mask
     p: float = field(default=0.95, metadata=doc("masked fraction", "p"))
     exact_k: bool = True

@@ -88,7 +88,7 @@ class GRPOTrainer:
             from twocircuit_jax.fast.circuit import FastCircuit
 
             self.codec = FastCircuit(self.cfg, self.model_cfg, self.mesh)
-            self.ctx["codec"] = self.codec.init_state()
+            self.ctx["codec"] = self.codec.init_state(self.state.params)
         if self.cfg.anchor.enabled:
             from twocircuit_jax.anchor.circuit import AnchorCircuit
 
@@ -103,8 +103,11 @@ class GRPOTrainer:
         step = make_train_step(loss_fn, self.optimizer, grad_fn=grad_fn, grad_transform=grad_transform,
                                skip_nonfinite=cfg.train.skip_nonfinite)
         rep = pmesh.replicated(mesh)
-        self.train_step = jax.jit(step, in_shardings=(self.state_sh, None, rep), out_shardings=(self.state_sh, rep),
-                                  donate_argnums=(0,))
+        # PowerSGD's error memory is split over dp and leaves the step in metrics: free shardings keep it in place
+        # (forcing `rep` would all-gather it every tick).
+        ctx_sh = None if grad_fn is not None else rep
+        self.train_step = jax.jit(step, in_shardings=(self.state_sh, None, ctx_sh),
+                                  out_shardings=(self.state_sh, ctx_sh), donate_argnums=(0,))
         self.logp_old = jax.jit(make_logp_fn(self.model_cfg, codec, OLD))
         self.logp_ref = jax.jit(make_logp_fn(self.model_cfg, codec, REF))
 
@@ -211,8 +214,9 @@ class GRPOTrainer:
                 self.state, m = self.train_step(self.state, mb, self.ctx)
                 m = dict(m)
                 aux = m.pop("codec/aux", None)
-                if self.codec and aux is not None:
-                    self.ctx["codec"] = self.codec.after_tick(self.ctx["codec"], aux)
+                new_codec = m.pop("codec/new_state", None)  # PowerSGD state after this tick's reduce
+                if self.codec and (aux is not None or new_codec is not None):
+                    self.ctx["codec"] = self.codec.after_tick(self.ctx["codec"], aux, new_codec)
                 if self.anchor:
                     self.state, self.ctx, sm = self.anchor.after_tick(tau, self.state, self.ctx, m)
                     m.update(sm)
