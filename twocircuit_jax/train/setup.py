@@ -72,11 +72,12 @@ def make_sampler(run_cfg, model_cfg, params, tokenizer, run_dir: str):
 
         return JaxSampler(model_cfg, params, prompt_bucket=run_cfg.train.max_prompt_len)
     from twocircuit_jax.model.hf_io import save_hf
-    from twocircuit_jax.sampler.vllm_client import VLLMSampler
+    from twocircuit_jax.sampler.vllm_client import VLLMSampler, untie_for_vllm
 
     # The engine starts from a Hugging Face folder of the run's own initial weights (version 0); every update
     # after that arrives as an orbax export under `export_dir` and is reloaded in place.
-    model_dir = save_hf(model_cfg, jax.device_get(params), os.path.join(run_dir, "sampler", "model"))
+    model_cfg, params = untie_for_vllm(model_cfg, jax.device_get(params))
+    model_dir = save_hf(model_cfg, params, os.path.join(run_dir, "sampler", "model"))
     export_root = run_cfg.sampler.export_dir or os.path.join(run_dir, "sampler", "exports")
     T = run_cfg.train.max_prompt_len + run_cfg.sampler.sampling.max_new_tokens
     return VLLMSampler(run_cfg.sampler, model_dir, export_root, model_cfg, dtype=run_cfg.model.param_dtype,
