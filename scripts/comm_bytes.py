@@ -1,0 +1,137 @@
+"""Bytes per GRPO step of a config, from shapes alone: no weights, no accelerator (SPEC §3.6, §8 inv. 9).
+
+    python scripts/comm_bytes.py --config FILE [--set key=value ...] [--devices 8]
+
+Compiles the train step ahead of time for the config's mesh on `--devices` fake CPU devices (ShapeDtypeStructs
+only), sums the operand bytes of every collective in the compiled program (the dp gradient reduction, plus, for a
+fast-owned low-rank basis, the sketch sums, plus the loss's scalar reductions), and does the same for the dense
+twin of the config (fast.codec=none, fast.grad_codec=none). The boundary activations are not a collective here:
+the pipeline is emulated inside one program, so their bytes are the logical §3.6 wire bytes of fast/bytes.py.
+Both sides are per replica and per step (ticks_per_step x ppo_epochs train forwards). Last line:
+    dense_bytes=D compressed_bytes=C ratio=R
+Note: XLA:CPU widens bf16 collectives to f32, so bf16 parameters are counted at 4 bytes on both sides.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+
+def _setup_devices(n: int):
+    if "jax" not in sys.modules:  # the flag only works before jax initialises its backends
+        os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={n}")
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _batch_shapes(cfg):
+    import jax
+    import jax.numpy as jnp
+    t, s = cfg.train, cfg.sampler
+    B, T = t.mini_batch * s.n, t.max_prompt_len + s.sampling.max_new_tokens
+    f = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt)  # noqa: E731
+    b = {"tokens": f((B, T), jnp.int32), "attention_mask": f((B, T), jnp.int32),
+         "response_mask": f((B, T), jnp.float32), "sampler_logp": f((B, T), jnp.float32),
+         "advantages": f((B,), jnp.float32), "sample_id": f((B,), jnp.int32), "old_logp": f((B, T), jnp.float32)}
+    if cfg.grpo.kl_coef > 0:
+        b["ref_logp"] = f((B, T), jnp.float32)
+    return b
+
+
+def measure(cfg, devices) -> dict:
+    """Compile one tick's train step for `cfg`; return HLO collective bytes and logical activation bytes."""
+    import jax
+    import jax.numpy as jnp
+
+    from twocircuit_jax.fast import bytes as fbytes
+    from twocircuit_jax.fast.circuit import FastCircuit
+    from twocircuit_jax.model.qwen2 import init_params
+    from twocircuit_jax.parallel import mesh as pmesh
+    from twocircuit_jax.train.grpo_step import make_grpo_loss
+    from twocircuit_jax.train.step import init_state, make_optimizer, make_train_step, state_shardings
+
+    model_cfg = cfg.model
+    mesh = pmesh.make_mesh(cfg.mesh, devices)
+    opt = make_optimizer(cfg.optim)
+    params = jax.eval_shape(lambda: init_params(model_cfg, jax.random.key(0)))
+    state = jax.eval_shape(lambda p: init_state(p, opt), params)
+    state_sh = state_shardings(state, mesh)
+    on = cfg.fast.codec != "none" or cfg.fast.grad_codec != "none"
+    circuit = FastCircuit(cfg, model_cfg, mesh) if on else None
+    ctx = {"step": jax.ShapeDtypeStruct((), jnp.int32)}
+    if circuit:
+        ctx["codec"] = jax.eval_shape(circuit.init_state, params)
+    act_codec = circuit if (circuit and circuit.has_activation_codec) else None
+    loss_fn = make_grpo_loss(model_cfg, cfg.grpo, cfg.sampler.sampling.max_new_tokens, act_codec)
+    grad_fn = circuit.grad_fn(state_sh.params) if circuit else None
+    step = make_train_step(loss_fn, opt, grad_fn=grad_fn, skip_nonfinite=cfg.train.skip_nonfinite)
+    batch = _batch_shapes(cfg)
+    rep = pmesh.replicated(mesh)
+    if grad_fn is not None:  # PowerSGD's error memory lives split over dp, as in the loop
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from twocircuit_jax.fast.powersgd import state_specs
+        ctx_sh = {"step": rep, "codec": {k: jax.tree.map(lambda _: rep, v) for k, v in ctx["codec"].items()}}
+        specs = state_specs(ctx["codec"]["powersgd"], pmesh.BATCH_AXES)
+        ctx_sh["codec"]["powersgd"] = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                                                   is_leaf=lambda x: isinstance(x, P))
+        out_sh = (state_sh, None)
+    else:
+        ctx_sh = jax.tree.map(lambda _: rep, ctx)
+        out_sh = (state_sh, rep)
+    jitted = jax.jit(step, in_shardings=(state_sh, pmesh.batch_shardings(batch, mesh), ctx_sh),
+                     out_shardings=out_sh, donate_argnums=(0,))
+    hlo = jitted.lower(state, batch, ctx).compile().as_text()
+    coll = fbytes.collective_bytes_from_hlo(hlo)
+    ticks = cfg.ticks_per_step * cfg.train.ppo_epochs
+    from twocircuit_jax.fast.boundaries import boundary_layers
+    b = boundary_layers(model_cfg.num_layers, cfg.fast.pp_size)
+    tokens = cfg.train.mini_batch * cfg.sampler.n * (cfg.train.max_prompt_len + cfg.sampler.sampling.max_new_tokens)
+    act = fbytes.activation_bytes(cfg.fast, tokens=tokens, hidden=model_cfg.hidden_size, boundaries=b) if b \
+        else {"comm/bytes_compressed": 0.0, "comm/bytes_dense": 0.0}
+    return {"collective_bytes": coll["total"] * ticks, "collective_counts": coll["counts"],
+            "act_compressed": act["comm/bytes_compressed"] * ticks, "act_dense": act["comm/bytes_dense"] * ticks,
+            "ticks": ticks, "dp": pmesh.dp_size(mesh)}
+
+
+def dense_twin(cfg):
+    return dataclasses.replace(cfg, fast=dataclasses.replace(cfg.fast, codec="none", grad_codec="none",
+                                                            use_kernel=False))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--devices", type=int, default=8, help="fake CPU devices (only before jax is imported)")
+    args = ap.parse_args(argv)
+    _setup_devices(args.devices)
+    import jax
+
+    from twocircuit_jax.config.base import ConfigError
+    from twocircuit_jax.config.run import load_config
+
+    try:
+        cfg = load_config(args.config, args.set)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if len(jax.devices()) < args.devices:
+        print(f"error: --devices {args.devices}, but jax has {len(jax.devices())} (set it before importing jax)",
+              file=sys.stderr)
+        return 2
+    devices = jax.devices()[: args.devices]
+    comp = measure(cfg, devices)
+    dense = measure(dense_twin(cfg), devices)
+    for name, r in (("dense", dense), ("config", comp)):
+        print(f"{name}: dp={r['dp']} ticks/step={r['ticks']} hlo_collective_bytes={r['collective_bytes']:.0f} "
+              f"counts={ {k: v for k, v in r['collective_counts'].items() if v} } "
+              f"boundary_bytes={r['act_compressed']:.0f} (dense-equivalent {r['act_dense']:.0f})")
+    D = dense["collective_bytes"] + dense["act_dense"]
+    C = comp["collective_bytes"] + comp["act_compressed"]
+    print(f"dense_bytes={D:.0f} compressed_bytes={C:.0f} ratio={C / D:.6f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
