@@ -230,6 +230,9 @@ class AnchorConfig:
         require(2 <= self.min_snapshots <= self.window, "min_snapshots", f"got {self.min_snapshots}; allowed 2..window")
         require(self.swap_cadence >= 0, "swap_cadence", f"got {self.swap_cadence}; must be >= 0 (0 = off)")
         require(0 <= self.swap_alpha <= 1, "swap_alpha", f"got {self.swap_alpha}; allowed [0, 1]")
+        require(0 <= self.swap_beta1 < 1, "swap_beta1", f"got {self.swap_beta1}; allowed [0, 1)")
+        require(0 <= self.swap_beta2 < 1, "swap_beta2", f"got {self.swap_beta2}; allowed [0, 1)")
+        require(self.strength >= 0, "strength", f"got {self.strength}; must be >= 0")
         if self.projection and self.enabled:
             require(self.replay_paired_batch, "projection", "projection needs replay_paired_batch: true")
             require(self.merger != "none", "projection", "projection needs a merger (anchor.merger != none)")

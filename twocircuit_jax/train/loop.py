@@ -93,6 +93,7 @@ class GRPOTrainer:
             from twocircuit_jax.anchor.circuit import AnchorCircuit
 
             self.anchor = AnchorCircuit(self.cfg, self.model_cfg, self.state.params)
+            self.ctx.update(self.anchor.init_ctx())  # merger keys exist from tick 1: the step compiles once
 
     def _compile(self):
         cfg, mesh = self.cfg, self.mesh

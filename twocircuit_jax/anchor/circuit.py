@@ -1,0 +1,229 @@
+"""The anchor circuit in the GRPO loop (SPEC §2 step 4, §4): fire, merger, rank-1 projection, optimizer swap.
+
+The loop calls, per tick τ: `before_tick` (snapshot/retain/fire, host side) → the jitted train step, whose
+`grad_transform` applies the merger → `after_tick` (merger state out of the step, optimizer-state swap). The
+anchor never reads live trainer parameters for its gradient: a fire runs on a host snapshot (the delayed paired
+one, or a rank-1 forecast built only from exact delayed snapshots), and the trainer state is never written by a
+fire. It has no optimizer, sampler or task handle, so `anchor/{optimizer_steps, rollouts_generated,
+rewards_recomputed}` are structurally 0.
+
+Device state: the merger state lives in ctx["merger"] (replicated: it round-trips through the train step's
+replicated metrics, and one fixed sharding keeps the step compiled once); the anchor moments (swap only) are
+sharded like the parameters. Resume: counters, M and the moments are checkpointed; retained batches, host
+snapshots and the projection window are not — after a resume the buffer refills (the first fires replay the
+oldest retained batch, without the delay assertion) and the projection window restarts from a new base.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from twocircuit_jax.anchor.loss import make_anchor_grad
+from twocircuit_jax.anchor.merger import init_merger, merge, path_str, update_ema
+from twocircuit_jax.anchor.projection import SnapshotWindow
+from twocircuit_jax.anchor.retention import ReplayBuffer, host_snapshot
+from twocircuit_jax.anchor.swap import init_anchor_moments, swap_optimizer_moments, update_anchor_moments
+from twocircuit_jax.config.base import ConfigError
+
+MERGER_STATE_KEY = "anchor/merger_state"  # carries the merger state out of the jitted step; popped in after_tick
+_ZERO_COUNTERS = ("anchor/optimizer_steps", "anchor/rollouts_generated", "anchor/rewards_recomputed")
+
+
+class AnchorCircuit:
+    def __init__(self, run_cfg, model_cfg, params):
+        a = self.cfg = run_cfg.anchor
+        if a.batch_scope != "ppo_minibatch":
+            raise ConfigError("anchor.batch_scope", "only ppo_minibatch replay is implemented")
+        if a.warmup_mode != "stale_correct":
+            raise ConfigError("anchor.warmup_mode", "only stale_correct is implemented (q_only needs an "
+                                                    "anchor-owned low-rank basis)")
+        self.grpo = run_cfg.grpo
+        self.param_sh = jax.tree.map(lambda x: x.sharding, params)
+        self.rep = NamedSharding(jax.tree.leaves(self.param_sh)[0].mesh, P())
+        self.dtype = model_cfg.param_dtype  # the sampler's dtype: snapshots are exactly the generating weights
+        self.tps = run_cfg.ticks_per_step * run_cfg.train.ppo_epochs
+        self.buffer = ReplayBuffer(a.cadence, a.delay, self.dtype, ticks_per_step=self.tps)
+        self.window = SnapshotWindow.from_config(a) if a.projection else None
+        self.merger_on = a.merger != "none"
+        self._batch_keys = ["tokens", "attention_mask", "response_mask", "advantages"]
+        self._batch_keys += ["ref_logp"] if run_cfg.grpo.kl_coef > 0 else []
+        self._batch_keys += ["is_weight"] if run_cfg.grpo.tis != "off" else []
+        # Carry of the fire: merger state (replicated) and anchor moments (sharded like params; swap only).
+        by_path = {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(self.param_sh)[0]}
+        self.moments, self.mom_sh = None, None
+        if a.swap_cadence > 0:
+            mom = jax.eval_shape(lambda: init_anchor_moments(params, a.target_scope))
+            self.mom_sh = type(mom)(m={k: by_path[k] for k in mom.m}, v={k: by_path[k] for k in mom.v},
+                                    fired=self.rep)
+            # Built by a jitted init so that m, v (and δ below) are distinct buffers: the fire donates them.
+            self.moments = jax.jit(lambda: init_anchor_moments(params, a.target_scope), out_shardings=self.mom_sh)()
+        self._merger0 = jax.jit(lambda: init_merger(params, a), out_shardings=self.rep)() if self.merger_on else None
+        grad_fn = make_anchor_grad(model_cfg, run_cfg.grpo, run_cfg.sampler.sampling.max_new_tokens)
+        carry_sh = {"merger": self.rep, "moments": self.mom_sh}
+        # One jitted dense forward/backward (+ EMA and moment updates), compiled once: fixed batch keys/shapes,
+        # snapshot params put on the parameter shardings. The carry is donated; the trainer state is not an input.
+        self._fire_jit = jax.jit(functools.partial(self._fire_fn, grad_fn), in_shardings=(self.param_sh, None, carry_sh),
+                                 out_shardings=(carry_sh, self.rep), donate_argnums=(2,))
+        self._swap_jit = None
+        self.fires = self.swaps = self.rank1_bypass_ticks = self.warmup_fires = 0
+        self.anchor_rows = self.fast_rows = 0
+        self._gen_tick = None
+        self._merger_ref = self._merger0  # the latest merger state handed to ctx (for the per-step counters)
+        self._step: dict = {"fire_ticks": [], "rhos": [], "replays": []}
+
+    # --- ctx and the jitted pieces ------------------------------------------------------------------------------
+    def init_ctx(self) -> dict:
+        """ctx keys the jitted train step sees from the first tick on (fixed structure: no recompile)."""
+        if not self.merger_on:
+            return {}
+        return {"merger": self._merger0, "anchor_fire": jnp.asarray(False), "anchor_merge": jnp.asarray(True)}
+
+    def _fire_fn(self, grad_fn, params, batch, carry):
+        grads, metrics = grad_fn(params, batch)
+        out = dict(carry)
+        if carry.get("merger") is not None:
+            out["merger"] = update_ema(carry["merger"], grads, self.cfg)
+        if carry.get("moments") is not None:
+            out["moments"] = update_anchor_moments(carry["moments"], grads, self.cfg.swap_beta1, self.cfg.swap_beta2)
+        return out, metrics
+
+    def grad_transform(self, grads, ctx):
+        """Traced inside the train step, before clip/AdamW. lax.cond: until M exists (or off the merger cadence)
+        only the identity branch runs, so the merger costs nothing before the first fire."""
+        if not self.merger_on:
+            return grads, {}
+        st, fire = ctx["merger"], ctx["anchor_fire"]
+
+        def on(_):
+            return merge(st, grads, self.cfg, fire)
+
+        def off(_):
+            shapes = jax.eval_shape(on, None)[2]
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            return grads, st, zeros
+
+        g, st_new, metrics = jax.lax.cond(ctx["anchor_merge"] & (st.fired > 0), on, off, None)
+        metrics = dict(metrics)
+        metrics.pop("merger/coldM_fallbacks", None)  # cumulative: reported per step from the state instead
+        metrics[MERGER_STATE_KEY] = st_new
+        return g, metrics
+
+    # --- per tick -----------------------------------------------------------------------------------------------
+    def before_tick(self, tau, gs, first_tick_of_step, minibatch, state, ctx):
+        a = self.cfg
+        batch = {k: minibatch[k] for k in self._batch_keys}
+        rows = int(batch["tokens"].shape[0])
+        self.fast_rows += rows
+        if first_tick_of_step:
+            self._gen_tick = tau
+            if self.window is not None and not self.window.ticks:  # base = first generator snapshot (host copy)
+                self.window.add_base(tau, host_snapshot(state.params, self.buffer.dtype))
+        # Snapshot on the step's first tick (a params-sized device→host copy, host sync), retain if due.
+        self.buffer.on_tick(tau, gs, batch, params=lambda: state.params)
+        metrics = {}
+        fire = tau % a.cadence == 0
+        if fire:
+            ctx, metrics = self._fire(tau, batch, rows, ctx)
+        if self.merger_on:
+            if not self.fires:
+                self.rank1_bypass_ticks += int(a.projection)  # M not ready: the merger bypasses this tick
+            ctx = {**ctx, "anchor_fire": jnp.asarray(fire), "anchor_merge": jnp.asarray(tau % a.merger_cadence == 0)}
+        return ctx, metrics
+
+    def _fire(self, tau, batch, rows, ctx):
+        """One dense forward/backward on the delayed pair (or the forecast with the current batch)."""
+        rep = self.buffer.replay_for_fire(tau)  # raises on broken delay/staleness or a changed snapshot
+        weights, fire_batch, metrics = rep.params, rep.batch, {}
+        window = None
+        if self.window is not None:
+            window = copy.copy(self.window)  # a shallow trial copy: a raising forecast leaves the window as it was
+            window._ticks, window._snaps = list(self.window._ticks), list(self.window._snaps)
+            window.add_exact(rep.snapshot_tick, rep.params)
+            if window.ready:
+                weights, r1 = window.forecast(self._gen_tick, self.cfg.strength)  # FloatingPointError if non-finite
+                fire_batch = batch  # the current tick's batch, generated by the weights at _gen_tick
+                metrics.update(r1)
+            else:
+                self.warmup_fires += 1
+        carry = {"merger": ctx.get("merger"), "moments": self.moments}
+        dev = jax.device_put(weights, self.param_sh)  # host → device, params-sized
+        carry, fm = self._fire_jit(dev, fire_batch, carry)
+        # Nothing above may fail after this point: state changes only now.
+        if window is not None:
+            self.window = window
+        self.moments = carry["moments"]
+        if self.merger_on:
+            ctx = {**ctx, "merger": carry["merger"]}
+            self._merger_ref = carry["merger"]
+        self.fires += 1
+        self.anchor_rows += int(fire_batch["tokens"].shape[0])
+        self._step["fire_ticks"].append(tau)
+        self._step["replays"].append((rep.data_delay, rep.weight_staleness))
+        metrics.update(fm)
+        return ctx, metrics
+
+    def after_tick(self, tau, state, ctx, metrics):
+        """Pops the merger state out of the step's metrics (mutates `metrics`), then swaps if due."""
+        st = metrics.pop(MERGER_STATE_KEY, None)
+        if st is not None:
+            ctx = {**ctx, "merger": st}
+            self._merger_ref = st
+        out = {}
+        a = self.cfg
+        if a.swap_cadence > 0 and tau % a.swap_cadence == 0 and self.fires > 0:
+            if self._swap_jit is None:  # built once, with the trainer's own opt-state shardings
+                opt_sh = jax.tree.map(lambda x: x.sharding, state.opt_state)
+                fn = functools.partial(swap_optimizer_moments, alpha=a.swap_alpha, scale_match=a.swap_scale_match,
+                                       mode=a.swap_mode)
+                self._swap_jit = jax.jit(fn, in_shardings=(opt_sh, self.mom_sh), out_shardings=(opt_sh, self.rep),
+                                         donate_argnums=(0,))
+            opt, sm = self._swap_jit(state.opt_state, self.moments)
+            state = state._replace(opt_state=opt)
+            self.swaps += 1
+            self._step["rhos"].append(sm["swap/rho"])
+            out["swap/applied"] = sm["swap/applied"]
+        return state, ctx, out
+
+    # --- reporting and resume -----------------------------------------------------------------------------------
+    def step_metrics(self) -> dict:
+        """Per GRPO step; resets the per-step accumulators. Reading ρ is a host sync (once per step)."""
+        s = self._step
+        out = {"anchor/fires": self.fires, "anchor/backwards": self.fires, "anchor/fire": float(bool(s["fire_ticks"])),
+               "anchor/rank1_bypass_ticks": self.rank1_bypass_ticks, "anchor/rank1_warmup_fires": self.warmup_fires,
+               "anchor/batch_fraction": self.anchor_rows / max(self.fast_rows, 1),
+               "anchor/retained_batches": self.buffer.num_batches, "anchor/retained_snapshots": self.buffer.num_snapshots,
+               **{k: 0 for k in _ZERO_COUNTERS}}
+        if self._merger_ref is not None:
+            out["anchor/merger_coldM_fallbacks"] = int(self._merger_ref.cold_m_fallbacks)
+        if s["fire_ticks"]:
+            out["anchor/fire_tick"] = s["fire_ticks"][-1]
+            out["anchor/data_delay"] = float(np.mean([d for d, _ in s["replays"]]))
+            out["anchor/weight_staleness"] = float(np.mean([w for _, w in s["replays"]]))
+        if self.cfg.swap_cadence > 0:
+            out["swap/count"] = self.swaps
+            if s["rhos"]:
+                out["swap/rho"] = float(np.mean([float(r) for r in s["rhos"]]))
+        self._step = {"fire_ticks": [], "rhos": [], "replays": []}
+        return out
+
+    def device_state(self) -> dict:
+        """What to checkpoint beside ctx (which already holds the merger state): the anchor moments."""
+        return {"moments": self.moments} if self.moments is not None else {"none": jnp.zeros((), jnp.int32)}
+
+    def host_state(self) -> dict:
+        return {"fires": self.fires, "swaps": self.swaps, "rank1_bypass_ticks": self.rank1_bypass_ticks,
+                "warmup_fires": self.warmup_fires, "anchor_rows": self.anchor_rows, "fast_rows": self.fast_rows}
+
+    def load(self, device_state, host_state):
+        if device_state and "moments" in device_state and self.moments is not None:
+            self.moments = jax.device_put(device_state["moments"], self.mom_sh)
+        h = host_state or {}
+        self.fires, self.swaps = int(h.get("fires", 0)), int(h.get("swaps", 0))
+        self.rank1_bypass_ticks = int(h.get("rank1_bypass_ticks", 0))
+        self.warmup_fires = int(h.get("warmup_fires", 0))
+        self.anchor_rows, self.fast_rows = int(h.get("anchor_rows", 0)), int(h.get("fast_rows", 0))

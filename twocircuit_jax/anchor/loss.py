@@ -1,0 +1,65 @@
+"""The anchor's loss (SPEC §4.3) and its one dense forward/backward.
+
+L = agg(−A·r·w_IS) + kl_coef·agg(KL(log π ‖ ℓ_ref)) − entropy_coeff·agg(H), with r = exp(log π − sg(log π)) ≡ 1:
+the ratio-one policy gradient (∇L_pg = −A·∇log π·w_IS), no old log-probs, no clip. Same aggregation as the fast
+loss (`grpo.loss_agg`, this batch's token count, `norm_len` = the response limit). Path tag `dense`: no codec hook
+is ever installed, so the anchor sees the exact policy of the weights it is handed.
+
+ℓ_ref and w_IS are read from the replayed batch (computed when the fast circuit first scored it), so a fire is
+exactly one forward and one backward; nothing is re-sampled or re-scored.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from twocircuit_jax.grpo.loss import agg_loss, kl_penalty, token_entropy, token_logprobs
+from twocircuit_jax.model.qwen2 import forward_with_aux
+
+DENSE = "dense"  # SPEC §3.1 path tag of the anchor pass
+
+
+def anchor_loss(model_cfg, grpo_cfg, max_new_tokens: int, params, batch):
+    """(loss scalar, metrics) of the dense anchor pass on `batch` (tokens, attention_mask, response_mask,
+    advantages; ref_logp when kl_coef > 0; is_weight when TIS is on)."""
+    logits, _ = forward_with_aux(model_cfg, params, batch["tokens"], batch["attention_mask"], hook=None,
+                                 hook_layers=())
+    logp = token_logprobs(logits, batch["tokens"])                                     # [B, T] fp32
+    mask = batch["response_mask"].astype(jnp.float32)
+    count = jnp.maximum(jnp.sum(mask), 1.0)
+    adv = jax.lax.stop_gradient(batch["advantages"].astype(jnp.float32))[:, None]      # [B, 1]
+    ratio = jnp.exp(logp - jax.lax.stop_gradient(logp))                                # ≡ 1, carries ∇log π
+    pg = -adv * ratio
+    if batch.get("is_weight") is not None:
+        pg = pg * jax.lax.stop_gradient(batch["is_weight"].astype(jnp.float32))
+    agg = dict(norm_len=max_new_tokens)
+    pg_loss = agg_loss(pg, mask, grpo_cfg.loss_agg, **agg)
+    loss = pg_loss
+    kl_loss = jnp.zeros((), jnp.float32)
+    if grpo_cfg.kl_coef > 0:
+        if "ref_logp" not in batch:
+            raise ValueError(f"grpo.kl_coef={grpo_cfg.kl_coef} but the replayed batch has no ref_logp")
+        ref = jax.lax.stop_gradient(batch["ref_logp"].astype(jnp.float32))
+        kl_mat = kl_penalty(logp, jnp.where(mask > 0, ref, logp), grpo_cfg.kl_estimator)
+        kl_loss = agg_loss(kl_mat, mask, grpo_cfg.loss_agg, **agg)
+        loss = loss + grpo_cfg.kl_coef * kl_loss
+    ent = token_entropy(logits if grpo_cfg.entropy_coeff != 0 else jax.lax.stop_gradient(logits))
+    if grpo_cfg.entropy_coeff != 0:
+        loss = loss - grpo_cfg.entropy_coeff * agg_loss(ent, mask, grpo_cfg.loss_agg, **agg)
+    metrics = {"anchor/pg_loss": pg_loss, "anchor/kl_loss": kl_loss,
+               "anchor/ratio_mean": jnp.sum(ratio * mask) / count,
+               "anchor/entropy": jnp.sum(ent * mask) / count, "anchor/loss": loss}
+    return loss, metrics
+
+
+def make_anchor_grad(model_cfg, grpo_cfg, max_new_tokens: int):
+    """(params, batch) -> (grads, metrics): one dense forward and backward; XLA inserts the `dp` mean."""
+
+    def fn(params, batch):
+        (_, metrics), grads = jax.value_and_grad(
+            lambda p: anchor_loss(model_cfg, grpo_cfg, max_new_tokens, p, batch), has_aux=True)(params)
+        metrics["anchor/grad_norm"] = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32)))
+                                                   for g in jax.tree.leaves(grads)))
+        return grads, metrics
+
+    return fn
