@@ -1,0 +1,159 @@
+"""FastCircuit wiring (SPEC §2, §3.1, §3.6): boundaries, tags, bad configs, kernel refusal, mask identity across
+paths, the low-rank basis life cycle, per-step byte metrics against fast/bytes.py."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from twocircuit_jax.config.base import ConfigError
+from twocircuit_jax.config.run import load_config
+from twocircuit_jax.fast import bytes as fbytes
+from twocircuit_jax.fast import lowrank as lr
+from twocircuit_jax.fast.boundaries import boundary_layers
+from twocircuit_jax.fast.circuit import DENSE, OLD, REF, TRAIN, FastCircuit
+from twocircuit_jax.model.qwen2 import default_positions, init_params
+from twocircuit_jax.parallel.mesh import make_mesh
+
+TINY = {"model": {"vocab_size": 100, "hidden_size": 32, "num_layers": 4, "num_heads": 2, "num_kv_heads": 1,
+                  "head_dim": 16, "intermediate_size": 64},
+        "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
+        "fast": {"codec": "prf_mask", "pp_size": 4, "rank": 3},
+        "train": {"train_batch": 4, "mini_batch": 2, "max_prompt_len": 12}}
+
+
+def cfg_with(**fast):
+    data = dict(TINY, fast=dict(TINY["fast"], **fast))
+    return load_config(data=data)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return make_mesh(load_config(data=TINY).mesh)
+
+
+def circuit(mesh, **fast):
+    cfg = cfg_with(**fast)
+    return FastCircuit(cfg, cfg.model, mesh)
+
+
+def test_boundaries():
+    assert boundary_layers(28, 8) == (3, 7, 11, 15, 18, 21, 24)
+    assert boundary_layers(16, 8) == (1, 3, 5, 7, 9, 11, 13)
+    assert boundary_layers(4, 4) == (0, 1, 2) and boundary_layers(4, 1) == ()
+    with pytest.raises(ValueError, match="fast.pp_size"):
+        boundary_layers(4, 5)
+
+
+@pytest.mark.parametrize("override,field", [
+    ({"p": 1.0}, "fast.p"), ({"p": -0.1}, "fast.p"),
+    ({"codec": "lowrank", "rank": 32}, "fast.rank"),
+    ({"pp_size": 5}, "fast.pp_size"),
+    ({"codec": "foo"}, "fast.codec"), ({"grad_codec": "bar"}, "fast.grad_codec"),
+])
+def test_bad_config_names_field(override, field):
+    with pytest.raises(ConfigError) as e:
+        cfg_with(**override)
+    assert e.value.path == field, str(e.value)
+
+
+def test_kernel_on_cpu_without_interpret_is_an_error(mesh):
+    with pytest.raises(ConfigError) as e:
+        circuit(mesh, use_kernel=True)
+    assert e.value.path == "fast.use_kernel" and "no silent fallback" in str(e.value)
+    with pytest.raises(ConfigError, match="sr_quant has no Pallas kernel"):
+        circuit(mesh, codec="sr_quant", use_kernel=True, kernel_interpret=True)
+    assert circuit(mesh, use_kernel=True, kernel_interpret=True).interpret  # explicit interpret mode is allowed
+
+
+def test_tags(mesh):
+    c = circuit(mesh, codec_reference=False)
+    assert c.boundaries == (0, 1, 2) and c.has_activation_codec
+    assert c.applies(TRAIN) and c.applies(OLD) and not c.applies(REF) and not c.applies(DENSE)
+    ids, pos, am = jnp.arange(2), jnp.zeros((2, 3), jnp.int32), jnp.ones((2, 3), jnp.int32)
+    for tag in (DENSE, REF):
+        with pytest.raises(ValueError, match="no codec may act"):
+            c.hook(c.init_state(), tag, 0, ids, pos, am)
+    off = circuit(mesh, codec="none")
+    assert not off.has_activation_codec and not off.applies(TRAIN) and off.grad_fn(None) is None
+
+
+def _batch(B=4, T=10, pad=3):
+    am = np.ones((B, T), np.int32)
+    am[1, :pad] = 0
+    return jnp.arange(B, dtype=jnp.int32) + 5, jnp.asarray(am)
+
+
+@pytest.mark.parametrize("codec", ["prf_mask", "sr_quant", "lowrank"])
+def test_same_bits_on_every_path(mesh, codec):
+    """The old-log-prob, train and reference hooks are the same function of (gs, sample_id, position)."""
+    c = circuit(mesh, codec=codec)
+    ids, am = _batch()
+    pos = default_positions(am)
+    h = jax.random.normal(jax.random.PRNGKey(1), (4, 10, 32))
+    st = c.init_state()
+    outs = []
+    for tag in (OLD, TRAIN, REF):
+        fn, layers = jax.jit(lambda s, i, p, a, x, tag=tag: c.hook(s, tag, 7, i, p, a)[0](1, x))(st, ids, pos, am, h)
+        outs.append(np.asarray(fn))
+    assert outs[0].tobytes() == outs[1].tobytes() == outs[2].tobytes()
+    assert not np.array_equal(outs[0], np.asarray(h))  # the codec did act
+    # another step key changes the prf bits (lowrank is key-free)
+    other = np.asarray(c.hook(st, TRAIN, 8, ids, pos, am)[0](1, h)[0])
+    assert np.array_equal(other, outs[0]) == (codec == "lowrank")
+
+
+def test_summarize_keys(mesh):
+    c = circuit(mesh)
+    aux = {b: {"mask_ratio": jnp.float32(0.9), "recon_rel_err": jnp.float32(b)} for b in c.boundaries}
+    m = c.summarize(aux)
+    assert float(m["codec/mask_ratio"]) == pytest.approx(0.9)
+    assert float(m["codec/recon_rel_err"]) == pytest.approx(1.0)
+    assert float(m["codec/recon_rel_err/2"]) == 2.0 and "codec/mask_ratio/0" in m
+    assert all(jnp.ndim(v) == 0 for v in m.values())
+
+
+def test_lowrank_basis_never_changes_mid_step(mesh):
+    c = circuit(mesh, codec="lowrank")
+    assert c.owns_basis
+    st = c.init_state()
+    Q0 = {b: np.asarray(q) for b, q in st["lowrank"].Q.items()}
+    ids, am = _batch()
+    h = jax.random.normal(jax.random.PRNGKey(2), (4, 10, 32))
+    fn, layers = c.hook(st, TRAIN, 1, ids, default_positions(am), am)
+    aux = {b: fn(b, h)[1] for b in layers}
+    for _ in range(2):  # two ticks: sketches accumulate, Q untouched
+        st = c.after_tick(st, aux)
+        assert all(np.array_equal(np.asarray(st["lowrank"].Q[b]), Q0[b]) for b in layers)
+    staged = c.stage_basis(st, {b: -q for b, q in st["lowrank"].Q.items()})
+    with pytest.raises(RuntimeError, match="only after the step's last mini-batch"):
+        c.activate_basis(staged)
+    st, m = c.end_step(st, 1)
+    assert m["codec/q_updates"] == 1 and m["codec/q_activations"] == 1 and m["codec/steps"] == 1
+    assert not all(np.array_equal(np.asarray(st["lowrank"].Q[b]), Q0[b]) for b in layers)
+    assert m["codec/basis_cond"] == pytest.approx(1.0, abs=1e-4) and "codec/basis_cond/1" in m
+    st, m = c.end_step(st, 2)  # a step without sketches stages nothing: counters advance once per step at most
+    assert m["codec/q_updates"] == 1 and m["codec/q_activations"] == 1 and m["codec/steps"] == 2
+
+
+@pytest.mark.parametrize("fast", [{"codec": "prf_mask"}, {"codec": "lowrank"}, {"codec": "sr_quant"},
+                                  {"codec": "none", "grad_codec": "powersgd", "start_after": 0},
+                                  {"codec": "prf_mask", "p": 0.5, "exact_k": False}])
+def test_step_bytes_match_formulas(mesh, fast):
+    c = circuit(mesh, **fast)
+    model = c.model_cfg
+    params = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
+    st = c.init_state(params)
+    if "powersgd" in st:
+        st["powersgd"] = st["powersgd"]._replace(step=jnp.asarray(5, jnp.int32))
+    _, m = c.end_step(st, 1)
+    ticks = 2  # train_batch 4 / mini_batch 2
+    tokens = 2 * 4 * (12 + 4)
+    act = fbytes.activation_bytes(c.fcfg, tokens=tokens, hidden=32, boundaries=(0, 1, 2))
+    grad = fbytes.grad_allreduce_bytes(params, c.fcfg)
+    comp = ticks * (act["comm/bytes_compressed"] + grad["comm/bytes_compressed"])
+    dense = ticks * (act["comm/bytes_dense"] + grad["comm/bytes_dense"])
+    assert m["comm/bytes_compressed"] == pytest.approx(comp)
+    assert m["comm/bytes_dense"] == pytest.approx(dense)
+    assert m["comm/bytes_ratio"] == pytest.approx(comp / dense) and m["comm/bytes_ratio"] < 1
