@@ -1,0 +1,220 @@
+"""The anchor circuit without the loop (tests/test_anchor_loop.py runs it through the CLI): purity, snapshot
+reads, non-finite forecasts, retention bound, disabled = absent, merger identities, and the config rules."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import yaml
+
+from twocircuit_jax.anchor.circuit import AnchorCircuit
+from twocircuit_jax.config import load_config
+from twocircuit_jax.config.base import ConfigError
+from twocircuit_jax.model.qwen2 import init_params
+from twocircuit_jax.parallel import mesh as pmesh
+from twocircuit_jax.train.grpo_step import OLD, make_grpo_loss, make_logp_fn
+from twocircuit_jax.train.step import init_state, make_optimizer, make_train_step, state_shardings
+
+MODEL = {"vocab_size": 100, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16,
+         "intermediate_size": 64, "eos_token_id": 2, "pad_token_id": 0, "bos_token_id": 1}
+TINY = {
+    "name": "tiny", "tokenizer": "char", "model": MODEL, "mesh": {"data": -1}, "optim": {"lr": 1e-3},
+    "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 64, "eval_size": 8},
+    "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
+    "fast": {"pp_size": 2},
+    "anchor": {"enabled": True, "cadence": 4, "delay": 4, "window": 2, "swap_cadence": 2},
+    "train": {"steps": 6, "train_batch": 4, "mini_batch": 2, "eval_every": 0, "eval_size": 8, "max_prompt_len": 16},
+}
+
+
+def _cfg(**anchor):
+    return load_config(data={**TINY, "anchor": {**TINY["anchor"], **anchor}})
+
+
+# --------------------------------------------------------------------------- direct: a circuit without the loop
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = _cfg()
+    mesh = pmesh.make_mesh(cfg.mesh)
+    params = init_params(cfg.model, jax.random.PRNGKey(0))
+    opt = make_optimizer(cfg.optim)
+    state = init_state(params, opt)
+    sh = state_shardings(state, mesh)
+    state = jax.device_put(state, sh)
+    rng = np.random.default_rng(0)
+    B, T = 8, 12
+
+    def batch(seed):
+        r = np.random.default_rng(seed)
+        b = {"tokens": r.integers(3, 100, (B, T)).astype(np.int32), "attention_mask": np.ones((B, T), np.int32),
+             "response_mask": np.concatenate([np.zeros((B, T - 4)), np.ones((B, 4))], 1).astype(np.float32),
+             "advantages": r.normal(size=B).astype(np.float32), "sample_id": np.arange(B, dtype=np.int32),
+             "sampler_logp": np.zeros((B, T), np.float32), "old_logp": np.zeros((B, T), np.float32),
+             "ref_logp": -r.uniform(1, 5, (B, T)).astype(np.float32)}
+        return jax.device_put(b, pmesh.batch_shardings(b, mesh))
+
+    def moved(st, gs):  # distinct weights per step, as if the trainer had moved
+        p = jax.tree.map(lambda x: x + 0.01 * gs * jnp.sin(jnp.arange(x.size, dtype=x.dtype).reshape(x.shape) + gs),
+                         st.params)
+        return st._replace(params=jax.device_put(p, sh.params))
+
+    del rng
+    return cfg, mesh, state, sh, opt, batch, moved
+
+
+_FIRE = {}
+
+
+def _circuit(cfg, state):
+    """An AnchorCircuit whose jitted fire is shared across this module (one compile): the fire depends only on
+    the model, the GRPO loss and the merger/moment settings, which all circuits here share."""
+    circ = AnchorCircuit(cfg, cfg.model, state.params)
+    key = (cfg.anchor.merger, cfg.anchor.swap_cadence > 0)
+    circ._fire_jit = _FIRE.setdefault(key, circ._fire_jit)
+    return circ
+
+
+def _drive(circ, ctx, state_of, batch, ticks, tps=2, poison_tick=None):
+    """before_tick/after_tick for ticks 1..ticks (no train step); returns ctx and per-tick metrics."""
+    out = []
+    for tau in range(1, ticks + 1):
+        gs = (tau - 1) // tps + 1
+        st = state_of(gs)
+        if tau == poison_tick:
+            st = st._replace(params=jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), st.params))
+        ctx, m = circ.before_tick(tau, gs, (tau - 1) % tps == 0, batch(tau), st, ctx)
+        out.append(m)
+    return ctx, out
+
+
+@pytest.mark.parametrize("projection", [False, True])
+def test_fire_is_pure_and_reads_only_snapshots(tiny, projection):
+    cfg, _, state, _, _, batch, moved = tiny
+    cfg = _cfg(cadence=2, delay=2, projection=projection, swap_cadence=2)
+    results = []
+    for poison in (None, 6):  # tick 6 is a fire tick and not a step's first tick: live weights are NaN there
+        circ = _circuit(cfg, state)
+        ctx = {"step": jnp.zeros((), jnp.int32), **circ.init_ctx()}
+        ctx, _ = _drive(circ, ctx, lambda gs: moved(state, gs), batch, 5)
+        live = moved(state, 3)
+        before = jax.device_get(live)
+        st4 = live if poison is None else live._replace(params=jax.tree.map(lambda x: jnp.full_like(x, jnp.nan),
+                                                                             live.params))
+        ctx, m = circ.before_tick(6, 3, False, batch(6), st4, ctx)
+        assert circ.fires == 3 and "anchor/pg_loss" in m and m["anchor/ratio_mean"] == 1.0
+        assert ("rank1/evr" in m) == projection  # window [tick 1, tick 3]: the forecast is in use
+        if poison is None:  # the fire neither wrote nor donated the trainer state
+            after = jax.device_get(live)
+            assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+        results.append((jax.device_get(ctx["merger"].m), jax.device_get(circ.moments.m)))
+    (m_a, mom_a), (m_b, mom_b) = results
+    assert any(np.abs(v).max() > 0 for v in m_a.values())  # a real gradient reached M
+    for k in m_a:
+        assert np.all(np.isfinite(m_b[k])) and np.array_equal(m_a[k], m_b[k]), k
+        assert np.array_equal(mom_a[k], mom_b[k]), k
+
+
+def test_retention_bound_and_delay_over_many_ticks(tiny):
+    _, _, state, _, _, batch, moved = tiny
+    cfg = _cfg(cadence=2, delay=5, projection=False, swap_cadence=2)
+    circ = _circuit(cfg, state)
+    ctx = {"step": jnp.zeros((), jnp.int32), **circ.init_ctx()}
+    bound = 5 // 2 + 1
+    delays = []
+    for tau in range(1, 61):
+        gs = (tau - 1) // 2 + 1
+        ctx, _ = circ.before_tick(tau, gs, tau % 2 == 1, batch(tau % 3), moved(state, gs % 4), ctx)
+        assert circ.buffer.num_batches <= bound
+        assert circ.buffer.num_snapshots <= bound + 1  # plus the current step's (sampler) snapshot
+        if tau % 2 == 0:
+            sm = circ.step_metrics()
+            if tau > 6:
+                delays.append((sm["anchor/data_delay"], sm["anchor/weight_staleness"]))
+    assert circ.fires == 30
+    assert delays and all(d == 5 and w in (5, 6) for d, w in delays)
+
+
+def test_nonfinite_forecast_raises_before_state_changes(tiny):
+    _, _, state, _, _, batch, moved = tiny
+    cfg = _cfg(cadence=2, delay=2, projection=True, swap_cadence=2)
+    circ = _circuit(cfg, state)
+    ctx = {"step": jnp.zeros((), jnp.int32), **circ.init_ctx()}
+    bad = moved(state, 2)
+    bad = bad._replace(params=jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.inf), bad.params))
+    # step 2's snapshot (tick 3) holds an inf; the fire at tick 4 still replays step 1's exact pair
+    ctx, _ = _drive(circ, ctx, lambda gs: bad if gs == 2 else moved(state, gs), batch, 5)
+    assert circ.fires == 2
+    m0, mom0, win0, fires0 = jax.device_get(ctx["merger"]), jax.device_get(circ.moments), circ.window.ticks, circ.fires
+    with pytest.raises(FloatingPointError):  # tick 6 pairs tick 4's batch with the inf snapshot: forecast fails
+        circ.before_tick(6, 3, False, batch(6), moved(state, 3), ctx)
+    assert circ.fires == fires0 and circ.window.ticks == win0
+    for a, b in zip(jax.tree.leaves(m0), jax.tree.leaves(jax.device_get(ctx["merger"]))):
+        assert np.array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(mom0), jax.tree.leaves(jax.device_get(circ.moments))):
+        assert np.array_equal(a, b)
+
+
+def test_merger_none_and_cold_merger_leave_the_step_bit_identical(tiny):
+    cfg, _, state, sh, opt, batch, moved = tiny
+    loss_fn = make_grpo_loss(cfg.model, cfg.grpo, 4)
+    b = dict(batch(1))
+    b["old_logp"] = jax.jit(make_logp_fn(cfg.model, None, OLD))(state.params, b, {})[0]
+
+    def run(step, ctx):
+        new, m = step(jax.tree.map(jnp.copy, state), b, ctx)
+        return jax.device_get(new.params), m
+
+    base = {"step": jnp.zeros((), jnp.int32)}
+    dense, _ = run(jax.jit(make_train_step(loss_fn, opt)), base)
+    # merger none: no ctx keys and the transform hands back the very gradient object (the step is the dense one)
+    none = AnchorCircuit(_cfg(merger="none", projection=False, swap_cadence=0), cfg.model, state.params)
+    assert none.init_ctx() == {}
+    g = jax.tree.map(jnp.ones_like, state.params)
+    g2, m_none = none.grad_transform(g, base)
+    assert g2 is g and m_none == {}
+    # signed_ema before the first fire: the identity branch, bit for bit the dense update
+    sig = _circuit(_cfg(cadence=2, delay=2, projection=False, swap_cadence=2), state)
+    ctx = {**base, **sig.init_ctx()}
+    step = jax.jit(make_train_step(loss_fn, opt, grad_transform=sig.grad_transform))
+    p_cold, m_cold = run(step, ctx)
+    assert float(m_cold["merger/rel_change"]) == 0.0
+    for c, d in zip(jax.tree.leaves(p_cold), jax.tree.leaves(dense)):
+        assert np.array_equal(c, d)
+    ctx, _ = _drive(sig, ctx, lambda gs: moved(state, gs), batch, 2)  # fires on tick 2
+    p_hot, m_hot = run(step, ctx)
+    assert step._cache_size() == 1
+    assert float(m_hot["merger/rel_change"]) > 0
+    assert any(not np.array_equal(a, d) for a, d in zip(jax.tree.leaves(p_hot), jax.tree.leaves(dense)))
+
+
+def test_disabled_anchor_is_absent_from_ctx(tiny):
+    from twocircuit_jax.train.loop import GRPOTrainer
+
+    _, _, state, _, _, _, _ = tiny
+    for anchor, keys in (({"enabled": False, "swap_cadence": 0}, {"step"}),
+                         ({"merger": "none", "projection": False, "swap_cadence": 0}, {"step"}),
+                         ({}, {"step", "merger", "anchor_fire", "anchor_merge"})):
+        t = GRPOTrainer.__new__(GRPOTrainer)
+        t.cfg = _cfg(**anchor)
+        t.model_cfg, t.state, t.codec, t.anchor = t.cfg.model, state, None, None
+        t.ctx = {"step": jnp.zeros((), jnp.int32)}
+        t._build_circuits()
+        assert set(t.ctx) == keys and (t.anchor is None) == (not t.cfg.anchor.enabled)
+
+
+@pytest.mark.parametrize("sets, field", [
+    (["anchor.merger=none"], "anchor.projection"),
+    (["anchor.replay_paired_batch=false"], "anchor.projection"),
+    (["anchor.cadence=3", "anchor.merger_cadence=2"], "anchor.cadence"),
+    (['anchor.owns_q="true"'], "anchor.owns_q"),
+    (["anchor.enabled=false"], "anchor.swap_cadence"),
+    (["anchor.swap_alpha=1.5"], "anchor.swap_alpha"),
+    (["anchor.swap_beta1=1.0"], "anchor.swap_beta1"),
+])
+def test_cross_circuit_rules_name_the_field(tmp_path, sets, field):
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(TINY))
+    with pytest.raises(ConfigError) as e:
+        load_config(str(p), sets)
+    assert field in str(e.value)
+    load_config(str(p))  # the base itself is valid

@@ -1,0 +1,76 @@
+"""The anchor circuit through `twocircuit train`: fire markers and counters in metrics.jsonl, merger corrections,
+delayed pairing after warm-up, swaps that keep the optimizer shardings and never recompile the train step."""
+import json
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+TINY = {
+    "name": "tiny", "tokenizer": "char", "mesh": {"data": -1}, "optim": {"lr": 1e-3},
+    "model": {"vocab_size": 100, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16,
+              "intermediate_size": 64, "eos_token_id": 2, "pad_token_id": 0, "bos_token_id": 1},
+    "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 64, "eval_size": 8},
+    "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
+    "fast": {"pp_size": 2},
+    "anchor": {"enabled": True, "cadence": 4, "delay": 4, "window": 2, "swap_cadence": 2},
+    "train": {"steps": 6, "train_batch": 4, "mini_batch": 2, "eval_every": 0, "eval_size": 8, "max_prompt_len": 16},
+}
+
+
+@pytest.fixture(scope="module")
+def anchor_run(tmp_path_factory):
+    from twocircuit_jax.cli import main
+    from twocircuit_jax.train import loop
+
+    tmp = tmp_path_factory.mktemp("anchor")
+    (tmp / "cfg.yaml").write_text(yaml.safe_dump(TINY))
+    seen = {}
+    real = loop.GRPOTrainer.run
+
+    def keep(self):
+        seen["trainer"] = self
+        return real(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loop.GRPOTrainer, "run", keep)
+        assert main(["train", "--config", str(tmp / "cfg.yaml"), "--out", str(tmp / "run"), "--no-progress"]) == 0
+    rows = [json.loads(l) for l in open(tmp / "run" / "metrics.jsonl")][1:]
+    return rows, seen["trainer"]
+
+
+def test_fire_markers_counters_merger_and_swaps(anchor_run):
+    rows, _ = anchor_run
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    # cadence 4 at two ticks per step: fires on ticks 4, 8, 12 = steps 2, 4, 6
+    assert [r["anchor/fire"] for r in rows] == [0, 1, 0, 1, 0, 1]
+    assert [r.get("anchor/fire_tick") for r in rows] == [None, 4, None, 8, None, 12]
+    assert [r["anchor/fires"] for r in rows] == [0, 1, 1, 2, 2, 3]
+    assert [r["anchor/backwards"] for r in rows] == [0, 1, 1, 2, 2, 3]
+    for r in rows:
+        for k in ("anchor/optimizer_steps", "anchor/rollouts_generated", "anchor/rewards_recomputed"):
+            assert r[k] == 0, k
+        assert r["anchor/retained_batches"] <= 4 // 4 + 1
+    # merger bypassed before the first fire, correcting from then on
+    assert rows[0]["merger/rel_change"] == 0 and rows[0]["anchor/rank1_bypass_ticks"] == 2
+    assert all(r["merger/rel_change"] > 0 for r in rows[2:])
+    # after warm-up: data delay K and weight staleness K or K+1 (two ticks per step)
+    assert [rows[i]["anchor/data_delay"] for i in (3, 5)] == [4, 4]
+    assert all(rows[i]["anchor/weight_staleness"] in (4, 5) for i in (3, 5))
+    # the rank-1 forecast is used once the window holds two exact snapshots
+    assert all("rank1/evr" in rows[i] and "rank1/r2" in rows[i] for i in (1, 3, 5))
+    assert rows[3]["rank1/horizon"] == 4
+    # swap every 2 ticks once the anchor has fired: skipped on tick 2, then ticks 4, 6, 8, 10, 12
+    assert [r["swap/count"] for r in rows] == [0, 1, 2, 3, 4, 5]
+    assert "swap/rho" not in rows[0] and all(np.isfinite(r["swap/rho"]) for r in rows[1:])
+
+
+def test_swap_in_loop_keeps_shardings_and_step_compiles_once(anchor_run):
+    _, tr = anchor_run
+    assert tr.anchor.swaps == 5
+    assert tr.train_step._cache_size() == 1
+    assert tr.anchor._fire_jit._cache_size() == 1 and tr.anchor._swap_jit._cache_size() == 1
+    got = jax.tree.leaves(jax.tree.map(lambda x: x.sharding, tr.state.opt_state))
+    want = jax.tree.leaves(tr.state_sh.opt_state)
+    assert len(got) == len(want) and all(g == w for g, w in zip(got, want))
