@@ -7,7 +7,7 @@ only), sums the operand bytes of every collective in the compiled program (the d
 fast-owned low-rank basis, the sketch sums, plus the loss's scalar reductions), and does the same for the dense
 twin of the config (fast.codec=none, fast.grad_codec=none). The boundary activations are not a collective here:
 the pipeline is emulated inside one program, so their bytes are the logical §3.6 wire bytes of fast/bytes.py.
-Both sides are per replica and per step (ticks_per_step x ppo_epochs train forwards). Last line:
+Both sides are per replica (a replica's share of the tokens) and per step (ticks_per_step x ppo_epochs train forwards). Last line:
     dense_bytes=D compressed_bytes=C ratio=R
 Note: XLA:CPU widens bf16 collectives to f32, so bf16 parameters are counted at 4 bytes on both sides.
 """
@@ -86,7 +86,8 @@ def measure(cfg, devices) -> dict:
     ticks = cfg.ticks_per_step * cfg.train.ppo_epochs
     from twocircuit_jax.fast.boundaries import boundary_layers
     b = boundary_layers(model_cfg.num_layers, cfg.fast.pp_size)
-    tokens = cfg.train.mini_batch * cfg.sampler.n * (cfg.train.max_prompt_len + cfg.sampler.sampling.max_new_tokens)
+    rows = cfg.train.mini_batch * cfg.sampler.n // pmesh.dp_size(mesh)  # per replica, like the HLO bytes
+    tokens = rows * (cfg.train.max_prompt_len + cfg.sampler.sampling.max_new_tokens)
     act = fbytes.activation_bytes(cfg.fast, tokens=tokens, hidden=model_cfg.hidden_size, boundaries=b) if b \
         else {"comm/bytes_compressed": 0.0, "comm/bytes_dense": 0.0}
     return {"collective_bytes": coll["total"] * ticks, "collective_counts": coll["counts"],

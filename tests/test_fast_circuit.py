@@ -149,7 +149,7 @@ def test_step_bytes_match_formulas(mesh, fast):
         st["powersgd"] = st["powersgd"]._replace(step=jnp.asarray(5, jnp.int32))
     _, m = c.end_step(st, 1)
     ticks = 2  # train_batch 4 / mini_batch 2
-    tokens = 2 * 4 * (12 + 4)
+    tokens = 2 * 4 * (12 + 4) // 8  # per replica: a replica's share of the mini-batch
     act = fbytes.activation_bytes(c.fcfg, tokens=tokens, hidden=32, boundaries=(0, 1, 2))
     grad = fbytes.grad_allreduce_bytes(params, c.fcfg)
     comp = ticks * (act["comm/bytes_compressed"] + grad["comm/bytes_compressed"])

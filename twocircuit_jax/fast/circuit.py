@@ -65,8 +65,9 @@ class FastCircuit:
                                                  f"mesh.tensor=1 (got fsdp={mesh.shape['fsdp']}, "
                                                  f"tensor={mesh.shape['tensor']})")
         t = run_cfg.train
-        # Tokens one replica group sends per tick across a boundary: the padded [B, T] of a mini-batch, which is
-        # what a pipeline link would carry. Train forwards per step: ticks_per_step * ppo_epochs (SPEC §3.6).
+        # Tokens one replica sends per tick across a boundary: its share of the mini-batch's padded [B, T] (what a
+        # pipeline link would carry), so activation and gradient bytes are both per replica. Train forwards per
+        # step: ticks_per_step * ppo_epochs (SPEC §3.6: the gradient-bearing forward only).
         self.tokens_per_tick = t.mini_batch * run_cfg.sampler.n * (t.max_prompt_len + run_cfg.sampler.sampling.max_new_tokens)
         self.ticks_per_step = run_cfg.ticks_per_step * t.ppo_epochs
         self.applications = {TRAIN: 0, OLD: 0, REF: 0}  # host counters: codec forwards executed, per tag
@@ -224,7 +225,7 @@ class FastCircuit:
         ticks = self.ticks_per_step
         parts = []
         if self.boundaries:
-            a = fbytes.activation_bytes(self.fcfg, tokens=self.tokens_per_tick, hidden=self.model_cfg.hidden_size,
+            a = fbytes.activation_bytes(self.fcfg, tokens=self.tokens_per_tick // self.dp, hidden=self.model_cfg.hidden_size,
                                         boundaries=self.boundaries)
             parts.append({k: v * ticks for k, v in a.items()})
         if self.dp > 1:
