@@ -114,3 +114,45 @@ def test_raising_scorer_gives_zero_and_is_counted(tmp_path, monkeypatch):
     assert main(["train", "--config", write_cfg(tmp_path, data), "--out", run, "--no-progress"]) == 0
     r = read_metrics(run)[1]
     assert r["reward/mean"] == 0.0 and r["reward/score_errors"] == 16.0
+
+
+@pytest.mark.parametrize("cmd", ["train", "sft", "eval", "import-hf", "export-hf", "serve-sampler", "sweep"])
+def test_every_subcommand_has_help(cmd, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([cmd, "--help"])
+    assert e.value.code == 0
+    assert "usage: twocircuit " + cmd in capsys.readouterr().out
+
+
+def test_token_tis_and_sequence_tis_run_and_log(tmp_path):
+    for mode in ("token", "sequence"):
+        data = dict(TINY, grpo={"tis": mode, "tis_cap": 2.0},
+                    train=dict(TINY["train"], steps=1, eval_every=0, checkpoint_every=0))
+        run = str(tmp_path / mode)
+        assert main(["train", "--config", write_cfg(tmp_path, data, f"{mode}.yaml"), "--out", run,
+                     "--no-progress"]) == 0
+        r = read_metrics(run)[1]
+        # dense JAX sampler: trainer and sampler agree, so every weight is ~1 and none is clipped
+        assert r["tis/weight_mean"] == pytest.approx(1.0, abs=1e-4) and r["tis/clip_frac"] == 0.0
+        assert r["mismatch/ess"] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_eval_import_export_round_trip(three_steps, tmp_path, capsys):
+    tmp, run = three_steps
+    best = os.path.join(run, "checkpoints", "best")
+    hf = str(tmp_path / "hf")
+    assert main(["export-hf", "--checkpoint", best, "--out", hf, "--tokenizer", "char"]) == 0
+    assert os.path.isfile(os.path.join(hf, "config.json")) and os.path.isfile(os.path.join(hf, "tokenizer.json"))
+    native = str(tmp_path / "native")
+    assert main(["import-hf", "--hf-dir", hf, "--out", native]) == 0
+    capsys.readouterr()
+    out = str(tmp_path / "eval.json")
+    assert main(["eval", "--checkpoint", native, "--config", write_cfg(tmp), "--out", out]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    saved = json.load(open(out))
+    assert printed == saved and saved["eval/n"] == 16
+    # the exported policy is the run's best policy: same held-out accuracy as logged at that step
+    best_meta = json.load(open(os.path.join(best, "meta.json")))
+    logged = {r["step"]: r for r in read_metrics(run)}[best_meta["step"]]
+    assert saved["eval/accuracy"] == pytest.approx(logged["eval/accuracy"])
+    assert main(["export-hf", "--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "x")]) == 2
