@@ -1,0 +1,57 @@
+"""scripts/comm_bytes.py in-process on configs/tiny.yaml (8 fake devices from conftest): the final line, ratio = 1
+for codec none and < 1 for a codec; PowerSGD's measured HLO gradient bytes against the §3.6 formula."""
+import importlib.util
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def comm_bytes():
+    spec = importlib.util.spec_from_file_location("comm_bytes", os.path.join(ROOT, "scripts", "comm_bytes.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def final(mod, capsys, *sets):
+    args = ["--config", TINY]
+    for s in sets:
+        args += ["--set", s]
+    assert mod.main(args) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    m = re.fullmatch(r"dense_bytes=(\d+) compressed_bytes=(\d+) ratio=([0-9.]+)", out[-1])
+    assert m, out[-1]
+    return int(m.group(1)), int(m.group(2)), float(m.group(3)), out
+
+
+def test_none_is_ratio_one_and_mask_below(comm_bytes, capsys):
+    d0, c0, r0, _ = final(comm_bytes, capsys, "fast.codec=none")
+    assert c0 == d0 and r0 == 1.0
+    d1, c1, r1, _ = final(comm_bytes, capsys, "fast.codec=prf_mask")
+    assert d1 == d0 and c1 < d1 and r1 < 1.0
+
+
+def test_powersgd_hlo_bytes_match_formula(comm_bytes, capsys):
+    import jax
+
+    from twocircuit_jax.config.run import load_config
+    from twocircuit_jax.fast.bytes import grad_allreduce_bytes
+    from twocircuit_jax.model.qwen2 import init_params
+
+    d, c, r, out = final(comm_bytes, capsys, "fast.codec=none", "fast.grad_codec=powersgd")
+    assert r < 0.5
+    cfg = load_config(TINY, ["fast.codec=none", "fast.grad_codec=powersgd"])
+    params = jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0)))
+    formula = grad_allreduce_bytes(params, cfg.fast)
+    hlo = {k: float(v) for k, v in re.findall(r"(\w+): .*hlo_collective_bytes=(\d+)", "\n".join(out))}
+    # the HLO also carries the loss's few scalar reductions (same on both sides): allow 1 KiB of slack
+    assert abs(hlo["config"] - formula["comm/bytes_compressed"]) < 1024, (hlo, formula)
+    # XLA's implicit mean reduces the tied embedding's two gradient parts (lookup, LM head) separately before
+    # adding them, so the dense program sends the embedding once more than the formula's one copy per leaf
+    embed = params["embed"].size * 4
+    assert 0 <= hlo["dense"] - formula["comm/bytes_dense"] <= embed + 1024, (hlo, formula)

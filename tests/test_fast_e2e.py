@@ -1,0 +1,54 @@
+"""`twocircuit train` with the PRF mask on (SPEC §8 inv. 3, seed 003's blindness): one GRPO step, one tick.
+The trainer's own first-update ratio is exactly 1 and nothing clips, while the sampler (dense JAX sampler) and the
+trainer (codec view) disagree far more than in the dense run; comm/* and codec/* metrics are logged."""
+import json
+import os
+
+import pytest
+import yaml
+
+from twocircuit_jax.cli import main
+
+CFG = {
+    "name": "fast_e2e", "tokenizer": "char",
+    "model": {"vocab_size": 100, "hidden_size": 32, "num_layers": 4, "num_heads": 2, "num_kv_heads": 1,
+              "head_dim": 16, "intermediate_size": 64, "eos_token_id": 2, "pad_token_id": 0, "bos_token_id": 1},
+    "mesh": {"data": -1}, "optim": {"lr": 1e-3},
+    "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 32, "eval_size": 8},
+    "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
+    "fast": {"pp_size": 4, "codec": "prf_mask", "p": 0.95},
+    "train": {"steps": 1, "train_batch": 2, "mini_batch": 2, "eval_every": 0, "eval_size": 8, "max_prompt_len": 16,
+              "checkpoint_every": 0},
+}
+
+
+def run(tmp, codec):
+    cfg = dict(CFG, fast=dict(CFG["fast"], codec=codec))
+    path = tmp / f"{codec}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = str(tmp / codec)
+    assert main(["train", "--config", str(path), "--out", out, "--no-progress"]) == 0
+    return [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))][-1]
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fast_e2e")
+    return run(tmp, "prf_mask"), run(tmp, "none")
+
+
+def test_ratio_blind_to_a_large_sampler_gap(rows):
+    mask, dense = rows
+    assert mask["step"] == 1 and mask["tick"] == 1
+    assert mask["ppo/ratio_mean"] == 1.0 and mask["ppo/clip_frac"] == 0.0
+    assert dense["mismatch/prob_gap_mean"] < 1e-5
+    assert mask["mismatch/prob_gap_mean"] > 100 * max(dense["mismatch/prob_gap_mean"], 1e-6)
+
+
+def test_codec_and_comm_metrics_logged(rows):
+    mask, dense = rows
+    assert mask["codec/mask_ratio"] == pytest.approx(1 - 2 / 32)  # exact-k: k = round(0.05 * 32) = 2 kept
+    for b in (0, 1, 2):
+        assert f"codec/recon_rel_err/{b}" in mask
+    assert 0 < mask["comm/bytes_ratio"] < 1 and mask["comm/bytes_compressed"] < mask["comm/bytes_dense"]
+    assert not any(k.startswith(("codec/", "comm/")) for k in dense)  # codec off: the circuit is absent
