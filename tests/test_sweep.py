@@ -1,0 +1,94 @@
+"""`twocircuit sweep`: arms run one after another into their own folders, a table of the four columns at the end;
+the shipped seed sweeps resolve, and each arm differs from the base only in its listed keys."""
+import glob
+import json
+import os
+
+import pytest
+import yaml
+
+from twocircuit_jax.cli import main
+from twocircuit_jax.config.base import to_dict
+from twocircuit_jax.config.run import load_config
+from twocircuit_jax.train.sweep import load_sweep
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = {
+    "name": "tiny", "tokenizer": "char", "mesh": {"data": -1}, "optim": {"lr": 1e-3},
+    "model": {"vocab_size": 100, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16,
+              "intermediate_size": 64, "eos_token_id": 2, "pad_token_id": 0, "bos_token_id": 1},
+    "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 64, "eval_size": 8},
+    "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
+    "fast": {"pp_size": 2},
+    "anchor": {"cadence": 2, "delay": 2, "window": 2},
+    "train": {"steps": 2, "train_batch": 4, "mini_batch": 2, "eval_every": 0, "eval_size": 8, "max_prompt_len": 16},
+}
+
+
+def _flat(d, pre=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k != "options":
+            out.update(_flat(v, f"{pre}{k}."))
+        else:
+            out[f"{pre}{k}"] = v
+    return out
+
+
+def test_two_arm_sweep_runs_each_arm_and_prints_the_table(tmp_path, capsys):
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(TINY))
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump({
+        "base": "base.yaml", "arms": {"dense": {}, "anchored": {"anchor.enabled": True}}}, sort_keys=False))
+    out = tmp_path / "runs" / "s"
+    assert main(["sweep", "--config", str(tmp_path / "sweep.yaml"), "--out", str(out), "--set", "train.steps=1"]) == 0
+    text = capsys.readouterr().out
+    for arm in ("dense", "anchored"):
+        rows = [json.loads(l) for l in open(out / arm / "metrics.jsonl")]
+        assert [r["step"] for r in rows] == [0, 1]  # the --set reached every arm
+        assert yaml.safe_load(open(out / arm / "config.yaml"))["name"] == f"sweep/{arm}"
+    assert "anchor/fires" in rows[-1] and "anchor/fires" not in json.loads(open(out / "dense" / "metrics.jsonl")
+                                                                             .readlines()[-1])
+    lines = text.splitlines()
+    table = lines[next(i for i, ln in enumerate(lines) if ln.split()[:2] == ["arm", "reward"]):]
+    assert table[0].split() == ["arm", "reward", "heldout_acc", "ref_kl", "gap"]
+    body = {ln.split()[0]: ln.split()[1:] for ln in table[2:4]}
+    assert set(body) == {"dense", "anchored"} and all(len(v) == 4 and "-" not in v for v in body.values())
+    summary = json.load(open(out / "summary.json"))
+    assert [s["arm"] for s in summary] == ["dense", "anchored"]
+
+
+def test_bad_arm_fails_before_running_anything(tmp_path, capsys):
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(TINY))
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump({
+        "base": "base.yaml", "arms": {"ok": {}, "typo": {"anchor.cadense": 3}}}))
+    out = tmp_path / "runs" / "bad"
+    assert main(["sweep", "--config", str(tmp_path / "sweep.yaml"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "arms.typo" in err and "cadense" in err and not out.exists()
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "sweeps", "*.yaml"))))
+def test_shipped_sweeps_resolve_and_differ_only_in_listed_keys(path):
+    spec = yaml.safe_load(open(path))
+    name, arms = load_sweep(path)
+    base = _flat(to_dict(load_config(os.path.join(os.path.dirname(path), spec["base"]),
+                                     [f"{k}={json.dumps(v)}" for k, v in (spec.get("set") or {}).items()])))
+    assert [a for a, _ in arms] == list(spec["arms"])
+    for arm, cfg in arms:
+        got = _flat(to_dict(cfg))
+        changed = {k for k in got if got[k] != base.get(k)} - {"name"}
+        assert changed <= set(spec["arms"][arm]), (arm, changed)
+        assert got["name"] == f"{name}/{arm}"
+
+
+def test_shipped_sweeps_are_the_seed_arms():
+    _, a0 = load_sweep(os.path.join(ROOT, "configs", "sweeps", "seed000_one_knob.yaml"))
+    arms = dict(a0)
+    base = arms["compressed"]
+    assert base.anchor.enabled and base.fast.codec != "none" and base.grpo.clip_high == 0.2
+    assert not arms["uncompressed"].anchor.enabled and arms["uncompressed"].fast.codec == "none"
+    assert arms["anchor_2x"].anchor.cadence * 2 == base.anchor.cadence
+    assert not arms["anchor_2x_no_projection"].anchor.projection
+    assert arms["kl_0.01"].grpo.kl_coef == 0.01 and arms["clip_high_0.28"].grpo.clip_high == 0.28
+    _, a4 = load_sweep(os.path.join(ROOT, "configs", "sweeps", "seed004_opt_swap.yaml"))
+    assert dict(a4)["opt_swap"].anchor.swap_cadence > 0 and dict(a4)["compressed"].anchor.swap_cadence == 0
