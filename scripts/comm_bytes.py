@@ -44,7 +44,7 @@ _MEASURED: dict = {}  # (config, devices) -> result: the dense twin compiles onc
 
 def measure(cfg, devices) -> dict:
     """Compile one tick's train step for `cfg`; return HLO collective bytes and logical activation bytes."""
-    key = (cfg, tuple(str(d) for d in devices))
+    key = (repr(cfg), tuple(str(d) for d in devices))
     if key not in _MEASURED:
         _MEASURED[key] = _measure(cfg, devices)
     return _MEASURED[key]
