@@ -206,7 +206,7 @@ def test_disabled_anchor_is_absent_from_ctx(tiny):
     (["anchor.merger=none"], "anchor.projection"),
     (["anchor.replay_paired_batch=false"], "anchor.projection"),
     (["anchor.cadence=3", "anchor.merger_cadence=2"], "anchor.cadence"),
-    (['anchor.owns_q="true"'], "anchor.owns_q"),
+    (['anchor.owns_q=true'], "anchor.owns_q"),
     (["anchor.enabled=false"], "anchor.swap_cadence"),
     (["anchor.swap_alpha=1.5"], "anchor.swap_alpha"),
     (["anchor.swap_beta1=1.0"], "anchor.swap_beta1"),

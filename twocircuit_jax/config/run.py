@@ -45,7 +45,7 @@ class RunConfig:
                     f"got {f.rank}; must be below model.hidden_size={self.model.hidden_size}")
         if f.codec == "sr_quant" and f.subset_k:
             require(f.subset_k <= self.model.hidden_size, "fast.subset_k", "must not exceed model.hidden_size")
-        if a.owns_q == "true":
+        if a.owns_q is True:
             require(f.codec == "lowrank", "anchor.owns_q", "owns_q: true needs fast.codec: lowrank")
         if a.warmup_mode == "q_only":
             require(f.codec == "lowrank" and self.anchor_owns_q, "anchor.warmup_mode",
@@ -57,7 +57,7 @@ class RunConfig:
     def anchor_owns_q(self) -> bool:
         if self.anchor.owns_q == "auto":
             return self.fast.codec == "lowrank" and self.anchor.enabled
-        return self.anchor.owns_q == "true"
+        return self.anchor.owns_q is True
 
     @property
     def ticks_per_step(self) -> int:

@@ -196,7 +196,7 @@ class AnchorConfig:
     batch_scope: Literal["ppo_minibatch", "rollout_batch"] = "ppo_minibatch"
     beta_anc: float = field(default=0.5, metadata=doc("EMA factor of the anchor gradient", "β_anc"))
     target_scope: Literal["all", "decoder"] = "all"
-    owns_q: Literal["auto", "true", "false"] = "auto"
+    owns_q: Literal["auto", True, False] = field(default="auto", metadata=doc("who owns the low-rank basis; auto = anchor iff lowrank"))
     merger: Literal["signed_ema", "signed_gate", "delayed_ef", "blend", "none"] = "signed_ema"
     alpha: float = field(default=0.25, metadata=doc("signed_ema weight on the fast gradient", "α"))
     merger_cadence: int = 1
