@@ -42,6 +42,9 @@ class AnchorCircuit:
         if a.warmup_mode != "stale_correct":
             raise ConfigError("anchor.warmup_mode", "only stale_correct is implemented (q_only needs an "
                                                     "anchor-owned low-rank basis)")
+        if run_cfg.anchor_owns_q:
+            raise ConfigError("anchor.owns_q", "an anchor-owned low-rank basis is not implemented; use "
+                                               "anchor.owns_q: false or auto (the fast circuit refreshes the basis)")
         self.grpo = run_cfg.grpo
         self.param_sh = jax.tree.map(lambda x: x.sharding, params)
         self.rep = NamedSharding(jax.tree.leaves(self.param_sh)[0].mesh, P())
