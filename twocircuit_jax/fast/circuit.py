@@ -128,10 +128,12 @@ class FastCircuit:
         f, b = self.fcfg, self.boundaries
         if f.codec == "lowrank":
             fn = lr.make_lowrank_hook(codec_state["lowrank"], b, sketch=(tag == TRAIN and self.owns_basis),
-                                      attention_mask=attention_mask, cfg=f, interpret=self.interpret)
+                                      attention_mask=attention_mask, cfg=f, interpret=self.interpret,
+                                      mesh=self.mesh)
             return fn, b
         if f.codec == "prf_mask":
-            inner = make_mask_hook(f, b, step, sample_ids, positions, attention_mask, interpret=self.interpret)
+            inner = make_mask_hook(f, b, step, sample_ids, positions, attention_mask, interpret=self.interpret,
+                                   mesh=self.mesh)
         else:
             inner = make_quant_hook(f, b, step, sample_ids, positions, attention_mask)
 

@@ -66,17 +66,18 @@ def init_lowrank(cfg, hidden: int, boundaries: Sequence[int]) -> LowRankState:
                         q_updates=i0, q_activations=i0, q_stage_overwrites=i0)
 
 
-def _codec(h2d, Q, use_kernel: bool, interpret: bool):
+def _codec(h2d, Q, use_kernel: bool, interpret: bool, mesh=None):
     if use_kernel:
         from pallas_kernels.lowrank import project_reconstruct
-        return project_reconstruct(h2d, Q, interpret=interpret)
+        from pallas_kernels.sharding import shard_rows
+        return shard_rows(lambda m, q: project_reconstruct(m, q, interpret=interpret), mesh, n_row_args=1)(h2d, Q)
     from pallas_kernels.lowrank import lowrank_reference
     return lowrank_reference(h2d, Q)[1]
 
 
 def make_lowrank_hook(state: LowRankState, boundaries: Sequence[int], sketch: bool, *,
                       attention_mask: Optional[jax.Array] = None, encode: bool = True,
-                      use_kernel: bool = False, interpret: bool = False, cfg=None):
+                      use_kernel: bool = False, interpret: bool = False, cfg=None, mesh=None):
     """Boundary hook `hook(layer, h [B, T, H]) -> (h_new, aux)`.
 
     encode=True: h_new = M̂ (the codec view); encode=False: h passes unchanged (the anchor's dense forward that
@@ -103,7 +104,7 @@ def make_lowrank_hook(state: LowRankState, boundaries: Sequence[int], sketch: bo
         Q = jax.lax.stop_gradient(state.Q[layer])
         B, T, H = h.shape
         h2d = h.reshape(B * T, H)
-        Mh = _codec(h2d, Q, use_kernel, interpret).reshape(B, T, H)
+        Mh = _codec(h2d, Q, use_kernel, interpret, mesh).reshape(B, T, H)
         # Diagnostics and sketch in fp32, outside the gradient path (cost: one extra N×H×r product for the sketch).
         M = jax.lax.stop_gradient(h).astype(F32)
         w = jnp.ones((B, T), F32) if attention_mask is None else attention_mask.astype(F32)

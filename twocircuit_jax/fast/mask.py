@@ -131,8 +131,9 @@ def _apply_reference(cfg, p, layer, step, sample_ids, positions, h):
     return rescale(cfg, p, h, masked), keep
 
 
-def _apply_kernel(cfg, p, layer, step, sample_ids, positions, h, interpret):
+def _apply_kernel(cfg, p, layer, step, sample_ids, positions, h, interpret, mesh=None):
     from pallas_kernels.prf_mask import MaskRows, prf_mask_kernel  # kernels are optional at import time
+    from pallas_kernels.sharding import shard_rows
 
     if cfg.prf_impl == "threefry":
         raise ValueError("fast.use_kernel: the Pallas mask kernel hashes with u32pair; prf_impl 'threefry' "
@@ -148,19 +149,22 @@ def _apply_kernel(cfg, p, layer, step, sample_ids, positions, h, interpret):
     flip = jnp.where(odd, prf.u32(0xFFFFFFFF), prf.u32(0)).astype(jnp.uint32)
     rows = MaskRows(col(rk.hi), col(rk.lo), col(thr.hi), col(thr.lo), col(thr_j), col(flip),
                     col(gain, jnp.float32))
-    out = prf_mask_kernel(h.reshape(b * t, width), rows, interpret=interpret).reshape(b, t, width)
+    kernel = shard_rows(lambda x, r: prf_mask_kernel(x, r, interpret=interpret), mesh, n_row_args=2)
+    out = kernel(h.reshape(b * t, width), rows).reshape(b, t, width)
     if cfg.rescale_mode == "rms_match":
         g = jax.lax.stop_gradient(_rms(h.astype(jnp.float32)) / _rms(out.astype(jnp.float32)))[..., None]
         out = (out.astype(jnp.float32) * g).astype(h.dtype)
     return out
 
 
-def make_mask_hook(cfg, boundaries, step, sample_ids, positions, attention_mask=None, *, interpret=False):
+def make_mask_hook(cfg, boundaries, step, sample_ids, positions, attention_mask=None, *, interpret=False,
+                   mesh=None):
     """Build hook(layer, h [B, T, H]) -> (h~, {"mask_ratio": 1 - mean(m) over real tokens}).
 
     step: global step gs (int or traced int32 scalar); sample_ids [B] int32 global rows; positions [B, T] int32
     counted from each row's first real token (padding may hold anything); attention_mask [B, T] (1 = real token)
-    only excludes padding from the metric. cfg.use_kernel selects the Pallas kernel (interpret=True on CPU)."""
+    only excludes padding from the metric. cfg.use_kernel selects the Pallas kernel (interpret=True on CPU); with a
+    `mesh` the kernel runs per device on its own rows (pallas_kernels/sharding.py)."""
     boundaries = tuple(int(x) for x in boundaries)
     _validate(cfg, boundaries)
 
@@ -168,7 +172,7 @@ def make_mask_hook(cfg, boundaries, step, sample_ids, positions, attention_mask=
         p = layer_p(cfg, boundaries, layer)
         width = h.shape[-1]
         if cfg.use_kernel:
-            out = _apply_kernel(cfg, p, layer, step, sample_ids, positions, h, interpret)
+            out = _apply_kernel(cfg, p, layer, step, sample_ids, positions, h, interpret, mesh)
             # exact-k: the ratio is static; Bernoulli: the metric re-hashes in XLA (one extra pass, metric only)
             keep = None if cfg.exact_k else _keep(cfg, p, layer, step, sample_ids, positions, width)
         else:
