@@ -73,6 +73,7 @@ class FastCircuit:
         self.applications = {TRAIN: 0, OLD: 0, REF: 0}  # host counters: codec forwards executed, per tag
         self._mid_step = False
         self._params_like = None
+        self._bootstrap_jit = None
 
     def _check_kernel(self):
         f = self.fcfg
@@ -152,6 +153,30 @@ class FastCircuit:
         fn = lr.make_lowrank_hook(codec_state["lowrank"], self.boundaries, sketch=True,
                                   attention_mask=attention_mask, encode=False)
         return fn, self.boundaries
+
+    def bootstrap(self, codec_state, params, batch):
+        """`fast.bootstrap` with a fast-owned low-rank basis: before the first compressed forward, one discarded
+        dense no-grad pass over the first batch sketches against Q0, and one power-iteration step publishes Q1,
+        active at once (no codec forward has run yet, so no step sees two bases). Returns (state, metrics)."""
+        if not (self.fcfg.codec == "lowrank" and self.fcfg.bootstrap and self.owns_basis):
+            return codec_state, {}
+        if self._mid_step:
+            raise RuntimeError("lowrank bootstrap must run before the first compressed forward of the run")
+        if self._bootstrap_jit is None:
+            from twocircuit_jax.model.qwen2 import forward_with_aux
+
+            def sketch(params, batch, st):
+                hook, layers = self.sketch_hook(st, batch["attention_mask"])
+                _, aux = forward_with_aux(self.model_cfg, jax.lax.stop_gradient(params), batch["tokens"],
+                                          batch["attention_mask"], hook=hook, hook_layers=layers)
+                return aux
+
+            self._bootstrap_jit = jax.jit(sketch)
+        aux = self._bootstrap_jit(params, batch, codec_state)  # cost: one dense forward, no backward
+        st = dict(codec_state)
+        low = lr.accumulate_sketch(st["lowrank"], aux)
+        st["lowrank"] = lr.activate_staged(lr.refresh_basis(low, self.fcfg, axis_name=None))
+        return st, {"codec/bootstrapped": 1}
 
     # --- metrics ----------------------------------------------------------------------------------------------
     def summarize(self, aux_by_layer) -> dict:

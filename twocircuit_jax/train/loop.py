@@ -171,6 +171,9 @@ class GRPOTrainer:
         truncated = batch.pop("truncated")
         self.ctx["step"] = jnp.asarray(gs, jnp.int32)
         dev = self._shard_batch(batch)
+        if self.codec and gs == 1:  # a fresh run only: a resumed one restores its basis with the codec state
+            self.ctx["codec"], bm = self.codec.bootstrap(self.ctx["codec"], self.state.params, dev)
+            metrics.update(bm)
         old_logp, ent, old_aux = self.logp_old(self.state.params, dev, self.ctx)
         dev["old_logp"] = old_logp
         if cfg.grpo.kl_coef > 0:
