@@ -253,7 +253,7 @@ class TrainConfig:
     eval_greedy: bool = True
     seed: int = 0
     checkpoint_every: int = 0
-    probe_every: int = 0
+    probe_every: int = field(default=0, metadata=doc("steps between dense probes (kl/ref_dense, kl/gain); 0 = off"))
     max_prompt_len: int = 32
     skip_nonfinite: bool = True
 

@@ -28,7 +28,8 @@ from twocircuit_jax.tasks import make_task
 from twocircuit_jax.train import rollout as ro
 from twocircuit_jax.train.checkpoint import CheckpointManager
 from twocircuit_jax.train.evaluate import Evaluator
-from twocircuit_jax.train.grpo_step import OLD, REF, make_grpo_loss, make_logp_fn
+from twocircuit_jax.grpo.loss import kl_penalty
+from twocircuit_jax.train.grpo_step import DENSE, OLD, REF, make_grpo_loss, make_logp_fn
 from twocircuit_jax.train.setup import check_vocab, load_model, load_run_tokenizer, make_sampler
 from twocircuit_jax.train.step import init_state, jit_train_step, learning_rate, make_optimizer, make_train_step
 from twocircuit_jax.train.step import state_shardings
@@ -111,6 +112,7 @@ class GRPOTrainer:
                                   out_shardings=(self.state_sh, ctx_sh), donate_argnums=(0,))
         self.logp_old = jax.jit(make_logp_fn(self.model_cfg, codec, OLD))
         self.logp_ref = jax.jit(make_logp_fn(self.model_cfg, codec, REF))
+        self.logp_dense = jax.jit(make_logp_fn(self.model_cfg, None, DENSE))  # the probe: codecs off everywhere
 
     def _shard_batch(self, batch):
         return jax.device_put(batch, pmesh.batch_shardings(batch, self.mesh))
@@ -166,7 +168,8 @@ class GRPOTrainer:
         rewards, loss_mask, adv, metrics, _ = ro.score_and_advantages(self.task, self.tokenizer, problems, out, n,
                                                                        self.max_new, cfg.grpo)
         batch = ro.pack_batch(prompts, out, n, t.max_prompt_len, self.max_new, self.tokenizer.pad_id)
-        batch["response_mask"] = batch["response_mask"] * loss_mask[:, None]
+        full_mask = jnp.asarray(batch["response_mask"])  # every sampled token: the diagnostics see them all
+        batch["response_mask"] = batch["response_mask"] * loss_mask[:, None]  # the loss may exclude some rows
         batch["advantages"] = adv
         truncated = batch.pop("truncated")
         self.ctx["step"] = jnp.asarray(gs, jnp.int32)
@@ -178,7 +181,6 @@ class GRPOTrainer:
         dev["old_logp"] = old_logp
         if cfg.grpo.kl_coef > 0:
             dev["ref_logp"] = self.logp_ref(self.ref_params, dev, self.ctx)[0]
-        full_mask = jnp.asarray(ro.pack_batch(prompts, out, n, t.max_prompt_len, self.max_new, 0)["response_mask"])
         if cfg.grpo.tis != "off":
             w, tis_m = tis_weights(old_logp, dev["sampler_logp"], dev["response_mask"], cfg.grpo.tis, cfg.grpo.tis_cap)
             dev["is_weight"] = w
@@ -188,6 +190,8 @@ class GRPOTrainer:
         metrics.update(entropy_summary(ent, full_mask))
         if self.codec:
             metrics.update(self.codec.summarize_aux(old_aux, tag=OLD))
+        if t.probe_every and gs % t.probe_every == 0:
+            metrics.update(self._dense_probe(dev, full_mask, old_logp))
         metrics.update(self._ticks(gs, dev))
         if self.codec:
             self.ctx["codec"], cm = self.codec.end_step(self.ctx["codec"], gs)
@@ -203,6 +207,21 @@ class GRPOTrainer:
         metrics["sampler/weight_version"] = out.weight_version
         metrics["sampler/restarts"] = getattr(self.sampler, "restarts", 0)
         return metrics
+
+    def _dense_probe(self, dev, mask, old_logp) -> dict:
+        """SPEC §6 probe: reference KL with codecs off everywhere (`kl/ref_dense`) against the codec view at the
+        same point (`kl/ref_codec`), their ratio `kl/gain`, and the dense trainer's own gap to the sampler.
+        Cost: two or three extra forwards, no backward."""
+        est = self.cfg.grpo.kl_estimator
+        lp = self.logp_dense(self.state.params, dev, self.ctx)[0]
+        lr_dense = self.logp_dense(self.ref_params, dev, self.ctx)[0]
+        ref_codec = dev["ref_logp"] if "ref_logp" in dev else self.logp_ref(self.ref_params, dev, self.ctx)[0]
+        n = jnp.maximum(jnp.sum(mask), 1.0)
+        dense = float(jnp.sum(kl_penalty(lp, lr_dense, est) * mask) / n)
+        codec = float(jnp.sum(kl_penalty(old_logp, ref_codec, est) * mask) / n)
+        gap = float(jnp.sum(jnp.abs(jnp.exp(lp) - jnp.exp(dev["sampler_logp"])) * mask) / n)
+        gain = codec / dense if dense > 1e-8 else float("nan")  # undefined before the policy has moved
+        return {"kl/ref_dense": dense, "kl/ref_codec": codec, "kl/gain": gain, "probe/prob_gap_mean": gap}
 
     def _ticks(self, gs, dev) -> dict:
         cfg, t = self.cfg, self.cfg.train
