@@ -9,14 +9,15 @@ rewards_recomputed}` are structurally 0.
 
 Device state: the merger state lives in ctx["merger"] (replicated: it round-trips through the train step's
 replicated metrics, and one fixed sharding keeps the step compiled once); the anchor moments (swap only) are
-sharded like the parameters. Resume: counters, M and the moments are checkpointed; retained batches, host
-snapshots and the projection window are not — after a resume the buffer refills (the first fires replay the
-oldest retained batch, without the delay assertion) and the projection window restarts from a new base.
+sharded like the parameters. Resume: counters, M and the moments are checkpointed with the train state; the
+retained batches, host snapshots and projection window go beside them as a pickled blob (`dump_buffers`), so a
+resumed run fires on the same pairs as an uninterrupted one.
 """
 from __future__ import annotations
 
 import copy
 import functools
+import pickle
 
 import jax
 import jax.numpy as jnp
@@ -214,6 +215,25 @@ class AnchorCircuit:
         self._step = {"fire_ticks": [], "rhos": [], "replays": []}
         return out
 
+    def dump_buffers(self) -> bytes:
+        """Host buffers for an exact resume: retained batches (brought to host), snapshots with their canaries,
+        the projection window, the generator tick. Pickled numpy; params-sized per held snapshot."""
+        b = self.buffer
+        return pickle.dumps({
+            "snapshots": dict(b._snapshots), "batches": [(t, s, jax.device_get(x)) for t, s, x in b._batches],
+            "tau": b._tau, "step": b._step, "step_ticks": dict(b._step_ticks), "gen_tick": self._gen_tick,
+            "window": None if self.window is None else (list(self.window._ticks), list(self.window._snaps)),
+        }, protocol=5)
+
+    def load_buffers(self, blob: bytes) -> None:
+        d = pickle.loads(blob)  # written by dump_buffers of this run's own checkpoint
+        b = self.buffer
+        b._snapshots, b._tau, b._step, b._step_ticks = d["snapshots"], d["tau"], d["step"], d["step_ticks"]
+        b._batches = [(t, s, x) for t, s, x in d["batches"]]
+        self._gen_tick = d["gen_tick"]
+        if self.window is not None and d["window"] is not None:
+            self.window._ticks, self.window._snaps = d["window"]
+
     def device_state(self) -> dict:
         """What to checkpoint beside ctx (which already holds the merger state): the anchor moments."""
         return {"moments": self.moments} if self.moments is not None else {"none": jnp.zeros((), jnp.int32)}
@@ -222,7 +242,12 @@ class AnchorCircuit:
         return {"fires": self.fires, "swaps": self.swaps, "rank1_bypass_ticks": self.rank1_bypass_ticks,
                 "warmup_fires": self.warmup_fires, "anchor_rows": self.anchor_rows, "fast_rows": self.fast_rows}
 
-    def load(self, device_state, host_state):
+    def load(self, device_state, host_state, ctx=None, buffers: bytes | None = None):
+        """Resume: moments, counters, the merger state handed back through ctx, and the host buffers."""
+        if ctx is not None and ctx.get("merger") is not None:
+            self._merger_ref = ctx["merger"]
+        if buffers is not None:
+            self.load_buffers(buffers)
         if device_state and "moments" in device_state and self.moments is not None:
             self.moments = jax.device_put(device_state["moments"], self.mom_sh)
         h = host_state or {}

@@ -89,17 +89,18 @@ class CheckpointManager:
         return json.loads((d / _MARKER).read_text())["score"]
 
     # ----- saving -----
-    def save(self, step: int, state, meta: dict) -> Path:
-        """Write periodic checkpoint `step` (replacing an existing one of the same step), then apply retention."""
+    def save(self, step: int, state, meta: dict, blobs: dict | None = None) -> Path:
+        """Write periodic checkpoint `step` (replacing an existing one of the same step), then apply retention.
+        `blobs` ({file name: bytes}) are host-side extras written beside meta.json, inside the same commit."""
         self._clean()
-        final = self._write(state, dict(meta), {"step": int(step)}, _step_dir(int(step)))
+        final = self._write(state, dict(meta), {"step": int(step)}, _step_dir(int(step)), blobs)
         if self._primary:
             for old in self.steps()[:-self.keep_last]:
                 shutil.rmtree(self.root / _step_dir(old), ignore_errors=True)
         self._sync("ckpt_retention")
         return final
 
-    def save_best(self, step: int, state, meta: dict, score: float) -> bool:
+    def save_best(self, step: int, state, meta: dict, score: float, blobs: dict | None = None) -> bool:
         """Keep this state in `root/best` if `score` is strictly better (higher) than the kept one. NaN never wins.
         Returns whether it was written."""
         score = float(score)
@@ -107,7 +108,7 @@ class CheckpointManager:
         if math.isnan(score) or (cur is not None and not score > cur):
             return False
         self._clean()
-        self._write(state, dict(meta), {"step": int(step), "score": score}, _BEST)
+        self._write(state, dict(meta), {"step": int(step), "score": score}, _BEST, blobs)
         return True
 
     # ----- restoring -----
@@ -122,11 +123,16 @@ class CheckpointManager:
         meta = json.loads((d / "meta.json").read_text())
         return state, meta
 
+    def read_blob(self, step, name: str) -> bytes | None:
+        """A host-side extra saved with checkpoint `step` (or "best"); None if that checkpoint has none."""
+        f = self.root / (_BEST if step == _BEST else _step_dir(int(step))) / "blobs" / name
+        return f.read_bytes() if f.is_file() else None
+
     def restore_best(self, target_like):
         return self.restore(_BEST, target_like)
 
     # ----- internals -----
-    def _write(self, state, meta, marker: dict, name: str) -> Path:
+    def _write(self, state, meta, marker: dict, name: str, blobs: dict | None = None) -> Path:
         # Deterministic name so every process agrees on it; `_clean()` ran just before, so it does not exist.
         tmp = self.root / f".tmp-{name}"
         if self._primary:
@@ -136,6 +142,12 @@ class CheckpointManager:
         final = self.root / name
         if self._primary:
             (tmp / "meta.json").write_text(json.dumps(meta))
+            if blobs:
+                (tmp / "blobs").mkdir()
+                for fname, data in blobs.items():
+                    if "/" in fname or fname.startswith("."):
+                        raise ValueError(f"checkpoint blob name {fname!r}: a plain file name is required")
+                    (tmp / "blobs" / fname).write_bytes(data)
             (tmp / _MARKER).write_text(json.dumps(marker))      # written last: its presence means complete
             if final.exists():                                   # same step again (resume), or the old best
                 trash = self.root / f".tmp-old-{name}-{uuid.uuid4().hex[:8]}"

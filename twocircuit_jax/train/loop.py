@@ -35,6 +35,9 @@ from twocircuit_jax.train.step import init_state, jit_train_step, learning_rate,
 from twocircuit_jax.train.step import state_shardings
 
 
+ANCHOR_BLOB = "anchor_buffers.pkl"
+
+
 def step_seed(seed: int, gs: int, salt: int = 0) -> int:
     return (seed * 1_000_003 + gs * 7_919 + salt) & 0x7FFFFFFF
 
@@ -128,6 +131,8 @@ class GRPOTrainer:
         meta = {"step": gs, "history": self.history, "model_config": to_dict(self.model_cfg)}
         if self.anchor:
             meta["anchor"] = self.anchor.host_state()
+        if self.codec:
+            meta["codec_applications"] = dict(self.codec.applications)  # host counters of codec forwards
         return meta
 
     def _restore(self):
@@ -137,8 +142,11 @@ class GRPOTrainer:
         state, meta = self.ckpt.restore(step, self._ckpt_state())
         self.state, self.ctx = state["train"], state["ctx"]
         if self.anchor:
-            self.anchor.load(state.get("anchor"), meta.get("anchor"))
+            self.anchor.load(state.get("anchor"), meta.get("anchor"), self.ctx,
+                             self.ckpt.read_blob(step, ANCHOR_BLOB))
         self.start_step, self.history = int(meta["step"]), meta["history"]
+        if self.codec:
+            self.codec.applications.update(meta.get("codec_applications", {}))
 
     # --- one GRPO step ----------------------------------------------------------------------------------------
     def _problems_for(self, gs):
@@ -291,9 +299,12 @@ class GRPOTrainer:
             best = self.history.get("best")
             if best is None or metrics["eval/accuracy"] > best:
                 self.history["best"] = metrics["eval/accuracy"]
-                self.ckpt.save_best(gs, self._ckpt_state(), self._meta(gs), metrics["eval/accuracy"])
+                self.ckpt.save_best(gs, self._ckpt_state(), self._meta(gs), metrics["eval/accuracy"], self._blobs())
         if (t.checkpoint_every and gs % t.checkpoint_every == 0) or gs == t.steps:
-            self.ckpt.save(gs, self._ckpt_state(), self._meta(gs))
+            self.ckpt.save(gs, self._ckpt_state(), self._meta(gs), self._blobs())
+
+    def _blobs(self):
+        return {ANCHOR_BLOB: self.anchor.dump_buffers()} if self.anchor else None
 
 
 def _merge(acc: dict, m: dict):
