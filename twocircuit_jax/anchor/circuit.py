@@ -30,22 +30,27 @@ from twocircuit_jax.anchor.projection import SnapshotWindow
 from twocircuit_jax.anchor.retention import ReplayBuffer, host_snapshot
 from twocircuit_jax.anchor.swap import init_anchor_moments, swap_optimizer_moments, update_anchor_moments
 from twocircuit_jax.config.base import ConfigError
+from twocircuit_jax.fast import lowrank as lr
 
 MERGER_STATE_KEY = "anchor/merger_state"  # carries the merger state out of the jitted step; popped in after_tick
 _ZERO_COUNTERS = ("anchor/optimizer_steps", "anchor/rollouts_generated", "anchor/rewards_recomputed")
 
 
 class AnchorCircuit:
-    def __init__(self, run_cfg, model_cfg, params):
+    def __init__(self, run_cfg, model_cfg, params, codec=None):
         a = self.cfg = run_cfg.anchor
         if a.batch_scope != "ppo_minibatch":
             raise ConfigError("anchor.batch_scope", "only ppo_minibatch replay is implemented")
         if a.warmup_mode != "stale_correct":
             raise ConfigError("anchor.warmup_mode", "only stale_correct is implemented (q_only needs an "
                                                     "anchor-owned low-rank basis)")
-        if run_cfg.anchor_owns_q:
-            raise ConfigError("anchor.owns_q", "an anchor-owned low-rank basis is not implemented; use "
-                                               "anchor.owns_q: false or auto (the fast circuit refreshes the basis)")
+        # Anchor-owned low-rank basis (SPEC §3.3): every fire's dense forward sketches the activations (unchanged)
+        # against Q_start; one power-iteration step stages Q_next, which the fast circuit activates after the
+        # step's last tick. The fast path never writes Q then.
+        self.owns_q = bool(run_cfg.anchor_owns_q)
+        if self.owns_q and (codec is None or run_cfg.fast.codec != "lowrank"):
+            raise ConfigError("anchor.owns_q", "an anchor-owned basis needs fast.codec: lowrank")
+        self.codec = codec if self.owns_q else None
         self.grpo = run_cfg.grpo
         self.param_sh = jax.tree.map(lambda x: x.sharding, params)
         self.rep = NamedSharding(jax.tree.leaves(self.param_sh)[0].mesh, P())
@@ -67,12 +72,15 @@ class AnchorCircuit:
             # Built by a jitted init so that m, v (and δ below) are distinct buffers: the fire donates them.
             self.moments = jax.jit(lambda: init_anchor_moments(params, a.target_scope), out_shardings=self.mom_sh)()
         self._merger0 = jax.jit(lambda: init_merger(params, a), out_shardings=self.rep)() if self.merger_on else None
-        grad_fn = make_anchor_grad(model_cfg, run_cfg.grpo, run_cfg.sampler.sampling.max_new_tokens)
+        sketcher = (lambda st, mask: self.codec.sketch_hook({"lowrank": st}, mask)) if self.owns_q else None
+        grad_fn = make_anchor_grad(model_cfg, run_cfg.grpo, run_cfg.sampler.sampling.max_new_tokens, sketcher)
         carry_sh = {"merger": self.rep, "moments": self.mom_sh}
         # One jitted dense forward/backward (+ EMA and moment updates), compiled once: fixed batch keys/shapes,
         # snapshot params put on the parameter shardings. The carry is donated; the trainer state is not an input.
-        self._fire_jit = jax.jit(functools.partial(self._fire_fn, grad_fn), in_shardings=(self.param_sh, None, carry_sh),
-                                 out_shardings=(carry_sh, self.rep), donate_argnums=(2,))
+        # The low-rank state is a separate, non-donated input: its bases share buffers across fields.
+        self._fire_jit = jax.jit(functools.partial(self._fire_fn, grad_fn),
+                                 in_shardings=(self.param_sh, None, carry_sh, self.rep),
+                                 out_shardings=(carry_sh, self.rep, self.rep), donate_argnums=(2,))
         self._swap_jit = None
         self.fires = self.swaps = self.rank1_bypass_ticks = self.warmup_fires = 0
         self.anchor_rows = self.fast_rows = 0
@@ -87,14 +95,16 @@ class AnchorCircuit:
             return {}
         return {"merger": self._merger0, "anchor_fire": jnp.asarray(False), "anchor_merge": jnp.asarray(True)}
 
-    def _fire_fn(self, grad_fn, params, batch, carry):
-        grads, metrics = grad_fn(params, batch)
+    def _fire_fn(self, grad_fn, params, batch, carry, low):
+        grads, metrics, aux = grad_fn(params, batch, low)
         out = dict(carry)
+        if low is not None:  # the sketch is summed over the global batch inside jit: that is the dp sum
+            low = lr.refresh_basis(lr.accumulate_sketch(low, aux), self.codec.fcfg, axis_name=None)  # staged
         if carry.get("merger") is not None:
             out["merger"] = update_ema(carry["merger"], grads, self.cfg)
         if carry.get("moments") is not None:
             out["moments"] = update_anchor_moments(carry["moments"], grads, self.cfg.swap_beta1, self.cfg.swap_beta2)
-        return out, metrics
+        return out, metrics, low
 
     def grad_transform(self, grads, ctx):
         """Traced inside the train step, before clip/AdamW. lax.cond: until M exists (or off the merger cadence)
@@ -155,8 +165,9 @@ class AnchorCircuit:
             else:
                 self.warmup_fires += 1
         carry = {"merger": ctx.get("merger"), "moments": self.moments}
+        low = ctx["codec"]["lowrank"] if self.owns_q else None
         dev = jax.device_put(weights, self.param_sh)  # host → device, params-sized
-        carry, fm = self._fire_jit(dev, fire_batch, carry)
+        carry, fm, low = self._fire_jit(dev, fire_batch, carry, low)
         # Nothing above may fail after this point: state changes only now.
         if window is not None:
             self.window = window
@@ -164,6 +175,8 @@ class AnchorCircuit:
         if self.merger_on:
             ctx = {**ctx, "merger": carry["merger"]}
             self._merger_ref = carry["merger"]
+        if self.owns_q:
+            ctx = {**ctx, "codec": {**ctx["codec"], "lowrank": low}}
         self.fires += 1
         self.anchor_rows += int(fire_batch["tokens"].shape[0])
         self._step["fire_ticks"].append(tau)

@@ -19,11 +19,12 @@ from twocircuit_jax.model.qwen2 import forward_with_aux
 DENSE = "dense"  # SPEC §3.1 path tag of the anchor pass
 
 
-def anchor_loss(model_cfg, grpo_cfg, max_new_tokens: int, params, batch):
-    """(loss scalar, metrics) of the dense anchor pass on `batch` (tokens, attention_mask, response_mask,
-    advantages; ref_logp when kl_coef > 0; is_weight when TIS is on)."""
-    logits, _ = forward_with_aux(model_cfg, params, batch["tokens"], batch["attention_mask"], hook=None,
-                                 hook_layers=())
+def anchor_loss(model_cfg, grpo_cfg, max_new_tokens: int, params, batch, hook=None, hook_layers=()):
+    """(loss scalar, (metrics, hook aux)) of the dense anchor pass on `batch` (tokens, attention_mask,
+    response_mask, advantages; ref_logp when kl_coef > 0; is_weight when TIS is on). A hook here only observes
+    (the anchor-owned low-rank basis sketches the activations and passes them unchanged)."""
+    logits, aux = forward_with_aux(model_cfg, params, batch["tokens"], batch["attention_mask"], hook=hook,
+                                   hook_layers=hook_layers)
     logp = token_logprobs(logits, batch["tokens"])                                     # [B, T] fp32
     mask = batch["response_mask"].astype(jnp.float32)
     count = jnp.maximum(jnp.sum(mask), 1.0)
@@ -49,17 +50,19 @@ def anchor_loss(model_cfg, grpo_cfg, max_new_tokens: int, params, batch):
     metrics = {"anchor/pg_loss": pg_loss, "anchor/kl_loss": kl_loss,
                "anchor/ratio_mean": jnp.sum(ratio * mask) / count,
                "anchor/entropy": jnp.sum(ent * mask) / count, "anchor/loss": loss}
-    return loss, metrics
+    return loss, (metrics, aux)
 
 
-def make_anchor_grad(model_cfg, grpo_cfg, max_new_tokens: int):
-    """(params, batch) -> (grads, metrics): one dense forward and backward; XLA inserts the `dp` mean."""
+def make_anchor_grad(model_cfg, grpo_cfg, max_new_tokens: int, sketcher=None):
+    """(params, batch, sketch_state) -> (grads, metrics, aux): one dense forward and backward; XLA inserts the
+    `dp` mean. `sketcher(sketch_state, attention_mask) -> (hook, layers)` adds the basis sketch (aux)."""
 
-    def fn(params, batch):
-        (_, metrics), grads = jax.value_and_grad(
-            lambda p: anchor_loss(model_cfg, grpo_cfg, max_new_tokens, p, batch), has_aux=True)(params)
+    def fn(params, batch, sketch_state=None):
+        hook, layers = (None, ()) if sketcher is None else sketcher(sketch_state, batch["attention_mask"])
+        (_, (metrics, aux)), grads = jax.value_and_grad(
+            lambda p: anchor_loss(model_cfg, grpo_cfg, max_new_tokens, p, batch, hook, layers), has_aux=True)(params)
         metrics["anchor/grad_norm"] = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32)))
                                                    for g in jax.tree.leaves(grads)))
-        return grads, metrics
+        return grads, metrics, aux
 
     return fn

@@ -55,8 +55,8 @@ class RunConfig:
 
     @property
     def anchor_owns_q(self) -> bool:
-        # Departure from SPEC §4 (auto = anchor-owned with lowrank): the anchor-owned basis is not implemented
-        # yet, so auto resolves to the fast-owned basis, and an explicit `true` is refused by the anchor circuit.
+        if self.anchor.owns_q == "auto":  # SPEC §4: the anchor owns the basis iff the codec is lowrank
+            return self.fast.codec == "lowrank" and self.anchor.enabled
         return self.anchor.owns_q is True
 
     @property

@@ -155,10 +155,10 @@ class FastCircuit:
         return fn, self.boundaries
 
     def bootstrap(self, codec_state, params, batch):
-        """`fast.bootstrap` with a fast-owned low-rank basis: before the first compressed forward, one discarded
+        """`fast.bootstrap` with the low-rank codec (either owner): before the first compressed forward, one discarded
         dense no-grad pass over the first batch sketches against Q0, and one power-iteration step publishes Q1,
         active at once (no codec forward has run yet, so no step sees two bases). Returns (state, metrics)."""
-        if not (self.fcfg.codec == "lowrank" and self.fcfg.bootstrap and self.owns_basis):
+        if not (self.fcfg.codec == "lowrank" and self.fcfg.bootstrap):
             return codec_state, {}
         if self._mid_step:
             raise RuntimeError("lowrank bootstrap must run before the first compressed forward of the run")

@@ -96,7 +96,7 @@ class GRPOTrainer:
         if self.cfg.anchor.enabled:
             from twocircuit_jax.anchor.circuit import AnchorCircuit
 
-            self.anchor = AnchorCircuit(self.cfg, self.model_cfg, self.state.params)
+            self.anchor = AnchorCircuit(self.cfg, self.model_cfg, self.state.params, codec=self.codec)
             self.ctx.update(self.anchor.init_ctx())  # merger keys exist from tick 1: the step compiles once
 
     def _compile(self):
