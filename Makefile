@@ -27,10 +27,10 @@ demo: $(VENV)/.stamp-base
 	$(VPY) scripts/demo.py
 
 test: $(VENV)/.stamp-test
-	$(VPY) -m pytest -q tests
+	$(VPY) scripts/run_tests.py
 
 test-fast: $(VENV)/.stamp-test
-	$(VPY) -m pytest -q -m "not slow" tests
+	$(VPY) scripts/run_tests.py -m "not slow"
 
 clean-venv:
 	rm -rf $(VENV)
