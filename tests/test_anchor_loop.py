@@ -7,16 +7,10 @@ import numpy as np
 import pytest
 import yaml
 
-TINY = {
-    "name": "tiny", "tokenizer": "char", "mesh": {"data": -1}, "optim": {"lr": 1e-3},
-    "model": {"vocab_size": 100, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16,
-              "intermediate_size": 64, "eos_token_id": 2, "pad_token_id": 0, "bos_token_id": 1},
-    "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 64, "eval_size": 8},
-    "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
-    "fast": {"pp_size": 2},
-    "anchor": {"enabled": True, "cadence": 4, "delay": 4, "window": 2, "swap_cadence": 2},
-    "train": {"steps": 6, "train_batch": 4, "mini_batch": 2, "eval_every": 0, "eval_size": 8, "max_prompt_len": 16},
-}
+from tiny_run import tiny_config
+
+TINY = tiny_config(name="tiny", anchor={"enabled": True, "cadence": 4, "delay": 4, "window": 2, "swap_cadence": 2},
+                   train={"steps": 6})
 
 
 @pytest.fixture(scope="module")

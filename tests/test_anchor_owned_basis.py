@@ -5,17 +5,10 @@ import yaml
 
 from twocircuit_jax.cli import main
 from twocircuit_jax.config import load_config
+from tiny_run import tiny_config
 
-CFG = {
-    "tokenizer": "char", "mesh": {"data": -1}, "optim": {"lr": 3e-3},
-    "model": {"vocab_size": 100, "hidden_size": 32, "num_layers": 4, "num_heads": 2, "num_kv_heads": 1,
-              "head_dim": 16, "intermediate_size": 64},
-    "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 64, "eval_size": 8},
-    "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
-    "fast": {"codec": "lowrank", "rank": 3, "pp_size": 2},
-    "anchor": {"enabled": True, "cadence": 4, "delay": 4, "window": 2},
-    "train": {"steps": 5, "train_batch": 4, "mini_batch": 2, "eval_every": 0, "eval_size": 8, "max_prompt_len": 16},
-}
+CFG = tiny_config(optim={"lr": 3e-3}, model={"num_layers": 4}, fast={"codec": "lowrank", "rank": 3},
+                  anchor={"enabled": True, "cadence": 4, "delay": 4, "window": 2}, train={"steps": 5})
 
 
 def test_only_fires_publish_a_basis(tmp_path, monkeypatch):

@@ -11,18 +11,10 @@ from twocircuit_jax.cli import main
 from twocircuit_jax.config.base import to_dict
 from twocircuit_jax.config.run import load_config
 from twocircuit_jax.train.sweep import load_sweep
+from tiny_run import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = {
-    "name": "tiny", "tokenizer": "char", "mesh": {"data": -1}, "optim": {"lr": 1e-3},
-    "model": {"vocab_size": 100, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16,
-              "intermediate_size": 64, "eos_token_id": 2, "pad_token_id": 0, "bos_token_id": 1},
-    "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 64, "eval_size": 8},
-    "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
-    "fast": {"pp_size": 2},
-    "anchor": {"cadence": 2, "delay": 2, "window": 2},
-    "train": {"steps": 2, "train_batch": 4, "mini_batch": 2, "eval_every": 0, "eval_size": 8, "max_prompt_len": 16},
-}
+TINY = tiny_config(name="tiny", anchor={"cadence": 2, "delay": 2, "window": 2})
 
 
 def _flat(d, pre=""):

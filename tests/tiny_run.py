@@ -1,0 +1,23 @@
+"""The tiny run config the end-to-end tests share: a random char-level model on chain_sum, seconds per step."""
+import copy
+
+_BASE = {
+    "tokenizer": "char", "mesh": {"data": -1}, "optim": {"lr": 1e-3},
+    "model": {"vocab_size": 100, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1,
+              "head_dim": 16, "intermediate_size": 64, "eos_token_id": 2, "pad_token_id": 0, "bos_token_id": 1},
+    "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 64, "eval_size": 8},
+    "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
+    "fast": {"pp_size": 2},
+    "train": {"steps": 2, "train_batch": 4, "mini_batch": 2, "eval_every": 0, "eval_size": 8, "max_prompt_len": 16},
+}
+
+
+def tiny_config(**sections) -> dict:
+    """The base config with each given section's keys updated (a non-dict value replaces the key)."""
+    cfg = copy.deepcopy(_BASE)
+    for name, value in sections.items():
+        if isinstance(value, dict) and isinstance(cfg.get(name), dict):
+            cfg[name] = {**cfg[name], **value}
+        else:
+            cfg[name] = value
+    return cfg
