@@ -123,3 +123,17 @@ def test_hlo_parser_forms():
     assert got["all-reduce"] == 8 * 4 * 4 + 40 + 12
     assert got["all-gather"] == 2 * 3 * 2 and got["counts"]["all-gather"] == 1
     assert got["total"] == 128 + 52 + 12
+
+
+def test_bytes_count_the_channels_the_mask_keeps_on_half_cases():
+    """One k: at H=10, p=0.75, (1-p)H = 2.5 and the mask keeps 3 channels per token; the bytes count 3 too."""
+    from twocircuit_jax.fast.mask import mask_bits
+
+    for p, H in ((0.75, 10), (0.95, 30), (0.875, 4), (0.95, 1536)):
+        cfg = FastConfig(codec="prf_mask", p=p, exact_k=True)
+        bits = mask_bits(cfg, [0], 0, jnp.int32(1), jnp.arange(2, dtype=jnp.int32),
+                         jnp.tile(jnp.arange(5, dtype=jnp.int32), (2, 1)), H)
+        kept = np.asarray(bits).reshape(-1, H).sum(-1)
+        assert len(set(kept.tolist())) == 1, kept
+        m = activation_bytes(cfg, tokens=1, hidden=H, boundaries=[0])
+        assert m["comm/bytes_compressed"] == kept[0] * 2, (p, H, kept[0], m)

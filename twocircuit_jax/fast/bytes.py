@@ -14,6 +14,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from twocircuit_jax.fast.mask import keep_count
+
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e5m2fnuz": 1,
                 "f8e4m3fnuz": 1, "f8e4m3b11fnuz": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                 "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5}
@@ -27,9 +29,8 @@ def _result(compressed: float, dense: float, el_c: float, el_d: float) -> dict:
             "comm/elements_compressed": float(el_c), "comm/elements_dense": float(el_d)}
 
 
-def exact_k(p: float, hidden: int) -> int:
-    """k = round((1 − p)·H) kept channels, at least 1 (SPEC §3.2: H=1536, p=0.95 -> 77)."""
-    return max(1, int(round((1.0 - p) * hidden)))
+# The mask's own k (half up, at least 1): the bytes counted are the channels the mask keeps, by construction.
+exact_k = keep_count
 
 
 def activation_bytes(cfg, *, tokens: int, hidden: int, boundaries: Sequence[int], act_bytes: int = 2,
