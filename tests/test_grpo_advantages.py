@@ -52,3 +52,25 @@ def test_jittable():
     r = np.arange(8, dtype=np.float32)
     f = jax.jit(group_advantages, static_argnums=(1, 2))
     np.testing.assert_allclose(np.asarray(f(r, 4, True)), np.asarray(group_advantages(r, 4, True)))
+
+
+@pytest.mark.parametrize("adv_std,ddof", [("unbiased", 1), ("population", 0)])
+def test_adv_std_choice_reaches_the_loop_advantages(adv_std, ddof):
+    """grpo.adv_std picks the group std's ddof on the path the loop uses (rollout.advantages)."""
+    from twocircuit_jax.config import load_config
+    from twocircuit_jax.train import rollout as ro
+
+    cfg = load_config(data={"grpo": {"adv_std": adv_std}, "fast": {"pp_size": 4}}).grpo
+    r = np.array([1, 0, 0, 0, 3, 1, 0, 0], np.float32)
+    g = r.reshape(2, 4).astype(np.float64)
+    want = ((g - g.mean(1, keepdims=True)) / (g.std(1, ddof=ddof, keepdims=True) + 1e-6)).reshape(-1)
+    np.testing.assert_allclose(ro.advantages(r, 4, cfg), want, rtol=1e-5)
+    assert np.asarray(group_advantages(r, 4, True, ddof=ddof)).tolist() == ro.advantages(r, 4, cfg).tolist()
+
+
+def test_adv_std_rejects_other_values():
+    from twocircuit_jax.config import load_config
+    from twocircuit_jax.config.base import ConfigError
+
+    with pytest.raises(ConfigError, match="adv_std"):
+        load_config(data={"grpo": {"adv_std": "sample"}, "fast": {"pp_size": 4}})

@@ -111,6 +111,8 @@ class GRPOConfig:
     """GRPO objective (SPEC §5)."""
 
     std_normalize: bool = field(default=True, metadata=doc("divide advantages by group std"))
+    adv_std: Literal["unbiased", "population"] = field(
+        default="unbiased", metadata=doc("group std of the advantage: ddof=1 (verl's GRPO) or ddof=0 (TRL)", "σ_g"))
     clip_low: float = field(default=0.2, metadata=doc("lower PPO clip", "ε_low"))
     clip_high: float = field(default=0.28, metadata=doc("upper PPO clip", "ε_high"))
     dual_clip: float = field(default=3.0, metadata=doc("dual-clip bound for A<0; 0 disables", "c"))

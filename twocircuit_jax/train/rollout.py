@@ -54,8 +54,15 @@ def score_and_advantages(task, tokenizer, problems, rollout: Rollout, n: int, ma
     texts = [tokenizer.decode(t) for t in rollout.tokens]
     lengths = [len(t) for t in rollout.tokens]
     rewards, loss_mask, raw, metrics = score_batch(task, rows, texts, lengths, rollout.truncated, max_new, grpo_cfg)
-    adv = np.asarray(group_advantages(np.asarray(rewards, np.float32), n, grpo_cfg.std_normalize))
-    return np.asarray(rewards, np.float32), np.asarray(loss_mask, np.float32), adv.astype(np.float32), metrics, texts
+    adv = advantages(rewards, n, grpo_cfg)
+    return np.asarray(rewards, np.float32), np.asarray(loss_mask, np.float32), adv, metrics, texts
+
+
+def advantages(rewards, n: int, grpo_cfg) -> np.ndarray:
+    """Group advantages [B] float32 as the GRPO config asks (std_normalize, adv_std)."""
+    ddof = 1 if grpo_cfg.adv_std == "unbiased" else 0
+    return np.asarray(group_advantages(np.asarray(rewards, np.float32), n, grpo_cfg.std_normalize, ddof=ddof),
+                      np.float32)
 
 
 def split_minibatches(batch: dict, n_mini: int) -> list[dict]:
