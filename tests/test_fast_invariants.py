@@ -49,7 +49,7 @@ SGD = optax.sgd(0.5)
 def one_step(cfg, mesh, params, batch, circuit, optimizer=SGD):
     """(new params, metrics, batch) of one tick, old log-probs from the same codec view (the loop's order)."""
     act = circuit if (circuit and circuit.has_activation_codec) else None
-    ctx = {"step": jnp.asarray(1, jnp.int32)}
+    ctx = {"step": jnp.asarray(1, jnp.int32), "first_minibatch": jnp.asarray(True)}  # the loop's first tick
     if circuit:
         ctx["codec"] = circuit.init_state(params)
     key = (id(circuit), id(optimizer))
@@ -85,13 +85,16 @@ def test_codec_off_is_the_plain_step_bit_for_bit(setup):
     assert float(m_plain["loss"]) == float(m_off["loss"]) and "codec/aux" not in m_off
 
 
-@pytest.mark.parametrize("codec", ["prf_mask", "lowrank", "sr_quant"])
-def test_first_update_ratio_is_one_while_the_codec_view_is_far_from_dense(setup, codec):
+@pytest.mark.parametrize("codec", ["none", "prf_mask", "lowrank", "sr_quant"])
+def test_first_update_ratio_is_exactly_one_while_the_codec_view_is_far_from_dense(setup, codec):
     cfg, mesh, params, batch = setup
-    c = FastCircuit(run_cfg(codec=codec), cfg.model, mesh)
+    c = FastCircuit(run_cfg(codec=codec), cfg.model, mesh) if codec != "none" else None
     _, m, b = one_step(cfg, mesh, params, batch, c)
-    assert float(m["ppo/clip_frac"]) == 0.0
-    assert abs(float(m["ppo/ratio_mean"]) - 1.0) <= 1e-6 and abs(float(m["ppo/kl"])) <= 1e-6
+    # Exact, not within ulps: ℓ_old on the first mini-batch is the train forward's own stop-gradient log-prob.
+    assert float(m["ppo/clip_frac"]) == 0.0 and float(m["ppo/kl"]) == 0.0
+    assert float(m["ppo/ratio_mean"]) == 1.0 and float(m["ppo/ratio_max"]) == 1.0 == float(m["ppo/ratio_min"])
+    if c is None:
+        return
     dense_logp = _dense_logp(cfg)(params, b, {"step": jnp.int32(1)})[0]
     gap = np.abs(np.exp(np.asarray(b["old_logp"])) - np.exp(np.asarray(dense_logp)))[:, T - NEW:]
     assert gap.mean() > 1e-3, gap.mean()  # the trainer's ratio cannot see this gap: it compares codec to codec
@@ -133,3 +136,49 @@ def test_powersgd_skipped_update_keeps_error_memory(setup, full_rank):
     assert all(float(jnp.max(jnp.abs(e))) == 0.0 for e in st.e.values())
     for a, b in zip(jax.tree.leaves(p_new), jax.tree.leaves(params)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+# ------------------------------------------------------------------- token-mean normaliser under PowerSGD (dp)
+def _uneven(batch):
+    """Response lengths 1..6 tokens, so the 8 replicas (2 rows each) hold different numbers of loss tokens."""
+    lengths = np.array([1 + (7 * i) % NEW for i in range(B)])
+    resp = np.zeros((B, T), np.float32)
+    for i, n in enumerate(lengths):
+        resp[i, T - NEW:T - NEW + n] = 1.0
+    return dict(batch, response_mask=jnp.asarray(resp))
+
+
+def _grads(cfg, mesh, params, batch, circuit, agg):
+    """The train step's gradient (before clip/optimizer) from the circuit's grad_fn (None = XLA's dp mean)."""
+    from twocircuit_jax.train.step import default_grad_fn
+
+    c = dataclasses.replace(cfg.grpo, loss_agg=agg)
+    loss = make_grpo_loss(cfg.model, c, NEW, None)
+    fn = jax.jit((circuit.grad_fn(None) if circuit else default_grad_fn)(loss))
+    ctx = {"step": jnp.asarray(1, jnp.int32), "first_minibatch": jnp.asarray(True)}
+    if circuit:
+        ctx["codec"] = circuit.init_state(params)
+    b = dict(batch, old_logp=jnp.zeros((B, T)))
+    b = jax.device_put(b, pmesh.batch_shardings(b, mesh))
+    return fn(params, b, ctx)[0]
+
+
+def _rel(a, b):
+    num = sum(float(jnp.sum((x - y) ** 2)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    den = sum(float(jnp.sum(y ** 2)) for y in jax.tree.leaves(b))
+    return (num / den) ** 0.5
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("phase", ["full_rank", "warm_up"])
+def test_powersgd_gradient_equals_dense_on_uneven_lengths(setup, full_rank, agg, phase):
+    """Each replica normalises by the global token (sequence) count, so PowerSGD's replica mean is the dense
+    step's global token mean also when lengths differ across replicas (a mean of per-replica means is not)."""
+    cfg, mesh, params, batch = setup
+    batch = _uneven(batch)
+    c = full_rank
+    if phase == "warm_up":
+        c = FastCircuit(run_cfg(grad_codec="powersgd", start_after=5), cfg.model, mesh)
+    g_dense = _grads(cfg, mesh, params, batch, None, agg)
+    g_psgd = _grads(cfg, mesh, params, batch, c, agg)
+    assert _rel(g_psgd, g_dense) <= 1e-6, _rel(g_psgd, g_dense)

@@ -6,9 +6,10 @@ mean). The loss and scalar metrics are pmean-ed; low-rank sketches and token cou
 (the sketch is a sum over the global batch). The next PowerSGD state leaves the step in metrics[NEW_STATE]; the
 error memory keeps its P(batch axes) split, so it never travels (the loop jits ctx/metrics with free shardings).
 
-Per-replica losses are means over each replica's own tokens, so the result equals the XLA path's global token
-mean only when every replica holds the same number of loss tokens (what the full-rank test arranges); with ragged
-rows it is the mean of per-replica means, as in any data-parallel PowerSGD.
+Normalisation: each replica's loss is divided by the *global* loss-token count (and sequence count) over the
+batch axes, times the replica count, so the mean over replicas is the global token mean of the dense step even when
+response lengths differ across replicas (the normal case in GRPO). A mean of per-replica means would weight a
+replica's tokens by 1/its own count and bias the gradient from the first tick on. Cost: two scalar psums.
 Requires fsdp = tensor = 1 (parameters replicated), checked by FastCircuit.
 """
 from __future__ import annotations
@@ -40,6 +41,16 @@ def _reduce_metrics(metrics, axes):
     return out
 
 
+def global_normalisers(response_mask, axes) -> dict:
+    """Inside shard_map: {token_count, seq_count} such that a replica's Σ/count, averaged over replicas, is the
+    global Σ / global count (see `grpo.loss.agg_loss`)."""
+    mask = response_mask.astype(jnp.float32)
+    n_rep = jax.lax.psum(jnp.float32(1.0), axes)
+    tokens = jax.lax.psum(jnp.sum(mask), axes)
+    seqs = jax.lax.psum(jnp.sum((jnp.sum(mask, axis=-1) > 0).astype(jnp.float32)), axes)
+    return {"token_count": tokens / n_rep, "seq_count": seqs / n_rep}
+
+
 def make_powersgd_grad_fn(fcfg, mesh, *, interpret: bool = False, axes=BATCH_AXES):
     """factory(loss_fn) -> fn(params, batch, ctx) -> (mean grads, loss, metrics incl. NEW_STATE)."""
 
@@ -52,6 +63,7 @@ def make_powersgd_grad_fn(fcfg, mesh, *, interpret: bool = False, axes=BATCH_AXE
             batch_spec = jax.tree.map(lambda x: P(axes) if jnp.ndim(x) else P(), batch)
 
             def body(params, batch, ctx):
+                batch = dict(batch, **global_normalisers(batch["response_mask"], axes))
                 (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, ctx)
                 mean, new_state, pm = psgd.powersgd_reduce(grads, ctx["codec"]["powersgd"], fcfg, axes,
                                                            interpret=interpret)

@@ -73,7 +73,7 @@ def agg_loss(loss_mat, mask, mode: str, token_count=None, seq_count=None, norm_l
     masked = loss_mat * mask
     if mode == "token-mean":
         denom = jnp.sum(mask) if token_count is None else jnp.asarray(token_count, jnp.float32)
-        return jnp.sum(masked) / jnp.maximum(denom, 1.0)
+        return jnp.sum(masked) / _positive(denom)
     if mode not in AGG_MODES:
         raise ValueError(f"unknown loss_agg {mode!r}; allowed {AGG_MODES}")
     tok_per_seq = jnp.sum(mask, axis=-1)                                    # [B]
@@ -85,7 +85,13 @@ def agg_loss(loss_mat, mask, mode: str, token_count=None, seq_count=None, norm_l
     else:
         per_seq = seq_sum / float(loss_mat.shape[-1] if norm_len is None else norm_len)
     n_seq = jnp.sum(tok_per_seq > 0) if seq_count is None else seq_count
-    return jnp.sum(per_seq) / jnp.maximum(jnp.asarray(n_seq, jnp.float32), 1.0)
+    return jnp.sum(per_seq) / _positive(jnp.asarray(n_seq, jnp.float32))
+
+
+def _positive(count):
+    """A normaliser that is never 0 (an empty batch sums to 0 anyway). Not max(count, 1): a data-parallel
+    normaliser (global count / replicas) may be fractional."""
+    return jnp.where(count > 0, count, 1.0)
 
 
 def _masked_mean(x, mask, count):
