@@ -42,7 +42,12 @@ def make_grpo_loss(model_cfg, grpo_cfg, max_new_tokens: int, codec=None):
     """loss_fn(params, batch, ctx) -> (loss, metrics) for train.step.make_train_step.
 
     batch carries old_logp (and ref_logp when kl_coef > 0), advantages, response_mask (loss mask applied),
-    is_weight (importance weights; absent when TIS is off so that the loss is untouched bit for bit).
+    is_weight (importance weights; absent when TIS is off so that the loss is untouched bit for bit), and
+    optionally token_count / seq_count (global normalisers, set by a data-parallel grad_fn; see `agg_loss`).
+
+    ctx["first_minibatch"] (bool scalar, traced): on a step's first mini-batch the parameters are those that
+    produced old_logp, so ℓ_old is taken as the stop-gradient of this forward's own log-probs. The ratio is then
+    exactly 1 (PPO-KL and clip fraction exactly 0) instead of 1 ± a few ulp from a separately compiled pass.
     """
 
     def loss_fn(params, batch, ctx):
@@ -50,8 +55,12 @@ def make_grpo_loss(model_cfg, grpo_cfg, max_new_tokens: int, codec=None):
         logp = token_logprobs(logits, batch["tokens"])
         ent = token_entropy(jax.lax.stop_gradient(logits)) if grpo_cfg.entropy_coeff == 0 else token_entropy(logits)
         ref = batch.get("ref_logp") if grpo_cfg.kl_coef > 0 else None
-        loss, metrics = grpo_loss(logp, batch["old_logp"], ref, batch["advantages"], batch["response_mask"],
-                                  batch.get("is_weight"), grpo_cfg, entropy=ent, norm_len=max_new_tokens)
+        old = batch["old_logp"]
+        if ctx.get("first_minibatch") is not None:
+            old = jnp.where(ctx["first_minibatch"], jax.lax.stop_gradient(logp), old)
+        loss, metrics = grpo_loss(logp, old, ref, batch["advantages"], batch["response_mask"],
+                                  batch.get("is_weight"), grpo_cfg, token_count=batch.get("token_count"),
+                                  seq_count=batch.get("seq_count"), entropy=ent, norm_len=max_new_tokens)
         if codec is not None and aux:
             metrics.update(codec.summarize(aux))
             metrics["codec/aux"] = aux  # raw per-boundary outputs (e.g. low-rank sketches) for the loop

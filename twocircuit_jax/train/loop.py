@@ -69,7 +69,7 @@ class GRPOTrainer:
         # Frozen reference policy: a copy, since the train state's buffers are donated every tick.
         self.ref_params = jax.tree.map(jnp.copy, jax.device_put(params, self.param_sh))
         self.codec = self.anchor = None
-        self.ctx = {"step": jnp.zeros((), jnp.int32)}
+        self.ctx = {"step": jnp.zeros((), jnp.int32), "first_minibatch": jnp.asarray(False)}
         self._build_circuits()
         self._compile()
         os.makedirs(run_dir, exist_ok=True)
@@ -96,7 +96,8 @@ class GRPOTrainer:
         if self.cfg.anchor.enabled:
             from twocircuit_jax.anchor.circuit import AnchorCircuit
 
-            self.anchor = AnchorCircuit(self.cfg, self.model_cfg, self.state.params, codec=self.codec)
+            self.anchor = AnchorCircuit(self.cfg, self.model_cfg, self.state.params, codec=self.codec,
+                                        ref_params=self.ref_params)
             self.ctx.update(self.anchor.init_ctx())  # merger keys exist from tick 1: the step compiles once
 
     def _compile(self):
@@ -239,6 +240,7 @@ class GRPOTrainer:
             for j, mb in enumerate(ro.split_minibatches(dev, n_mini)):
                 mb = self._shard_batch(mb)
                 tau = int(self.state.tick) + 1
+                self.ctx["first_minibatch"] = jnp.asarray(j == 0 and epoch == 0)  # ℓ_old from the train forward
                 if self.anchor:
                     self.ctx, am = self.anchor.before_tick(tau, gs, j == 0 and epoch == 0, mb, self.state, self.ctx)
                     _merge(accum, am)
