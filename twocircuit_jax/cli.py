@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--config", required=True, help="sweep YAML (configs/sweeps/)")
     w.add_argument("--out", required=True)
     w.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="applied to every arm")
+    g = sub.add_parser("plot", help="figures + one HTML page comparing runs (PNGs, index.html, fidelity map)")
+    g.add_argument("runs", nargs="+", metavar="RUN", help="run folder, or sweep folder (expanded into its arms)")
+    g.add_argument("--out", required=True, help="output folder for the PNGs, map.json/map.md and index.html")
     return p
 
 
@@ -123,6 +126,12 @@ def _dispatch(args) -> int:
         from twocircuit_jax.train.sweep import run_sweep
 
         run_sweep(args.config, args.out, args.set)
+        return 0
+    if args.cmd == "plot":
+        from twocircuit_jax.metrics.plot import expand_runs, plot_runs
+
+        runs = expand_runs(args.runs)  # every input checked before --out is created
+        print(json.dumps({"runs": [r.name for r in runs], "written": plot_runs(runs, args.out)}))
         return 0
     raise AssertionError(args.cmd)
 

@@ -1,0 +1,322 @@
+"""`twocircuit plot`: figures and one HTML page comparing run folders (compressed vs dense).
+
+Reads each run's `metrics.jsonl` and `config.yaml` only, so it works on finished runs, runs still in progress and
+copies from another machine. A sweep folder (subfolders that are runs) is expanded into its arms. matplotlib is
+imported lazily, and only its object API (no pyplot, no global backend), so importing this module is cheap.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+import yaml
+
+from twocircuit_jax.config.base import ConfigError
+
+CODEC_ORDER = ("prf_mask", "lowrank", "sr_quant")
+STRENGTH_KEY = {"prf_mask": ("p", "p"), "lowrank": ("rank", "r"), "sr_quant": ("quant_bits", "bits")}
+GAP, GRAD_COS, ACC = "mismatch/prob_gap_mean", "fidelity/grad_cos", "eval/accuracy"
+
+
+def _num(v) -> float | None:
+    """A finite float from a logged value (bools and the logger's "nan"/"inf" strings included), else None."""
+    try:
+        x = float(v) if isinstance(v, (bool, int, float, str)) else None
+    except ValueError:
+        return None
+    return x if x is not None and math.isfinite(x) else None
+
+
+@dataclass
+class Run:
+    """One run folder: its name, resolved config (plain dict), metrics rows sorted by step, and the config keys the
+    comparison is about (codec, its strength, anchor on/off, hidden size)."""
+
+    name: str
+    path: str
+    config: dict
+    rows: list[dict] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        sec = lambda k: self.config.get(k) if isinstance(self.config.get(k), dict) else {}  # noqa: E731
+        fast = sec("fast")
+        self.codec: str = str(fast.get("codec", "none"))
+        self.anchor: bool = bool(sec("anchor").get("enabled", False))
+        self.hidden: int | None = sec("model").get("hidden_size")
+        key, short = STRENGTH_KEY.get(self.codec, (None, None))
+        self.strength: float | None = fast.get(key) if key else None
+        grad = fast.get("grad_codec") or "none"
+        # e.g. "lowrank r=8"; a gradient codec is appended ("+powersgd"): a different compression, a different row
+        self.codec_label = self.codec + (f" {short}={self.strength:g}" if self.strength is not None else "") + (
+            f" +{grad}" if grad != "none" else "")
+        self.is_dense = self.codec == "none" and not self.anchor and grad == "none"
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """(steps, values) of the steps that logged `key`."""
+        pts = [(r["step"], _num(r[key])) for r in self.rows if key in r]
+        pts = [(s, v) for s, v in pts if v is not None]
+        return [s for s, _ in pts], [v for _, v in pts]
+
+    def last(self, key: str, n: int = 1) -> float | None:
+        """The last logged value of `key`, or with n > 1 the mean of the last n; None if never logged."""
+        vals = self.series(key)[1][-n:]
+        return sum(vals) / len(vals) if vals else None
+
+    def summary(self) -> dict:
+        """The run's headline numbers (None where not logged)."""
+        steps, acc = self.series(ACC)
+        return {"name": self.name, "codec": self.codec_label, "anchor": self.anchor,
+                "base_accuracy": acc[steps.index(0)] if 0 in steps else None,
+                "final_accuracy": acc[-1] if acc else None, "max_accuracy": max(acc) if acc else None,
+                "gap_last10": self.last(GAP, 10), "grad_cos": self.last(GRAD_COS)}
+
+
+def load_run(path: str, name: str | None = None) -> Run:
+    """Read one run folder. A torn line (a run still writing) is skipped, as the trainer's own logger does."""
+    mpath, cpath = os.path.join(path, "metrics.jsonl"), os.path.join(path, "config.yaml")
+    if not os.path.isfile(mpath):
+        raise ConfigError(path, "not a run folder: no metrics.jsonl")
+    if not os.path.isfile(cpath):
+        raise ConfigError(path, "run folder without config.yaml")
+    try:
+        with open(cpath) as fh:
+            cfg = yaml.safe_load(fh) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(cpath, f"unreadable YAML: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(cpath, "expected a YAML mapping")
+    rows = []
+    with open(mpath) as fh:
+        for line in fh:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+                rows.append(rec)
+    rows.sort(key=lambda r: r["step"])
+    return Run(name or os.path.basename(os.path.normpath(path)), path, cfg, rows)
+
+
+def _arms(folder: str) -> list[str]:
+    """A sweep folder's arm subfolders: summary.json's order first (the sweep file's order), then by name."""
+    arms = sorted(d for d in os.listdir(folder) if os.path.isfile(os.path.join(folder, d, "metrics.jsonl")))
+    try:
+        with open(os.path.join(folder, "summary.json")) as fh:
+            order = [r["arm"] for r in json.load(fh) if isinstance(r, dict) and "arm" in r]
+    except (OSError, ValueError, TypeError):
+        order = []
+    return [a for a in order if a in arms] + [a for a in arms if a not in order]
+
+
+def expand_runs(paths: list[str]) -> list[Run]:
+    """Runs for the given paths, sweep folders expanded to `SWEEP/ARM`. Raises ConfigError on the first bad path."""
+    runs = []
+    for p in paths:
+        if os.path.isfile(os.path.join(p, "metrics.jsonl")):
+            runs.append(load_run(p))
+        elif os.path.isdir(p) and (arms := _arms(p)):
+            sweep = os.path.basename(os.path.normpath(p))
+            runs += [load_run(os.path.join(p, a), f"{sweep}/{a}") for a in arms]
+        else:
+            what = "not found" if not os.path.exists(p) else "no metrics.jsonl in it or in any subfolder"
+            raise ConfigError(p, f"not a run or sweep folder: {what}")
+    names = [r.name for r in runs]
+    for r in runs:  # the same basename twice: tell them apart by their parent folder
+        if names.count(r.name) > 1:
+            r.name = os.path.relpath(os.path.abspath(r.path), os.path.dirname(os.path.dirname(os.path.abspath(r.path))))
+    return runs
+
+
+def _mean(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def map_cells(runs: list[Run]) -> list[dict]:
+    """Fidelity-map cells: one per (codec, strength, anchor, hidden) among the codec runs, with the final held-out
+    accuracy minus that of the dense run(s) of the same hidden size. Runs sharing a cell (seeds) are averaged."""
+    dense: dict = {}
+    for r in runs:
+        if r.is_dense:
+            dense.setdefault(r.hidden, []).append(r.last(ACC))
+    groups: dict = {}
+    for r in runs:
+        if r.codec in CODEC_ORDER:
+            groups.setdefault((r.codec_label, r.codec, r.strength, r.anchor, r.hidden), []).append(r)
+    cells = []
+    for (label, codec, strength, anchor, hidden), rs in groups.items():
+        acc, dacc = _mean([r.last(ACC) for r in rs]), _mean(dense.get(hidden, []))
+        cells.append({"codec": codec, "strength": strength, "label": label, "anchor": anchor, "hidden": hidden,
+                      "accuracy": acc, "dense_accuracy": dacc,
+                      "gap": acc - dacc if acc is not None and dacc is not None else None,
+                      "prob_gap_last10": _mean([r.last(GAP, 10) for r in rs]),
+                      "grad_cos": _mean([r.last(GRAD_COS) for r in rs]), "runs": [r.name for r in rs]})
+    cells.sort(key=lambda c: (CODEC_ORDER.index(c["codec"]), c["strength"] is None, c["strength"] or 0, c["label"],
+                              c["hidden"] or 0, c["anchor"]))
+    return cells
+
+
+def _fmt(x) -> str:
+    """A table cell: "-" for not logged, yes/no, 4 significant digits."""
+    if x is None or isinstance(x, bool):
+        return {None: "-", True: "yes", False: "no"}[x]
+    return f"{x:.4g}" if isinstance(x, float) else str(x)
+
+
+def _map_md(cells: list[dict]) -> str:
+    head = ["codec", "anchor", "hidden", "accuracy", "dense", "gap", "prob_gap (last 10)", "grad_cos"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in cells:
+        vals = [c["label"], "on" if c["anchor"] else "off", c["hidden"], c["accuracy"], c["dense_accuracy"],
+                c["gap"], c["prob_gap_last10"], c["grad_cos"]]
+        lines.append("| " + " | ".join(_fmt(v) for v in vals) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _moving_avg(v: list[float], w: int = 10) -> list[float]:
+    """Trailing mean over up to w points (shorter at the start)."""
+    return [sum(v[max(0, i - w + 1): i + 1]) / (i + 1 - max(0, i - w + 1)) for i in range(len(v))]
+
+
+def _draw_map(fig, cells: list[dict]) -> None:
+    import numpy as np
+    from matplotlib import colormaps
+    from matplotlib.colors import Normalize
+
+    rows = list(dict.fromkeys(c["label"] for c in cells))
+    hiddens = sorted({c["hidden"] for c in cells}, key=lambda h: (h is None, h or 0))
+    cols = [(h, a) for h in hiddens for a in (False, True)]
+    grid = np.full((len(rows), len(cols)), np.nan)
+    for c in cells:
+        if c["gap"] is not None:
+            grid[rows.index(c["label"]), cols.index((c["hidden"], c["anchor"]))] = c["gap"]
+    m = float(np.nanmax(np.abs(grid))) if np.isfinite(grid).any() else 0.0
+    cmap = colormaps["RdBu"].with_extremes(bad="white")
+    ax = fig.add_subplot()
+    im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, norm=Normalize(-(m or 1e-3), m or 1e-3), aspect="auto")
+    ax.set_yticks(range(len(rows)), rows)
+    ax.set_xticks(range(len(cols)), [(f"H{h} " if len(hiddens) > 1 else "") + f"anchor {'on' if a else 'off'}"
+                                     for h, a in cols])
+    for (i, j), g in np.ndenumerate(grid):
+        if np.isfinite(g):
+            ax.text(j, i, f"{g:+.3f}", ha="center", va="center", color="white" if abs(g) > 0.6 * m else "black")
+    fig.colorbar(im, ax=ax, label="final accuracy − dense")
+    ax.set_title("fidelity map: held-out accuracy gap to dense")
+
+
+def plot_runs(runs: list[Run], out_dir: str) -> list[str]:
+    """Write the figures, map.json/map.md (when there is a dense and a codec run) and index.html into out_dir.
+    Returns the paths written."""
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
+    from matplotlib.transforms import blended_transform_factory
+
+    os.makedirs(out_dir, exist_ok=True)
+    cmap = colormaps["tab10" if len(runs) <= 10 else "tab20"]
+    color = {r.name: cmap(i % cmap.N) for i, r in enumerate(runs)}
+    written, sections = [], []  # sections: (title, png path or None, note why skipped)
+
+    def want(title: str, *keys: str) -> bool:
+        """Whether any run logged one of `keys`; if none did, the page says so instead of showing an empty figure."""
+        if any(r.series(k)[0] for r in runs for k in keys):
+            return True
+        sections.append((title, None, f"no run logged {' or '.join(keys)}"))
+        return False
+
+    def panels(n: int, w: float = 6.0):
+        fig = Figure(figsize=(w * n, 4.2), layout="constrained")
+        return fig, [fig.add_subplot(1, n, i + 1) for i in range(n)]
+
+    def line(ax, key, title=None, log=False, style="-", legend=True, **kw):
+        for r in runs:
+            s, v = r.series(key)
+            if log:
+                s, v = [a for a, b in zip(s, v) if b > 0], [b for b in v if b > 0]
+            if s:
+                ax.plot(s, v, style, color=color[r.name], label=r.name if legend else None, **kw)
+        if title is not None:
+            ax.set(title=title, xlabel="step")
+        if log and ax.lines:
+            ax.set_yscale("log")
+
+    def save(fig, fname, title):
+        for ax in fig.axes:
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize="small")
+        path = os.path.join(out_dir, fname)
+        fig.savefig(path, dpi=110)
+        written.append(path)
+        sections.append((title, path, ""))
+
+    if want("Held-out accuracy and reward", ACC, "reward/mean"):
+        fig, (a1, a2) = panels(2)
+        line(a1, ACC, "held-out accuracy", style="o-", markersize=4)
+        for r in runs:
+            s, v = r.series("reward/mean")
+            if s:
+                a2.plot(s, v, color=color[r.name], alpha=0.3, linewidth=0.8)
+                a2.plot(s, _moving_avg(v), color=color[r.name], label=r.name)
+        a2.set(title="reward/mean (light: raw, solid: 10-step mean; ticks: anchor fires)", xlabel="step")
+        ticks = blended_transform_factory(a2.transData, a2.transAxes)
+        for i, r in enumerate(runs):
+            fires = [s for s, v in zip(*r.series("anchor/fire")) if v > 0.5]
+            if fires:
+                a2.plot(fires, [0.02 + 0.03 * i] * len(fires), "|", color=color[r.name], markersize=7,
+                        transform=ticks)
+        save(fig, "accuracy_reward.png", "Held-out accuracy and reward")
+    if want("Sampler-trainer mismatch", GAP, "mismatch/prob_corr"):
+        fig, (a1, a2) = panels(2)
+        line(a1, GAP, "sampler-trainer prob gap (mean, log)", log=True)
+        line(a2, "mismatch/prob_corr", "sampler-trainer prob correlation")
+        save(fig, "mismatch.png", "Sampler-trainer mismatch")
+    if want("Policy entropy", "policy/entropy"):
+        fig, (a1,) = panels(1, 7.0)
+        line(a1, "policy/entropy", "policy entropy")
+        save(fig, "entropy.png", "Policy entropy")
+    if want("Gradient fidelity", GRAD_COS, "fidelity/grad_cos_pre_merger"):
+        fig, (a1,) = panels(1, 7.0)
+        line(a1, GRAD_COS, "gradient cosine to dense (solid; dashed: before the merger)", marker=".")
+        line(a1, "fidelity/grad_cos_pre_merger", style="--", legend=False, marker=".")
+        save(fig, "fidelity.png", "Gradient fidelity")
+    if any(r.is_dense for r in runs) and any(r.codec in CODEC_ORDER for r in runs):
+        cells = map_cells(runs)
+        fig = Figure(figsize=(3.0 + 1.6 * 2 * len({c["hidden"] for c in cells}), 1.2 + 0.5 * len(cells)),
+                     layout="constrained")
+        _draw_map(fig, cells)
+        save(fig, "map.png", "Fidelity map (final accuracy minus dense, same hidden size)")
+        for fname, text in (("map.json", json.dumps(cells, indent=1)), ("map.md", _map_md(cells))):
+            with open(os.path.join(out_dir, fname), "w") as fh:
+                fh.write(text)
+            written.append(os.path.join(out_dir, fname))
+    else:
+        sections.append(("Fidelity map", None, "needs a dense run (codec none, anchor off) and a codec run"))
+    written.append(_write_html(runs, sections, os.path.join(out_dir, "index.html")))
+    return written
+
+
+def _write_html(runs: list[Run], sections: list[tuple], path: str) -> str:
+    """One self-contained page: the per-run table, then each figure as an embedded PNG (or a note why not)."""
+    e = html.escape
+    head = ["run", "codec", "anchor", "base acc (step 0)", "final acc", "max acc", "gap (last 10)", "grad_cos"]
+    trs = "".join("<tr>" + "".join(f"<td>{e(_fmt(v))}</td>" for v in r.summary().values()) + "</tr>\n" for r in runs)
+    body = [f"<h1>twocircuit runs ({len(runs)})</h1>", "<table><tr>" + "".join(f"<th>{h}</th>" for h in head)
+            + f"</tr>\n{trs}</table>"]
+    for title, png, note in sections:
+        body.append(f"<h2>{e(title)}</h2>")
+        if png:
+            with open(png, "rb") as fh:
+                data = base64.b64encode(fh.read()).decode()
+            body.append(f'<img alt="{e(os.path.basename(png))}" src="data:image/png;base64,{data}">')
+        else:
+            body.append(f"<p><em>skipped: {e(note)}</em></p>")
+    style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
+             "padding:3px 8px;text-align:right}td:first-child{text-align:left}img{max-width:100%}")
+    with open(path, "w") as fh:
+        fh.write(f"<!doctype html><html><head><meta charset='utf-8'><title>twocircuit plot</title><style>{style}"
+                 f"</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+    return path
