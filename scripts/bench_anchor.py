@@ -76,7 +76,7 @@ def main(argv=None):
          "ref_logp": -np.ones((B, T), np.float32)}
     batch = jax.device_put(b, pmesh.batch_shardings(b, mesh))
 
-    circ = AnchorCircuit(cfg, cfg.model, state.params)
+    circ = AnchorCircuit(cfg, cfg.model, state.params, ref_params=state.params)
     ctx = {"step": jnp.zeros((), jnp.int32), **circ.init_ctx()}
     loss_fn = make_grpo_loss(cfg.model, cfg.grpo, T)
     rep = pmesh.replicated(mesh)

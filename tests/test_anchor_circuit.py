@@ -68,7 +68,7 @@ _FIRE = {}
 def _circuit(cfg, state):
     """An AnchorCircuit whose jitted fire is shared across this module (one compile): the fire depends only on
     the model, the GRPO loss and the merger/moment settings, which all circuits here share."""
-    circ = AnchorCircuit(cfg, cfg.model, state.params)
+    circ = AnchorCircuit(cfg, cfg.model, state.params, ref_params=state.params)
     key = (cfg.anchor.merger, cfg.anchor.swap_cadence > 0)
     circ._fire_jit = _FIRE.setdefault(key, circ._fire_jit)
     return circ
@@ -167,7 +167,8 @@ def test_merger_none_and_cold_merger_leave_the_step_bit_identical(tiny):
     base = {"step": jnp.zeros((), jnp.int32)}
     dense, _ = run(jax.jit(make_train_step(loss_fn, opt)), base)
     # merger none: no ctx keys and the transform hands back the very gradient object (the step is the dense one)
-    none = AnchorCircuit(_cfg(merger="none", projection=False, swap_cadence=0), cfg.model, state.params)
+    none = AnchorCircuit(_cfg(merger="none", projection=False, swap_cadence=0), cfg.model, state.params,
+                         ref_params=state.params)
     assert none.init_ctx() == {}
     g = jax.tree.map(jnp.ones_like, state.params)
     g2, m_none = none.grad_transform(g, base)
@@ -196,7 +197,7 @@ def test_disabled_anchor_is_absent_from_ctx(tiny):
                          ({}, {"step", "merger", "anchor_fire", "anchor_merge"})):
         t = GRPOTrainer.__new__(GRPOTrainer)
         t.cfg = _cfg(**anchor)
-        t.model_cfg, t.state, t.codec, t.anchor = t.cfg.model, state, None, None
+        t.model_cfg, t.state, t.codec, t.anchor, t.ref_params = t.cfg.model, state, None, None, state.params
         t.ctx = {"step": jnp.zeros((), jnp.int32)}
         t._build_circuits()
         assert set(t.ctx) == keys and (t.anchor is None) == (not t.cfg.anchor.enabled)

@@ -5,8 +5,12 @@ the ratio-one policy gradient (∇L_pg = −A·∇log π·w_IS), no old log-prob
 loss (`grpo.loss_agg`, this batch's token count, `norm_len` = the response limit). Path tag `dense`: no codec hook
 is ever installed, so the anchor sees the exact policy of the weights it is handed.
 
-ℓ_ref and w_IS are read from the replayed batch (computed when the fast circuit first scored it), so a fire is
-exactly one forward and one backward; nothing is re-sampled or re-scored.
+Every term is in the dense view, since the anchor is a dense participant: ℓ_ref is the reference policy's
+log-prob with codecs off, computed here from the reference weights (the codec-view ℓ_ref of the replayed batch
+would make the KL term KL(dense ‖ codec-view reference), several nats); w_IS compares this pass's own log-probs
+with the sampler's, min(exp(ℓ_anchor − ℓ_s), C), about 1 in a healthy run, never the fast circuit's codec ratio.
+A fire is one forward and one backward, plus one no-grad reference forward when kl_coef > 0; nothing is
+re-sampled or re-scored.
 """
 from __future__ import annotations
 
@@ -14,15 +18,16 @@ import jax
 import jax.numpy as jnp
 
 from twocircuit_jax.grpo.loss import agg_loss, kl_penalty, token_entropy, token_logprobs
-from twocircuit_jax.model.qwen2 import forward_with_aux
+from twocircuit_jax.grpo.tis import tis_weights
+from twocircuit_jax.model.qwen2 import forward, forward_with_aux
 
 DENSE = "dense"  # SPEC §3.1 path tag of the anchor pass
 
 
 def anchor_loss(model_cfg, grpo_cfg, max_new_tokens: int, params, batch, hook=None, hook_layers=()):
     """(loss scalar, (metrics, hook aux)) of the dense anchor pass on `batch` (tokens, attention_mask,
-    response_mask, advantages; ref_logp when kl_coef > 0; is_weight when TIS is on). A hook here only observes
-    (the anchor-owned low-rank basis sketches the activations and passes them unchanged)."""
+    response_mask, advantages; ref_logp, the *dense* reference log-probs, when kl_coef > 0; sampler_logp when TIS
+    is on). A hook here only observes (the anchor-owned low-rank basis sketches the activations, unchanged)."""
     logits, aux = forward_with_aux(model_cfg, params, batch["tokens"], batch["attention_mask"], hook=hook,
                                    hook_layers=hook_layers)
     logp = token_logprobs(logits, batch["tokens"])                                     # [B, T] fp32
@@ -31,8 +36,13 @@ def anchor_loss(model_cfg, grpo_cfg, max_new_tokens: int, params, batch, hook=No
     adv = jax.lax.stop_gradient(batch["advantages"].astype(jnp.float32))[:, None]      # [B, 1]
     ratio = jnp.exp(logp - jax.lax.stop_gradient(logp))                                # ≡ 1, carries ∇log π
     pg = -adv * ratio
-    if batch.get("is_weight") is not None:
-        pg = pg * jax.lax.stop_gradient(batch["is_weight"].astype(jnp.float32))
+    tis = {}
+    if grpo_cfg.tis != "off":
+        if "sampler_logp" not in batch:
+            raise ValueError(f"grpo.tis={grpo_cfg.tis!r} but the replayed batch has no sampler_logp")
+        w, tis = tis_weights(jax.lax.stop_gradient(logp), batch["sampler_logp"], mask, grpo_cfg.tis,
+                             grpo_cfg.tis_cap)
+        pg = pg * w
     agg = dict(norm_len=max_new_tokens)
     pg_loss = agg_loss(pg, mask, grpo_cfg.loss_agg, **agg)
     loss = pg_loss
@@ -49,15 +59,27 @@ def anchor_loss(model_cfg, grpo_cfg, max_new_tokens: int, params, batch, hook=No
         loss = loss - grpo_cfg.entropy_coeff * agg_loss(ent, mask, grpo_cfg.loss_agg, **agg)
     metrics = {"anchor/pg_loss": pg_loss, "anchor/kl_loss": kl_loss,
                "anchor/ratio_mean": jnp.sum(ratio * mask) / count,
-               "anchor/entropy": jnp.sum(ent * mask) / count, "anchor/loss": loss}
+               "anchor/entropy": jnp.sum(ent * mask) / count, "anchor/loss": loss,
+               **{f"anchor/{k}": v for k, v in tis.items()}}
     return loss, (metrics, aux)
 
 
-def make_anchor_grad(model_cfg, grpo_cfg, max_new_tokens: int, sketcher=None):
-    """(params, batch, sketch_state) -> (grads, metrics, aux): one dense forward and backward; XLA inserts the
-    `dp` mean. `sketcher(sketch_state, attention_mask) -> (hook, layers)` adds the basis sketch (aux)."""
+def dense_ref_logp(model_cfg, ref_params, batch):
+    """ℓ_ref with codecs off: the frozen reference weights' log-probs of batch tokens [B, T], no gradient."""
+    logits = forward(model_cfg, jax.lax.stop_gradient(ref_params), batch["tokens"], batch["attention_mask"])
+    return jax.lax.stop_gradient(token_logprobs(logits, batch["tokens"]))
 
-    def fn(params, batch, sketch_state=None):
+
+def make_anchor_grad(model_cfg, grpo_cfg, max_new_tokens: int, sketcher=None):
+    """(params, batch, sketch_state, ref_params) -> (grads, metrics, aux): one dense forward and backward (plus the
+    dense reference forward when kl_coef > 0); XLA inserts the `dp` mean. `sketcher(sketch_state,
+    attention_mask) -> (hook, layers)` adds the basis sketch (aux)."""
+
+    def fn(params, batch, sketch_state=None, ref_params=None):
+        if grpo_cfg.kl_coef > 0:
+            if ref_params is None:
+                raise ValueError(f"grpo.kl_coef={grpo_cfg.kl_coef}: the anchor needs the reference weights")
+            batch = dict(batch, ref_logp=dense_ref_logp(model_cfg, ref_params, batch))
         hook, layers = (None, ()) if sketcher is None else sketcher(sketch_state, batch["attention_mask"])
         (_, (metrics, aux)), grads = jax.value_and_grad(
             lambda p: anchor_loss(model_cfg, grpo_cfg, max_new_tokens, p, batch, hook, layers), has_aux=True)(params)

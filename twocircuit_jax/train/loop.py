@@ -23,15 +23,15 @@ from twocircuit_jax.grpo.tis import tis_weights
 from twocircuit_jax.metrics.gauges import entropy_summary, length_slope, length_stats, to_floats
 from twocircuit_jax.metrics.logger import MetricsLogger
 from twocircuit_jax.metrics.mismatch import mismatch_metrics
+from twocircuit_jax.metrics.probe import dense_probe_metrics, make_fidelity_fn
 from twocircuit_jax.parallel import mesh as pmesh
 from twocircuit_jax.tasks import make_task
 from twocircuit_jax.train import rollout as ro
 from twocircuit_jax.train.checkpoint import CheckpointManager
 from twocircuit_jax.train.evaluate import Evaluator
-from twocircuit_jax.grpo.loss import kl_penalty
 from twocircuit_jax.train.grpo_step import DENSE, OLD, REF, make_grpo_loss, make_logp_fn
 from twocircuit_jax.train.setup import check_vocab, load_model, load_run_tokenizer, make_sampler
-from twocircuit_jax.train.step import init_state, jit_train_step, learning_rate, make_optimizer, make_train_step
+from twocircuit_jax.train.step import default_grad_fn, init_state, learning_rate, make_optimizer, make_train_step
 from twocircuit_jax.train.step import state_shardings
 
 
@@ -108,6 +108,12 @@ class GRPOTrainer:
         grad_transform = self.anchor.grad_transform if self.anchor else None
         step = make_train_step(loss_fn, self.optimizer, grad_fn=grad_fn, grad_transform=grad_transform,
                                skip_nonfinite=cfg.train.skip_nonfinite)
+        self.fidelity = None
+        if cfg.train.probe_every:  # the fidelity gauge: the applied gradient against the dense step's, same batch
+            fid = make_fidelity_fn(self.model_cfg, cfg.grpo, self.max_new, codec,
+                                   (grad_fn or default_grad_fn)(loss_fn), grad_transform,
+                                   lambda: make_grpo_loss(self.model_cfg, cfg.grpo, self.max_new, None))
+            self.fidelity = jax.jit(fid)
         rep = pmesh.replicated(mesh)
         # PowerSGD's error memory is split over dp and leaves the step in metrics: free shardings keep it in place
         # (forcing `rep` would all-gather it every tick).
@@ -221,19 +227,15 @@ class GRPOTrainer:
         """SPEC §6 probe: reference KL with codecs off everywhere (`kl/ref_dense`) against the codec view at the
         same point (`kl/ref_codec`), their ratio `kl/gain`, and the dense trainer's own gap to the sampler.
         Cost: two or three extra forwards, no backward."""
-        est = self.cfg.grpo.kl_estimator
         lp = self.logp_dense(self.state.params, dev, self.ctx)[0]
         lr_dense = self.logp_dense(self.ref_params, dev, self.ctx)[0]
         ref_codec = dev["ref_logp"] if "ref_logp" in dev else self.logp_ref(self.ref_params, dev, self.ctx)[0]
-        n = jnp.maximum(jnp.sum(mask), 1.0)
-        dense = float(jnp.sum(kl_penalty(lp, lr_dense, est) * mask) / n)
-        codec = float(jnp.sum(kl_penalty(old_logp, ref_codec, est) * mask) / n)
-        gap = float(jnp.sum(jnp.abs(jnp.exp(lp) - jnp.exp(dev["sampler_logp"])) * mask) / n)
-        gain = codec / dense if dense > 1e-8 else float("nan")  # undefined before the policy has moved
-        return {"kl/ref_dense": dense, "kl/ref_codec": codec, "kl/gain": gain, "probe/prob_gap_mean": gap}
+        return dense_probe_metrics(lp, lr_dense, old_logp, ref_codec, dev["sampler_logp"], mask,
+                                   self.cfg.grpo.kl_estimator)
 
     def _ticks(self, gs, dev) -> dict:
         cfg, t = self.cfg, self.cfg.train
+        probe = self.fidelity is not None and gs % t.probe_every == 0
         n_mini = cfg.ticks_per_step
         accum: dict = {}
         for epoch in range(t.ppo_epochs):
@@ -244,6 +246,8 @@ class GRPOTrainer:
                 if self.anchor:
                     self.ctx, am = self.anchor.before_tick(tau, gs, j == 0 and epoch == 0, mb, self.state, self.ctx)
                     _merge(accum, am)
+                if probe and j == 0 and epoch == 0:  # before the tick: the weights and M it will use
+                    _merge(accum, jax.device_get(self.fidelity(self.state.params, self.ref_params, mb, self.ctx)))
                 self.state, m = self.train_step(self.state, mb, self.ctx)
                 m = dict(m)
                 aux = m.pop("codec/aux", None)

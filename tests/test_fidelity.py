@@ -1,0 +1,111 @@
+"""The gradient-fidelity gauge (metrics/probe.py): the gradient the fast circuit applies against the dense step's
+on the same batch. Exact where the circuit is exact (codec off, p=0 mask, PowerSGD at full rank), clearly below 1
+under a lossy codec, and moved by the merger when M points elsewhere."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from twocircuit_jax.anchor.merger import init_merger, update_ema
+from twocircuit_jax.config.run import load_config
+from twocircuit_jax.fast.circuit import FastCircuit
+from twocircuit_jax.metrics.probe import grad_cosines, group_of, make_fidelity_fn
+from twocircuit_jax.model.qwen2 import init_params
+from twocircuit_jax.parallel import mesh as pmesh
+from twocircuit_jax.train.grpo_step import OLD, make_grpo_loss, make_logp_fn
+from twocircuit_jax.train.step import default_grad_fn
+
+MODEL = {"vocab_size": 100, "hidden_size": 16, "num_layers": 4, "num_heads": 1, "num_kv_heads": 1, "head_dim": 16,
+         "intermediate_size": 32, "qkv_bias": False}
+B, T, NEW = 16, 12, 6
+
+
+def run_cfg(anchor=None, **fast):
+    return load_config(data={"model": MODEL, "grpo": {"kl_coef": 0.01}, "sampler": {"n": 4},
+                             "fast": dict({"pp_size": 4, "rank": 3, "grad_rank": 2}, **fast),
+                             "anchor": anchor or {"enabled": False},
+                             "train": {"train_batch": 4, "mini_batch": 4, "max_prompt_len": T - NEW}})
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = run_cfg()
+    mesh = pmesh.make_mesh(cfg.mesh)
+    ref = init_params(cfg.model, jax.random.key(0), std=0.3)
+    params = jax.tree.map(lambda x: x * 1.05, ref)
+    k = jax.random.split(jax.random.PRNGKey(3), 3)
+    resp = np.zeros((B, T), np.float32)
+    resp[:, T - NEW:] = 1.0
+    batch = {"tokens": jax.random.randint(k[0], (B, T), 3, 100, jnp.int32), "attention_mask": jnp.ones((B, T), jnp.int32),
+             "response_mask": jnp.asarray(resp), "advantages": jax.random.normal(k[1], (B,)),
+             "sample_id": jnp.arange(B, dtype=jnp.int32), "old_logp": jnp.zeros((B, T)),
+             "sampler_logp": -jax.random.uniform(k[2], (B, T)), "ref_logp": jnp.zeros((B, T))}
+    batch = jax.device_put(batch, pmesh.batch_shardings(batch, mesh))
+    # As the loop does with codecs off: ℓ_ref from the reference weights.
+    batch["ref_logp"] = jax.jit(make_logp_fn(cfg.model, None, OLD))(ref, batch, {})[0]
+    return cfg, mesh, params, ref, batch
+
+
+def fidelity(setup, circuit=None, grad_transform=None, ctx_extra=None, cfg=None):
+    c, mesh, params, ref, batch = setup
+    cfg = cfg or c
+    act = circuit if (circuit and circuit.has_activation_codec) else None
+    loss = make_grpo_loss(cfg.model, cfg.grpo, NEW, act)
+    compute = (circuit.grad_fn(None) if circuit and circuit.grad_fn(None) else default_grad_fn)(loss)
+    fn = make_fidelity_fn(cfg.model, cfg.grpo, NEW, act, compute, grad_transform,
+                          lambda: make_grpo_loss(cfg.model, cfg.grpo, NEW, None))
+    ctx = {"step": jnp.asarray(1, jnp.int32), "first_minibatch": jnp.asarray(False), **(ctx_extra or {})}
+    if circuit:
+        ctx["codec"] = circuit.init_state(params)
+    return {k: float(v) for k, v in jax.jit(fn)(params, ref, batch, ctx).items()}
+
+
+def test_exact_circuits_read_one(setup):
+    cfg, mesh = setup[0], setup[1]
+    off = fidelity(setup)
+    identity = fidelity(setup, FastCircuit(run_cfg(codec="prf_mask", p=0.0, rescale_mode="none"), cfg.model, mesh))
+    full = FastCircuit(run_cfg(grad_codec="powersgd", start_after=0), cfg.model, mesh)
+    full.fcfg = dataclasses.replace(full.fcfg, grad_rank=16, min_compression_rate=0.3)
+    psgd = fidelity(setup, full)
+    for m in (off, identity, psgd):
+        assert abs(m["fidelity/grad_cos"] - 1.0) < 1e-5 and abs(m["fidelity/grad_norm_ratio"] - 1.0) < 1e-4, m
+        assert m["fidelity/grad_cos"] == m["fidelity/grad_cos_pre_merger"]
+        for g in ("attn", "mlp", "embed", "norm"):
+            assert abs(m[f"fidelity/grad_cos/{g}"] - 1.0) < 1e-4, (g, m)
+    assert [identity[f"fidelity/boundary_rel_err/{b}"] for b in (0, 1, 2)] == [0.0, 0.0, 0.0]
+
+
+def test_lossy_codec_lowers_the_cosine_and_shows_at_each_boundary(setup):
+    cfg, mesh = setup[0], setup[1]
+    m = fidelity(setup, FastCircuit(run_cfg(codec="prf_mask", p=0.9), cfg.model, mesh))
+    assert m["fidelity/grad_cos"] < 0.9
+    errs = [m[f"fidelity/boundary_rel_err/{b}"] for b in (0, 1, 2)]
+    assert min(errs) > 0.1 and errs[0] < errs[2]  # the codec view drifts further from dense boundary by boundary
+
+
+def test_merger_moves_the_applied_gradient(setup):
+    cfg, mesh, params = setup[0], setup[1], setup[2]
+    acfg = run_cfg(anchor={"enabled": True, "cadence": 2, "delay": 2, "window": 2, "projection": False}).anchor
+    # M from a gradient that disagrees with the dense one: the signed merger must pull the cosine down.
+    st = update_ema(init_merger(params, acfg), jax.tree.map(lambda x: -jnp.ones_like(x) * jnp.sign(x), params), acfg)
+    from twocircuit_jax.anchor.merger import merge
+
+    def transform(g, ctx):
+        g2, _, m = merge(ctx["merger"], g, acfg, jnp.asarray(False))
+        return g2, m
+
+    m = fidelity(setup, grad_transform=transform, ctx_extra={"merger": st})
+    assert abs(m["fidelity/grad_cos_pre_merger"] - 1.0) < 1e-5
+    assert m["fidelity/grad_cos"] < 0.9
+
+
+def test_groups_and_cosine_formula():
+    assert [group_of(p) for p in ("embed", "lm_head", "final_norm", "layers/input_norm", "layers/q_proj/kernel",
+                                  "layers/down_proj/kernel")] == ["embed", "lm_head", "norm", "norm", "attn", "mlp"]
+    a = {"embed": jnp.array([1.0, 0.0]), "layers": {"up_proj": {"kernel": jnp.array([0.0, 2.0])}}}
+    b = {"embed": jnp.array([1.0, 1.0]), "layers": {"up_proj": {"kernel": jnp.array([0.0, -1.0])}}}
+    c = grad_cosines(a, b)
+    np.testing.assert_allclose(float(c["fidelity/grad_cos"]), (1 - 2) / (5 ** 0.5 * 3 ** 0.5), rtol=1e-6)
+    np.testing.assert_allclose(float(c["fidelity/grad_cos/mlp"]), -1.0, rtol=1e-6)

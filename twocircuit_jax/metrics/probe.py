@@ -1,0 +1,129 @@
+"""The dense probe and the gradient-fidelity gauge: how far the trainer's codec view is from the dense policy.
+
+Both run every `train.probe_every` GRPO steps and cost extra passes, never a change of state:
+- `dense_probe_metrics`: reference KL with codecs off everywhere (`kl/ref_dense`) against the codec view at the same
+  point (`kl/ref_codec`), their ratio `kl/gain`, and the dense trainer's own gap to the sampler. Host scalars.
+- `make_fidelity_fn`: on one mini-batch, the gradient the fast circuit applies (codec forward/backward, the data-
+  parallel reduce or PowerSGD, then the merger) against the gradient of the dense step on the same batch (codecs off,
+  dense reference, dense TIS), overall and per parameter group, plus how far each boundary's codec-view activation
+  is from the dense one. Cost: one fast forward/backward, one dense forward/backward, three no-grad forwards.
+
+A fast circuit can learn only as far as its gradient points where the dense one does: `fidelity/grad_cos` near 0
+means the updates are noise to the dense policy the sampler runs, whatever the codec-view loss says.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+from twocircuit_jax.grpo.loss import kl_penalty, token_logprobs
+from twocircuit_jax.grpo.tis import tis_weights
+from twocircuit_jax.model.qwen2 import default_positions, forward_with_aux
+
+# Parameter groups of the fidelity gauge, by the first matching path fragment (docs/architecture.md's pytree).
+GROUPS = (("embed", "embed"), ("lm_head", "lm_head"), ("_norm", "norm"),
+          ("q_proj", "attn"), ("k_proj", "attn"), ("v_proj", "attn"), ("o_proj", "attn"),
+          ("gate_proj", "mlp"), ("up_proj", "mlp"), ("down_proj", "mlp"))
+
+
+def dense_probe_metrics(lp_dense, ref_dense, old_logp, ref_codec, sampler_logp, mask, estimator) -> dict:
+    """All inputs [B, T] (mask: every sampled token). Returns host floats; reading them is a host sync."""
+    n = jnp.maximum(jnp.sum(mask), 1.0)
+    dense = float(jnp.sum(kl_penalty(lp_dense, ref_dense, estimator) * mask) / n)
+    codec = float(jnp.sum(kl_penalty(old_logp, ref_codec, estimator) * mask) / n)
+    gap = float(jnp.sum(jnp.abs(jnp.exp(lp_dense) - jnp.exp(sampler_logp)) * mask) / n)
+    gain = codec / dense if dense > 1e-8 else float("nan")  # undefined before the policy has moved
+    return {"kl/ref_dense": dense, "kl/ref_codec": codec, "kl/gain": gain, "probe/prob_gap_mean": gap}
+
+
+def group_of(path: str) -> str:
+    for frag, group in GROUPS:
+        if frag in path:
+            return group
+    return "other"
+
+
+def _flat(tree) -> dict:
+    out = {}
+    for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        out["/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in p)] = x.astype(jnp.float32)
+    return out
+
+
+def grad_cosines(applied, dense, prefix: str = "fidelity/grad_cos") -> dict:
+    """cos(applied, dense) overall and per group; groups whose dense gradient is 0 are left out (NaN)."""
+    a, d = _flat(applied), _flat(dense)
+    dots, na, nd = {}, {}, {}
+    for k in d:
+        g = group_of(k)
+        dots[g] = dots.get(g, 0.0) + jnp.sum(a[k] * d[k])
+        na[g] = na.get(g, 0.0) + jnp.sum(a[k] * a[k])
+        nd[g] = nd.get(g, 0.0) + jnp.sum(d[k] * d[k])
+    cos = lambda x, y, z: jnp.where((y > 0) & (z > 0), x / jnp.sqrt(jnp.maximum(y * z, 1e-38)), jnp.nan)  # noqa
+    out = {f"{prefix}/{g}": cos(dots[g], na[g], nd[g]) for g in dots}
+    out[prefix] = cos(sum(dots.values()), sum(na.values()), sum(nd.values()))
+    return out
+
+
+def make_fidelity_fn(model_cfg, grpo_cfg, max_new_tokens: int, codec, compute: Callable,
+                     grad_transform: Optional[Callable], make_dense_loss: Callable):
+    """fn(params, ref_params, batch, ctx) -> {fidelity/*: scalar}.
+
+    `compute(params, batch, ctx) -> (grads, loss, metrics)` is the train step's own gradient (the circuit's grad_fn,
+    PowerSGD included); `grad_transform` the merger (None without the anchor); `make_dense_loss()` the dense GRPO
+    loss (codec None). The batch must be the step's first mini-batch at the weights the tick will update (ratio one,
+    so the fast and dense objectives differ only by the view). Error memories and merger states are discarded.
+    """
+    dense_loss = make_dense_loss()
+
+    def dense_logp(p, batch):
+        logits, _ = forward_with_aux(model_cfg, p, batch["tokens"], batch["attention_mask"])
+        return jax.lax.stop_gradient(token_logprobs(logits, batch["tokens"]))
+
+    def boundary_errors(params, batch, ctx):
+        if codec is None or not codec.applies("train"):
+            return {}
+        hook, layers = codec.hook(ctx["codec"], "train", ctx["step"], batch["sample_id"],
+                                  default_positions(batch["attention_mask"]), batch["attention_mask"])
+
+        def seen(layer, h):  # what the receiver of boundary `layer` rebuilds, in the codec view
+            out, _ = hook(layer, h)
+            return out, out
+
+        p = jax.lax.stop_gradient(params)
+        _, codec_h = forward_with_aux(model_cfg, p, batch["tokens"], batch["attention_mask"], hook=seen,
+                                      hook_layers=layers)
+        _, dense_h = forward_with_aux(model_cfg, p, batch["tokens"], batch["attention_mask"],
+                                      hook=lambda layer, h: (h, h), hook_layers=layers)
+        w = batch["attention_mask"].astype(jnp.float32)[..., None]
+        out = {}
+        for b in layers:
+            d = (codec_h[b].astype(jnp.float32) - dense_h[b].astype(jnp.float32)) * w
+            ref = dense_h[b].astype(jnp.float32) * w
+            out[f"fidelity/boundary_rel_err/{b}"] = jnp.sqrt(jnp.sum(d * d) / jnp.maximum(jnp.sum(ref * ref), 1e-30))
+        return out
+
+    def fn(params, ref_params, batch, ctx):
+        ctx = dict(ctx, first_minibatch=jnp.asarray(True))
+        g_pre, _, _ = compute(params, batch, ctx)
+        g_post = grad_transform(g_pre, ctx)[0] if grad_transform is not None else g_pre
+        # The dense step on this batch: ratio one, dense reference, TIS weights dense vs sampler.
+        lp = dense_logp(params, batch)
+        dense_batch = dict(batch, old_logp=lp)
+        if "ref_logp" in batch:
+            dense_batch["ref_logp"] = dense_logp(ref_params, batch)
+        if "is_weight" in batch:
+            dense_batch["is_weight"] = tis_weights(lp, batch["sampler_logp"], batch["response_mask"], grpo_cfg.tis,
+                                                   grpo_cfg.tis_cap)[0]
+        g_dense = jax.grad(lambda p: dense_loss(p, dense_batch, ctx)[0])(params)
+        out = grad_cosines(g_post, g_dense)
+        # Without the anchor nothing rewrites G and the two are equal; logged anyway so runs compare key for key.
+        out["fidelity/grad_cos_pre_merger"] = grad_cosines(g_pre, g_dense, "c")["c"]
+        norm = lambda t: jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(t)))  # noqa
+        out["fidelity/grad_norm_ratio"] = norm(g_post) / jnp.maximum(norm(g_dense), 1e-30)
+        out.update(boundary_errors(params, batch, ctx))
+        return out
+
+    return fn
