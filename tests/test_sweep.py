@@ -59,7 +59,11 @@ def test_bad_arm_fails_before_running_anything(tmp_path, capsys):
     assert "arms.typo" in err and "cadense" in err and not out.exists()
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "sweeps", "*.yaml"))))
+SWEEPS = sorted(glob.glob(os.path.join(ROOT, "configs", "sweeps", "*.yaml"))
+                + glob.glob(os.path.join(ROOT, "configs", "experiments", "*.yaml")))
+
+
+@pytest.mark.parametrize("path", SWEEPS, ids=[os.path.relpath(p, ROOT) for p in SWEEPS])
 def test_shipped_sweeps_resolve_and_differ_only_in_listed_keys(path):
     spec = yaml.safe_load(open(path))
     name, arms = load_sweep(path)
@@ -84,3 +88,17 @@ def test_shipped_sweeps_are_the_seed_arms():
     assert arms["kl_0.01"].grpo.kl_coef == 0.01 and arms["clip_high_0.28"].grpo.clip_high == 0.28
     _, a4 = load_sweep(os.path.join(ROOT, "configs", "sweeps", "seed004_opt_swap.yaml"))
     assert dict(a4)["opt_swap"].anchor.swap_cadence > 0 and dict(a4)["compressed"].anchor.swap_cadence == 0
+
+
+@pytest.mark.parametrize("name,hidden", [("fidelity_map", 64), ("fidelity_map_wide", 256)])
+def test_fidelity_maps_cover_codec_strength_anchor(name, hidden):
+    _, arms = load_sweep(os.path.join(ROOT, "configs", "experiments", f"{name}.yaml"))
+    cells = {(c.fast.codec, {"prf_mask": c.fast.p, "lowrank": c.fast.rank, "sr_quant": c.fast.quant_bits,
+                             "none": None}[c.fast.codec], c.anchor.enabled) for _, c in arms}
+    want = {("none", None, False)}
+    for anchor in (False, True):
+        want |= {("prf_mask", p, anchor) for p in (0.5, 0.75, 0.9, 0.95)}
+        want |= {("lowrank", hidden // d, anchor) for d in (4, 8, 16)}
+        want |= {("sr_quant", b, anchor) for b in (1, 2, 4)}
+    assert cells == want
+    assert all(c.model.hidden_size == hidden and c.train.probe_every > 0 for _, c in arms)
