@@ -34,3 +34,18 @@ def test_probe_logs_dense_and_codec_view_kl(tmp_path):
         assert r["mismatch/prob_gap_mean"] > max(1e-4, 100 * r["probe/prob_gap_mean"])  # the codec view is not
     assert rows[2]["kl/ref_dense"] > 0 and rows[2]["kl/ref_codec"] > 0
     assert rows[2]["kl/gain"] == pytest.approx(rows[2]["kl/ref_codec"] / rows[2]["kl/ref_dense"], rel=1e-5)
+
+
+def test_loop_logs_the_fidelity_gauge_on_probe_steps(tmp_path):
+    """metrics.jsonl carries fidelity/* on every probe step (train.probe_every=2: steps 2 and 4, not 1 and 3)."""
+    cfg = dict(CFG, train=dict(CFG["train"], steps=4, probe_every=2), grpo={"kl_coef": 0.001})
+    p = tmp_path / "cfg.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    assert main(["train", "--config", str(p), "--out", str(tmp_path / "run"), "--no-progress"]) == 0
+    rows = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")][1:]
+    assert ["fidelity/grad_cos" in r for r in rows] == [False, True, False, True]
+    for r in rows[1::2]:
+        assert -1.0 <= r["fidelity/grad_cos"] < 0.999  # p=0.75 at one boundary: clearly not the dense gradient
+        assert r["fidelity/grad_cos_pre_merger"] == r["fidelity/grad_cos"]  # no anchor, no merger
+        assert r["fidelity/boundary_rel_err/1"] > 0.1 and r["fidelity/grad_norm_ratio"] > 0
+        assert {"fidelity/grad_cos/attn", "fidelity/grad_cos/mlp", "fidelity/grad_cos/embed"} <= set(r)
