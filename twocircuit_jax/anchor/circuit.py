@@ -173,6 +173,10 @@ class AnchorCircuit:
         low = ctx["codec"]["lowrank"] if self.owns_q else None
         dev = jax.device_put(weights, self.param_sh)  # host → device, params-sized
         carry, fm, low = self._fire_jit(dev, fire_batch, carry, low, self.ref_params)
+        # A host sync, once per fire: the next programs (train step, swap) do not start while the fire's collectives
+        # are in flight. On the multi-device CPU backend, two SPMD programs with all-reduces in flight at once
+        # could leave one device thread in the other program's rendezvous (an XLA abort after 40 s).
+        jax.block_until_ready((carry, fm, low))
         # Nothing above may fail after this point: state changes only now.
         if window is not None:
             self.window = window
