@@ -73,10 +73,10 @@ def main(argv=None):
          "response_mask": (np.arange(T)[None] >= T // 3).repeat(B, 0).astype(np.float32),
          "advantages": r.normal(size=B).astype(np.float32), "sample_id": np.arange(B, dtype=np.int32),
          "sampler_logp": np.zeros((B, T), np.float32), "old_logp": -np.ones((B, T), np.float32),
-         "ref_logp": -np.ones((B, T), np.float32)}
+         "ref_logp": -np.ones((B, T), np.float32), "ref_logp_dense": -np.ones((B, T), np.float32)}
     batch = jax.device_put(b, pmesh.batch_shardings(b, mesh))
 
-    circ = AnchorCircuit(cfg, cfg.model, state.params, ref_params=state.params)
+    circ = AnchorCircuit(cfg, cfg.model, state.params)
     ctx = {"step": jnp.zeros((), jnp.int32), **circ.init_ctx()}
     loss_fn = make_grpo_loss(cfg.model, cfg.grpo, T)
     rep = pmesh.replicated(mesh)

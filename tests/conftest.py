@@ -9,9 +9,4 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import jax  # noqa: E402
 
-# One program at a time on the 8 fake CPU devices: with asynchronous dispatch, two programs whose all-reduces are
-# in flight together can deadlock XLA's in-process CPU collectives (one device thread waits in the other program's
-# rendezvous until XLA aborts the process after 40 s). Real accelerators order their streams; the fake mesh does not.
-jax.config.update("jax_cpu_enable_async_dispatch", False)
-
 assert jax.device_count() == 8, f"expected 8 simulated devices, got {jax.device_count()}"

@@ -51,6 +51,7 @@ def tiny():
              "advantages": r.normal(size=B).astype(np.float32), "sample_id": np.arange(B, dtype=np.int32),
              "sampler_logp": np.zeros((B, T), np.float32), "old_logp": np.zeros((B, T), np.float32),
              "ref_logp": -r.uniform(1, 5, (B, T)).astype(np.float32)}
+        b["ref_logp_dense"] = b["ref_logp"]
         return jax.device_put(b, pmesh.batch_shardings(b, mesh))
 
     def moved(st, gs):  # distinct weights per step, as if the trainer had moved
@@ -68,7 +69,7 @@ _FIRE = {}
 def _circuit(cfg, state):
     """An AnchorCircuit whose jitted fire is shared across this module (one compile): the fire depends only on
     the model, the GRPO loss and the merger/moment settings, which all circuits here share."""
-    circ = AnchorCircuit(cfg, cfg.model, state.params, ref_params=state.params)
+    circ = AnchorCircuit(cfg, cfg.model, state.params)
     key = (cfg.anchor.merger, cfg.anchor.swap_cadence > 0)
     circ._fire_jit = _FIRE.setdefault(key, circ._fire_jit)
     return circ
@@ -167,8 +168,7 @@ def test_merger_none_and_cold_merger_leave_the_step_bit_identical(tiny):
     base = {"step": jnp.zeros((), jnp.int32)}
     dense, _ = run(jax.jit(make_train_step(loss_fn, opt)), base)
     # merger none: no ctx keys and the transform hands back the very gradient object (the step is the dense one)
-    none = AnchorCircuit(_cfg(merger="none", projection=False, swap_cadence=0), cfg.model, state.params,
-                         ref_params=state.params)
+    none = AnchorCircuit(_cfg(merger="none", projection=False, swap_cadence=0), cfg.model, state.params)
     assert none.init_ctx() == {}
     g = jax.tree.map(jnp.ones_like, state.params)
     g2, m_none = none.grad_transform(g, base)

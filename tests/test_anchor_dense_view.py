@@ -49,9 +49,10 @@ def fired():
     dense = jax.jit(make_logp_fn(cfg.model, None, DENSE))
     b["old_logp"] = jax.jit(make_logp_fn(cfg.model, codec, OLD))(state.params, b, ctx)[0]
     b["ref_logp"] = jax.jit(make_logp_fn(cfg.model, codec, REF))(ref, b, ctx)[0]
+    b["ref_logp_dense"] = dense(ref, b, ctx)[0]  # what the loop adds when the anchor is on
     b["sampler_logp"] = dense(state.params, b, ctx)[0]
     b["is_weight"] = tis_weights(b["old_logp"], b["sampler_logp"], b["response_mask"], "token", 2.0)[0]
-    anchor = AnchorCircuit(cfg, cfg.model, state.params, codec=codec, ref_params=ref)
+    anchor = AnchorCircuit(cfg, cfg.model, state.params, codec=codec)
     ctx.update(anchor.init_ctx())
     for tau in (1, 2):  # the same weights and batch on every tick: whichever pair the fire replays is (θ, b)
         ctx, m = anchor.before_tick(tau, 1, tau == 1, b, state, ctx)

@@ -37,7 +37,7 @@ _ZERO_COUNTERS = ("anchor/optimizer_steps", "anchor/rollouts_generated", "anchor
 
 
 class AnchorCircuit:
-    def __init__(self, run_cfg, model_cfg, params, codec=None, ref_params=None):
+    def __init__(self, run_cfg, model_cfg, params, codec=None):
         a = self.cfg = run_cfg.anchor
         if a.batch_scope != "ppo_minibatch":
             raise ConfigError("anchor.batch_scope", "only ppo_minibatch replay is implemented")
@@ -60,12 +60,10 @@ class AnchorCircuit:
         self.window = SnapshotWindow.from_config(a) if a.projection else None
         self.merger_on = a.merger != "none"
         self._batch_keys = ["tokens", "attention_mask", "response_mask", "advantages"]
-        # Dense view only (SPEC §4.3): the dense reference is recomputed from the reference weights at a fire, and
-        # the anchor's own TIS weights come from its log-probs against the sampler's.
+        # Dense view only (SPEC §4.3): the reference log-probs with codecs off (the loop adds `ref_logp_dense` to the
+        # batch when the anchor is on), and the anchor's own TIS weights from its log-probs against the sampler's.
+        self._batch_keys += ["ref_logp_dense"] if run_cfg.grpo.kl_coef > 0 else []
         self._batch_keys += ["sampler_logp"] if run_cfg.grpo.tis != "off" else []
-        if run_cfg.grpo.kl_coef > 0 and ref_params is None:
-            raise ValueError("the anchor's KL term needs the reference weights (ref_params)")
-        self.ref_params = ref_params if run_cfg.grpo.kl_coef > 0 else None
         # Carry of the fire: merger state (replicated) and anchor moments (sharded like params; swap only).
         by_path = {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(self.param_sh)[0]}
         self.moments, self.mom_sh = None, None
@@ -83,8 +81,7 @@ class AnchorCircuit:
         # snapshot params put on the parameter shardings. The carry is donated; the trainer state is not an input.
         # The low-rank state is a separate, non-donated input: its bases share buffers across fields.
         self._fire_jit = jax.jit(functools.partial(self._fire_fn, grad_fn),
-                                 in_shardings=(self.param_sh, None, carry_sh, self.rep,
-                                               None if self.ref_params is None else self.param_sh),
+                                 in_shardings=(self.param_sh, None, carry_sh, self.rep),
                                  out_shardings=(carry_sh, self.rep, self.rep), donate_argnums=(2,))
         self._swap_jit = None
         self.fires = self.swaps = self.rank1_bypass_ticks = self.warmup_fires = 0
@@ -100,8 +97,8 @@ class AnchorCircuit:
             return {}
         return {"merger": self._merger0, "anchor_fire": jnp.asarray(False), "anchor_merge": jnp.asarray(True)}
 
-    def _fire_fn(self, grad_fn, params, batch, carry, low, ref_params):
-        grads, metrics, aux = grad_fn(params, batch, low, ref_params)
+    def _fire_fn(self, grad_fn, params, batch, carry, low):
+        grads, metrics, aux = grad_fn(params, batch, low)
         out = dict(carry)
         if low is not None:  # the sketch is summed over the global batch inside jit: that is the dp sum
             low = lr.refresh_basis(lr.accumulate_sketch(low, aux), self.codec.fcfg, axis_name=None)  # staged
@@ -172,7 +169,7 @@ class AnchorCircuit:
         carry = {"merger": ctx.get("merger"), "moments": self.moments}
         low = ctx["codec"]["lowrank"] if self.owns_q else None
         dev = jax.device_put(weights, self.param_sh)  # host → device, params-sized
-        carry, fm, low = self._fire_jit(dev, fire_batch, carry, low, self.ref_params)
+        carry, fm, low = self._fire_jit(dev, fire_batch, carry, low)
         # A host sync, once per fire: the next programs (train step, swap) do not start while the fire's collectives
         # are in flight. On the multi-device CPU backend, two SPMD programs with all-reduces in flight at once
         # could leave one device thread in the other program's rendezvous (an XLA abort after 40 s).

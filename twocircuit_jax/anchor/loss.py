@@ -6,10 +6,10 @@ loss (`grpo.loss_agg`, this batch's token count, `norm_len` = the response limit
 is ever installed, so the anchor sees the exact policy of the weights it is handed.
 
 Every term is in the dense view, since the anchor is a dense participant: ℓ_ref is the reference policy's
-log-prob with codecs off, computed here from the reference weights (the codec-view ℓ_ref of the replayed batch
-would make the KL term KL(dense ‖ codec-view reference), several nats); w_IS compares this pass's own log-probs
-with the sampler's, min(exp(ℓ_anchor − ℓ_s), C), about 1 in a healthy run, never the fast circuit's codec ratio.
-A fire is one forward and one backward, plus one no-grad reference forward when kl_coef > 0; nothing is
+log-prob with codecs off (`ref_logp_dense`, which the loop computes once per step from the reference weights when
+the anchor is on; the codec-view ℓ_ref of the fast circuit would make the KL term KL(dense ‖ codec-view reference),
+several nats); w_IS compares this pass's own log-probs with the sampler's, min(exp(ℓ_anchor − ℓ_s), C), about 1 in
+a healthy run, never the fast circuit's codec ratio. A fire is one forward and one backward; nothing is
 re-sampled or re-scored.
 """
 from __future__ import annotations
@@ -19,15 +19,15 @@ import jax.numpy as jnp
 
 from twocircuit_jax.grpo.loss import agg_loss, kl_penalty, token_entropy, token_logprobs
 from twocircuit_jax.grpo.tis import tis_weights
-from twocircuit_jax.model.qwen2 import forward, forward_with_aux
+from twocircuit_jax.model.qwen2 import forward_with_aux
 
 DENSE = "dense"  # SPEC §3.1 path tag of the anchor pass
 
 
 def anchor_loss(model_cfg, grpo_cfg, max_new_tokens: int, params, batch, hook=None, hook_layers=()):
     """(loss scalar, (metrics, hook aux)) of the dense anchor pass on `batch` (tokens, attention_mask,
-    response_mask, advantages; ref_logp, the *dense* reference log-probs, when kl_coef > 0; sampler_logp when TIS
-    is on). A hook here only observes (the anchor-owned low-rank basis sketches the activations, unchanged)."""
+    response_mask, advantages; ref_logp_dense, the reference log-probs with codecs off, when kl_coef > 0;
+    sampler_logp when TIS is on). A hook here only observes (the anchor-owned low-rank basis sketches the activations, unchanged)."""
     logits, aux = forward_with_aux(model_cfg, params, batch["tokens"], batch["attention_mask"], hook=hook,
                                    hook_layers=hook_layers)
     logp = token_logprobs(logits, batch["tokens"])                                     # [B, T] fp32
@@ -48,9 +48,9 @@ def anchor_loss(model_cfg, grpo_cfg, max_new_tokens: int, params, batch, hook=No
     loss = pg_loss
     kl_loss = jnp.zeros((), jnp.float32)
     if grpo_cfg.kl_coef > 0:
-        if "ref_logp" not in batch:
-            raise ValueError(f"grpo.kl_coef={grpo_cfg.kl_coef} but the replayed batch has no ref_logp")
-        ref = jax.lax.stop_gradient(batch["ref_logp"].astype(jnp.float32))
+        if "ref_logp_dense" not in batch:
+            raise ValueError(f"grpo.kl_coef={grpo_cfg.kl_coef} but the replayed batch has no ref_logp_dense")
+        ref = jax.lax.stop_gradient(batch["ref_logp_dense"].astype(jnp.float32))
         kl_mat = kl_penalty(logp, jnp.where(mask > 0, ref, logp), grpo_cfg.kl_estimator)
         kl_loss = agg_loss(kl_mat, mask, grpo_cfg.loss_agg, **agg)
         loss = loss + grpo_cfg.kl_coef * kl_loss
@@ -64,22 +64,11 @@ def anchor_loss(model_cfg, grpo_cfg, max_new_tokens: int, params, batch, hook=No
     return loss, (metrics, aux)
 
 
-def dense_ref_logp(model_cfg, ref_params, batch):
-    """ℓ_ref with codecs off: the frozen reference weights' log-probs of batch tokens [B, T], no gradient."""
-    logits = forward(model_cfg, jax.lax.stop_gradient(ref_params), batch["tokens"], batch["attention_mask"])
-    return jax.lax.stop_gradient(token_logprobs(logits, batch["tokens"]))
-
-
 def make_anchor_grad(model_cfg, grpo_cfg, max_new_tokens: int, sketcher=None):
-    """(params, batch, sketch_state, ref_params) -> (grads, metrics, aux): one dense forward and backward (plus the
-    dense reference forward when kl_coef > 0); XLA inserts the `dp` mean. `sketcher(sketch_state,
-    attention_mask) -> (hook, layers)` adds the basis sketch (aux)."""
+    """(params, batch, sketch_state) -> (grads, metrics, aux): one dense forward and backward; XLA inserts the
+    `dp` mean. `sketcher(sketch_state, attention_mask) -> (hook, layers)` adds the basis sketch (aux)."""
 
-    def fn(params, batch, sketch_state=None, ref_params=None):
-        if grpo_cfg.kl_coef > 0:
-            if ref_params is None:
-                raise ValueError(f"grpo.kl_coef={grpo_cfg.kl_coef}: the anchor needs the reference weights")
-            batch = dict(batch, ref_logp=dense_ref_logp(model_cfg, ref_params, batch))
+    def fn(params, batch, sketch_state=None):
         hook, layers = (None, ()) if sketcher is None else sketcher(sketch_state, batch["attention_mask"])
         (_, (metrics, aux)), grads = jax.value_and_grad(
             lambda p: anchor_loss(model_cfg, grpo_cfg, max_new_tokens, p, batch, hook, layers), has_aux=True)(params)

@@ -96,8 +96,7 @@ class GRPOTrainer:
         if self.cfg.anchor.enabled:
             from twocircuit_jax.anchor.circuit import AnchorCircuit
 
-            self.anchor = AnchorCircuit(self.cfg, self.model_cfg, self.state.params, codec=self.codec,
-                                        ref_params=self.ref_params)
+            self.anchor = AnchorCircuit(self.cfg, self.model_cfg, self.state.params, codec=self.codec)
             self.ctx.update(self.anchor.init_ctx())  # merger keys exist from tick 1: the step compiles once
 
     def _compile(self):
@@ -196,6 +195,10 @@ class GRPOTrainer:
         dev["old_logp"] = old_logp
         if cfg.grpo.kl_coef > 0:
             dev["ref_logp"] = self.logp_ref(self.ref_params, dev, self.ctx)[0]
+            if self.anchor:  # the anchor's KL is in the dense view: one more reference forward, codecs off
+                codec_ref = self.codec is not None and self.codec.applies(REF)
+                dev["ref_logp_dense"] = self.logp_dense(self.ref_params, dev, self.ctx)[0] if codec_ref \
+                    else dev["ref_logp"]
         if cfg.grpo.tis != "off":
             w, tis_m = tis_weights(old_logp, dev["sampler_logp"], dev["response_mask"], cfg.grpo.tis, cfg.grpo.tis_cap)
             dev["is_weight"] = w
