@@ -10,14 +10,17 @@ from __future__ import annotations
 import glob
 import os
 import re
+import signal
 import subprocess
 import sys
+import tempfile
 
 GROUPS = 5
 
 
-def main(argv: list[str]) -> int:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+def main(argv: list[str], root: str | None = None) -> int:
+    here = os.path.dirname(os.path.abspath(__file__))  # scripts/: holds the pytest_trace plugin
+    root = root or os.path.dirname(here)
     files = sorted(glob.glob(os.path.join(root, "tests", "test_*.py")))
     if not files:
         print("no test files under tests/", file=sys.stderr)
@@ -27,7 +30,11 @@ def main(argv: list[str]) -> int:
     for i in range(0, len(files), size):
         group = files[i:i + size]
         print(f"--- pytest group {i // size + 1}: {len(group)} files", flush=True)
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", *argv, *group], cwd=root,
+        trace = os.path.join(tempfile.mkdtemp(prefix="twocircuit-tests-"), "current")
+        env = {**os.environ, "TWOCIRCUIT_TEST_TRACE": trace,
+               "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "pytest_trace", *argv, *group], cwd=root,
+                              env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         sys.stdout.write(proc.stdout)
         sys.stdout.flush()
@@ -36,6 +43,14 @@ def main(argv: list[str]) -> int:
             totals[what] += int(n)
         if proc.returncode == 5 and "deselected" in tail:  # every test of this group filtered out by -m/-k
             continue
+        if proc.returncode < 0:  # killed by a signal: name the test it was in and XLA's last words, at the end
+            running = open(trace).read() if os.path.exists(trace) else "(before the first test)"
+            print(f"pytest group {i // size + 1} died of {signal.Signals(-proc.returncode).name} while running "
+                  f"{running}", file=sys.stderr)
+            for line in proc.stdout.splitlines():
+                if "rendezvous.cc" in line and "Termination" in line or line.startswith(("F1", "F0", "Check failed")):
+                    print("  " + line[:400], file=sys.stderr)
+                    break
         if proc.returncode != 0:
             print(f"pytest group {i // size + 1} exited with {proc.returncode}", file=sys.stderr)
             return proc.returncode if proc.returncode > 0 else 1

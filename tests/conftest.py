@@ -10,3 +10,4 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import jax  # noqa: E402
 
 assert jax.device_count() == 8, f"expected 8 simulated devices, got {jax.device_count()}"
+

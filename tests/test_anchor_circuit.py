@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import yaml
 
+from twocircuit_jax.parallel import dispatch
 from twocircuit_jax.anchor.circuit import AnchorCircuit
 from twocircuit_jax.config import load_config
 from twocircuit_jax.config.base import ConfigError
@@ -159,14 +160,14 @@ def test_merger_none_and_cold_merger_leave_the_step_bit_identical(tiny):
     cfg, _, state, sh, opt, batch, moved = tiny
     loss_fn = make_grpo_loss(cfg.model, cfg.grpo, 4)
     b = dict(batch(1))
-    b["old_logp"] = jax.jit(make_logp_fn(cfg.model, None, OLD))(state.params, b, {})[0]
+    b["old_logp"] = dispatch.jit(make_logp_fn(cfg.model, None, OLD))(state.params, b, {})[0]
 
     def run(step, ctx):
         new, m = step(jax.tree.map(jnp.copy, state), b, ctx)
         return jax.device_get(new.params), m
 
     base = {"step": jnp.zeros((), jnp.int32)}
-    dense, _ = run(jax.jit(make_train_step(loss_fn, opt)), base)
+    dense, _ = run(dispatch.jit(make_train_step(loss_fn, opt)), base)
     # merger none: no ctx keys and the transform hands back the very gradient object (the step is the dense one)
     none = AnchorCircuit(_cfg(merger="none", projection=False, swap_cadence=0), cfg.model, state.params)
     assert none.init_ctx() == {}
@@ -176,7 +177,7 @@ def test_merger_none_and_cold_merger_leave_the_step_bit_identical(tiny):
     # signed_ema before the first fire: the identity branch, bit for bit the dense update
     sig = _circuit(_cfg(cadence=2, delay=2, projection=False, swap_cadence=2), state)
     ctx = {**base, **sig.init_ctx()}
-    step = jax.jit(make_train_step(loss_fn, opt, grad_transform=sig.grad_transform))
+    step = dispatch.jit(make_train_step(loss_fn, opt, grad_transform=sig.grad_transform))
     p_cold, m_cold = run(step, ctx)
     assert float(m_cold["merger/rel_change"]) == 0.0
     for c, d in zip(jax.tree.leaves(p_cold), jax.tree.leaves(dense)):

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from twocircuit_jax.parallel import dispatch
 from twocircuit_jax.anchor.circuit import AnchorCircuit
 from twocircuit_jax.config import load_config
 from twocircuit_jax.fast.circuit import FastCircuit
@@ -46,9 +47,9 @@ def fired():
     b = jax.device_put(b, pmesh.batch_shardings(b, mesh))
     # What the loop puts in the batch: codec-view ℓ_old and ℓ_ref, the sampler's dense ℓ_s (here: the same dense
     # model as the trainer), and the fast circuit's TIS weights exp(ℓ_old(codec) − ℓ_s).
-    dense = jax.jit(make_logp_fn(cfg.model, None, DENSE))
-    b["old_logp"] = jax.jit(make_logp_fn(cfg.model, codec, OLD))(state.params, b, ctx)[0]
-    b["ref_logp"] = jax.jit(make_logp_fn(cfg.model, codec, REF))(ref, b, ctx)[0]
+    dense = dispatch.jit(make_logp_fn(cfg.model, None, DENSE))
+    b["old_logp"] = dispatch.jit(make_logp_fn(cfg.model, codec, OLD))(state.params, b, ctx)[0]
+    b["ref_logp"] = dispatch.jit(make_logp_fn(cfg.model, codec, REF))(ref, b, ctx)[0]
     b["ref_logp_dense"] = dense(ref, b, ctx)[0]  # what the loop adds when the anchor is on
     b["sampler_logp"] = dense(state.params, b, ctx)[0]
     b["is_weight"] = tis_weights(b["old_logp"], b["sampler_logp"], b["response_mask"], "token", 2.0)[0]

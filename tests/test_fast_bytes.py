@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
+from twocircuit_jax.parallel import dispatch
 from twocircuit_jax.config.sections import FastConfig
 from twocircuit_jax.fast.bytes import (activation_bytes, collective_bytes_from_hlo, combine, exact_k,
                                        grad_allreduce_bytes, powersgd_plain_bytes)
@@ -67,7 +68,7 @@ def test_powersgd_formula_matches_hlo():
         cfg = FastConfig(grad_codec="powersgd", grad_rank=2, start_after=start_after)
         st = init_powersgd(cfg, PARAMS, R)
         specs = state_specs(st, "data")
-        f = jax.jit(jax.shard_map(lambda g, s: powersgd_reduce(jax.tree.map(lambda x: x[0], g), s, cfg, "data"),
+        f = dispatch.jit(jax.shard_map(lambda g, s: powersgd_reduce(jax.tree.map(lambda x: x[0], g), s, cfg, "data"),
                                   mesh=_mesh("data"), in_specs=(P("data"), specs), out_specs=(P(), specs, P())))
         got = collective_bytes_from_hlo(f.lower(_grads(), st).compile().as_text())
         want = grad_allreduce_bytes(PARAMS, cfg)["comm/bytes_compressed"]
@@ -76,7 +77,7 @@ def test_powersgd_formula_matches_hlo():
         else:  # lax.cond: both branches are compiled, so HLO holds the compressed and the plain collectives
             assert got["total"] == want + powersgd_plain_bytes(PARAMS), got
     # Dense reference: a plain pmean of the gradient tree moves exactly bytes_dense.
-    dense = jax.jit(jax.shard_map(lambda g: jax.lax.pmean(jax.tree.map(lambda x: x[0], g), "data"),
+    dense = dispatch.jit(jax.shard_map(lambda g: jax.lax.pmean(jax.tree.map(lambda x: x[0], g), "data"),
                                   mesh=_mesh("data"), in_specs=P("data"), out_specs=P()))
     got = collective_bytes_from_hlo(dense.lower(_grads()).compile().as_text())
     assert got["total"] == grad_allreduce_bytes(PARAMS, cfg)["comm/bytes_dense"]
@@ -100,7 +101,7 @@ def test_pipeline_messages_match_hlo():
 
     h = jnp.ones((R, N, H), jnp.bfloat16)
     for fn, cfg, extra in ((send_lowrank, lr, len(bounds) * H * r * 4), (send_mask, pm, 0)):
-        f = jax.jit(jax.shard_map(fn, mesh=_mesh("pipe"), in_specs=P("pipe"), out_specs=P("pipe")))
+        f = dispatch.jit(jax.shard_map(fn, mesh=_mesh("pipe"), in_specs=P("pipe"), out_specs=P("pipe")))
         # Unoptimised HLO: XLA:CPU's compiler widens bf16 collectives to f32, a CPU artefact, not wire bytes.
         got = collective_bytes_from_hlo(f.lower(h).compiler_ir("hlo").as_hlo_text())
         assert got["counts"]["collective-permute"] == 1

@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 
+from twocircuit_jax.parallel import dispatch
 from twocircuit_jax.config.run import load_config
 from twocircuit_jax.fast.circuit import FastCircuit
 from twocircuit_jax.fast.grad_fn import NEW_STATE
@@ -57,8 +58,8 @@ def one_step(cfg, mesh, params, batch, circuit, optimizer=SGD):
         loss = make_grpo_loss(cfg.model, cfg.grpo, NEW, act)
         grad_fn = circuit.grad_fn(None) if circuit else None
         sh = state_shardings(init_state(params, optimizer), mesh)
-        _JIT[key] = (jax.jit(make_logp_fn(cfg.model, act, OLD)), sh,
-                     jax.jit(make_train_step(loss, optimizer, grad_fn=grad_fn), in_shardings=(sh, None, None),
+        _JIT[key] = (dispatch.jit(make_logp_fn(cfg.model, act, OLD)), sh,
+                     dispatch.jit(make_train_step(loss, optimizer, grad_fn=grad_fn), in_shardings=(sh, None, None),
                              donate_argnums=(0,)), circuit)  # keep circuit alive: its id is the key
     logp, sh, step, _ = _JIT[key]
     b = jax.device_put(dict(batch), pmesh.batch_shardings(batch, mesh))
@@ -70,7 +71,7 @@ def one_step(cfg, mesh, params, batch, circuit, optimizer=SGD):
 
 def _dense_logp(cfg):
     if "dense_logp" not in _JIT:
-        _JIT["dense_logp"] = jax.jit(make_logp_fn(cfg.model, None, OLD))
+        _JIT["dense_logp"] = dispatch.jit(make_logp_fn(cfg.model, None, OLD))
     return _JIT["dense_logp"]
 
 
@@ -154,7 +155,7 @@ def _grads(cfg, mesh, params, batch, circuit, agg):
 
     c = dataclasses.replace(cfg.grpo, loss_agg=agg)
     loss = make_grpo_loss(cfg.model, c, NEW, None)
-    fn = jax.jit((circuit.grad_fn(None) if circuit else default_grad_fn)(loss))
+    fn = dispatch.jit((circuit.grad_fn(None) if circuit else default_grad_fn)(loss))
     ctx = {"step": jnp.asarray(1, jnp.int32), "first_minibatch": jnp.asarray(True)}
     if circuit:
         ctx["codec"] = circuit.init_state(params)

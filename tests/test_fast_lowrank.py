@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
+from twocircuit_jax.parallel import dispatch
 from twocircuit_jax.config.sections import FastConfig
 from twocircuit_jax.fast.lowrank import (accumulate_sketch, activate_staged, basis_cond, host_seed, init_lowrank,
                                          lowrank_metrics, make_lowrank_hook, refresh_basis, stage)
@@ -158,7 +159,7 @@ def test_refresh_sums_sketch_over_dp():
         _, aux = make_lowrank_hook(st, [1], sketch=True)(1, hl)
         return refresh_basis(accumulate_sketch(st, {1: aux}), CFG, axis_name="data").Q_next[1]
 
-    Qs = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P()))(h)
+    Qs = dispatch.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P()))(h)
     _, aux = make_lowrank_hook(st, [1], sketch=True)(1, h)
     Q1 = refresh_basis(accumulate_sketch(st, {1: aux}), CFG).Q_next[1]
     np.testing.assert_allclose(np.asarray(Qs), np.asarray(Q1), atol=1e-4)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
+from twocircuit_jax.parallel import dispatch
 from twocircuit_jax.config.sections import FastConfig
 from twocircuit_jax.fast.powersgd import (flat_leaves, init_powersgd, plan_leaves, powersgd_reduce,
                                           powersgd_reference, state_specs)
@@ -50,7 +51,7 @@ def _sharded(cfg, state, interpret=False):
             mean, new, m = powersgd_reduce(_replica(g, 0), st, cfg, AX, skip=skip, interpret=interpret)
             return jax.tree.map(lambda x: x[None], (mean, new.Q, new.step, m)), new.e
 
-        _CACHE[key] = jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=(P(AX), specs, P()),
+        _CACHE[key] = dispatch.jit(jax.shard_map(body, mesh=_mesh(), in_specs=(P(AX), specs, P()),
                                             out_specs=(P(AX), specs.e)))
 
     def run(g, st, skip=False):

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from twocircuit_jax.parallel import dispatch
 from twocircuit_jax.anchor.merger import init_merger, update_ema
 from twocircuit_jax.config.run import load_config
 from twocircuit_jax.fast.circuit import FastCircuit
@@ -44,7 +45,7 @@ def setup():
              "sampler_logp": -jax.random.uniform(k[2], (B, T)), "ref_logp": jnp.zeros((B, T))}
     batch = jax.device_put(batch, pmesh.batch_shardings(batch, mesh))
     # As the loop does with codecs off: ℓ_ref from the reference weights.
-    batch["ref_logp"] = jax.jit(make_logp_fn(cfg.model, None, OLD))(ref, batch, {})[0]
+    batch["ref_logp"] = dispatch.jit(make_logp_fn(cfg.model, None, OLD))(ref, batch, {})[0]
     return cfg, mesh, params, ref, batch
 
 
@@ -59,7 +60,7 @@ def fidelity(setup, circuit=None, grad_transform=None, ctx_extra=None, cfg=None)
     ctx = {"step": jnp.asarray(1, jnp.int32), "first_minibatch": jnp.asarray(False), **(ctx_extra or {})}
     if circuit:
         ctx["codec"] = circuit.init_state(params)
-    return {k: float(v) for k, v in jax.jit(fn)(params, ref, batch, ctx).items()}
+    return {k: float(v) for k, v in dispatch.jit(fn)(params, ref, batch, ctx).items()}
 
 
 def test_exact_circuits_read_one(setup):

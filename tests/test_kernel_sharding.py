@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from twocircuit_jax.parallel import dispatch
 from twocircuit_jax.config import FastConfig, MeshConfig
 from twocircuit_jax.fast import lowrank as lr
 from twocircuit_jax.fast.mask import make_mask_hook
@@ -36,7 +37,7 @@ def _run(hook_builder, h, mesh):
         out, _ = hook(1, h)
         return out, jax.grad(lambda x: jnp.sum(hook(1, x)[0] * jnp.cos(x)))(h)
 
-    jitted = jax.jit(f, in_shardings=sh, out_shardings=sh)
+    jitted = dispatch.jit(f, in_shardings=sh, out_shardings=sh)
     text = jitted.lower(jax.device_put(h, sh)).as_text()
     return jax.device_get(jitted(jax.device_put(h, sh))), text
 
@@ -73,4 +74,4 @@ def test_rows_that_do_not_split_are_a_clear_error():
     cfg = FastConfig(codec="prf_mask", pp_size=2, p=0.5, use_kernel=True)
     hook = make_mask_hook(cfg, (1,), 0, sid, pos, interpret=True, mesh=mesh)
     with pytest.raises(ValueError, match="do not split"):
-        jax.jit(lambda x: hook(1, x)[0])(h)
+        dispatch.jit(lambda x: hook(1, x)[0])(h)

@@ -31,6 +31,7 @@ from twocircuit_jax.anchor.retention import ReplayBuffer, host_snapshot
 from twocircuit_jax.anchor.swap import init_anchor_moments, swap_optimizer_moments, update_anchor_moments
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.fast import lowrank as lr
+from twocircuit_jax.parallel import dispatch
 
 MERGER_STATE_KEY = "anchor/merger_state"  # carries the merger state out of the jitted step; popped in after_tick
 _ZERO_COUNTERS = ("anchor/optimizer_steps", "anchor/rollouts_generated", "anchor/rewards_recomputed")
@@ -72,15 +73,15 @@ class AnchorCircuit:
             self.mom_sh = type(mom)(m={k: by_path[k] for k in mom.m}, v={k: by_path[k] for k in mom.v},
                                     fired=self.rep)
             # Built by a jitted init so that m, v (and δ below) are distinct buffers: the fire donates them.
-            self.moments = jax.jit(lambda: init_anchor_moments(params, a.target_scope), out_shardings=self.mom_sh)()
-        self._merger0 = jax.jit(lambda: init_merger(params, a), out_shardings=self.rep)() if self.merger_on else None
+            self.moments = dispatch.jit(lambda: init_anchor_moments(params, a.target_scope), out_shardings=self.mom_sh)()
+        self._merger0 = dispatch.jit(lambda: init_merger(params, a), out_shardings=self.rep)() if self.merger_on else None
         sketcher = (lambda st, mask: self.codec.sketch_hook({"lowrank": st}, mask)) if self.owns_q else None
         grad_fn = make_anchor_grad(model_cfg, run_cfg.grpo, run_cfg.sampler.sampling.max_new_tokens, sketcher)
         carry_sh = {"merger": self.rep, "moments": self.mom_sh}
         # One jitted dense forward/backward (+ EMA and moment updates), compiled once: fixed batch keys/shapes,
         # snapshot params put on the parameter shardings. The carry is donated; the trainer state is not an input.
         # The low-rank state is a separate, non-donated input: its bases share buffers across fields.
-        self._fire_jit = jax.jit(functools.partial(self._fire_fn, grad_fn),
+        self._fire_jit = dispatch.jit(functools.partial(self._fire_fn, grad_fn),
                                  in_shardings=(self.param_sh, None, carry_sh, self.rep),
                                  out_shardings=(carry_sh, self.rep, self.rep), donate_argnums=(2,))
         self._swap_jit = None
@@ -169,11 +170,7 @@ class AnchorCircuit:
         carry = {"merger": ctx.get("merger"), "moments": self.moments}
         low = ctx["codec"]["lowrank"] if self.owns_q else None
         dev = jax.device_put(weights, self.param_sh)  # host → device, params-sized
-        carry, fm, low = self._fire_jit(dev, fire_batch, carry, low)
-        # A host sync, once per fire: the next programs (train step, swap) do not start while the fire's collectives
-        # are in flight. On the multi-device CPU backend, two SPMD programs with all-reduces in flight at once
-        # could leave one device thread in the other program's rendezvous (an XLA abort after 40 s).
-        jax.block_until_ready((carry, fm, low))
+        carry, fm, low = self._fire_jit(dev, fire_batch, carry, low)  # serialised on XLA:CPU (parallel/dispatch.py)
         # Nothing above may fail after this point: state changes only now.
         if window is not None:
             self.window = window
@@ -203,7 +200,7 @@ class AnchorCircuit:
                 opt_sh = jax.tree.map(lambda x: x.sharding, state.opt_state)
                 fn = functools.partial(swap_optimizer_moments, alpha=a.swap_alpha, scale_match=a.swap_scale_match,
                                        mode=a.swap_mode)
-                self._swap_jit = jax.jit(fn, in_shardings=(opt_sh, self.mom_sh), out_shardings=(opt_sh, self.rep),
+                self._swap_jit = dispatch.jit(fn, in_shardings=(opt_sh, self.mom_sh), out_shardings=(opt_sh, self.rep),
                                          donate_argnums=(0,))
             opt, sm = self._swap_jit(state.opt_state, self.moments)
             state = state._replace(opt_state=opt)

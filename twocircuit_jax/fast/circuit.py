@@ -25,6 +25,7 @@ from twocircuit_jax.fast import powersgd as psgd
 from twocircuit_jax.fast.boundaries import boundary_layers
 from twocircuit_jax.fast.mask import make_mask_hook
 from twocircuit_jax.fast.sr_quant import make_quant_hook
+from twocircuit_jax.parallel import dispatch
 from twocircuit_jax.parallel.mesh import BATCH_AXES, dp_size
 
 TRAIN, OLD, REF, DENSE = "train", "old_logprob", "ref_logprob", "dense"
@@ -171,7 +172,7 @@ class FastCircuit:
                                           batch["attention_mask"], hook=hook, hook_layers=layers)
                 return aux
 
-            self._bootstrap_jit = jax.jit(sketch)
+            self._bootstrap_jit = dispatch.jit(sketch)
         aux = self._bootstrap_jit(params, batch, codec_state)  # cost: one dense forward, no backward
         st = dict(codec_state)
         low = lr.accumulate_sketch(st["lowrank"], aux)

@@ -8,7 +8,6 @@ with no truncation that is the model's own distribution, so it matches a teacher
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import jax
@@ -17,6 +16,7 @@ import numpy as np
 
 from twocircuit_jax.config.sections import ModelConfig, SamplingConfig
 from twocircuit_jax.model.qwen2 import decode_step, init_cache
+from twocircuit_jax.parallel import dispatch
 from twocircuit_jax.sampler.base import Rollout
 
 
@@ -38,7 +38,7 @@ def process_logits(logits, temperature, top_k, top_p):
     return jax.nn.log_softmax(masked, axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens"))
+@dispatch.jit(static_argnames=("cfg", "max_new_tokens"))
 def generate_tokens(cfg: ModelConfig, params, prompt, prompt_mask, key, temperature, top_k, top_p, *,
                     max_new_tokens: int):
     """prompt [B, P] left-padded. Returns tokens [B, N], logps [B, N], lengths [B], truncated [B]."""

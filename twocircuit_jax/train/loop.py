@@ -24,7 +24,7 @@ from twocircuit_jax.metrics.gauges import entropy_summary, length_slope, length_
 from twocircuit_jax.metrics.logger import MetricsLogger
 from twocircuit_jax.metrics.mismatch import mismatch_metrics
 from twocircuit_jax.metrics.probe import dense_probe_metrics, make_fidelity_fn
-from twocircuit_jax.parallel import mesh as pmesh
+from twocircuit_jax.parallel import dispatch, mesh as pmesh
 from twocircuit_jax.tasks import make_task
 from twocircuit_jax.train import rollout as ro
 from twocircuit_jax.train.checkpoint import CheckpointManager
@@ -112,16 +112,16 @@ class GRPOTrainer:
             fid = make_fidelity_fn(self.model_cfg, cfg.grpo, self.max_new, codec,
                                    (grad_fn or default_grad_fn)(loss_fn), grad_transform,
                                    lambda: make_grpo_loss(self.model_cfg, cfg.grpo, self.max_new, None))
-            self.fidelity = jax.jit(fid)
+            self.fidelity = dispatch.jit(fid)
         rep = pmesh.replicated(mesh)
         # PowerSGD's error memory is split over dp and leaves the step in metrics: free shardings keep it in place
         # (forcing `rep` would all-gather it every tick).
         ctx_sh = None if grad_fn is not None else rep
-        self.train_step = jax.jit(step, in_shardings=(self.state_sh, None, ctx_sh),
+        self.train_step = dispatch.jit(step, in_shardings=(self.state_sh, None, ctx_sh),
                                   out_shardings=(self.state_sh, ctx_sh), donate_argnums=(0,))
-        self.logp_old = jax.jit(make_logp_fn(self.model_cfg, codec, OLD))
-        self.logp_ref = jax.jit(make_logp_fn(self.model_cfg, codec, REF))
-        self.logp_dense = jax.jit(make_logp_fn(self.model_cfg, None, DENSE))  # the probe: codecs off everywhere
+        self.logp_old = dispatch.jit(make_logp_fn(self.model_cfg, codec, OLD))
+        self.logp_ref = dispatch.jit(make_logp_fn(self.model_cfg, codec, REF))
+        self.logp_dense = dispatch.jit(make_logp_fn(self.model_cfg, None, DENSE))  # the probe: codecs off everywhere
 
     def _shard_batch(self, batch):
         return jax.device_put(batch, pmesh.batch_shardings(batch, self.mesh))

@@ -16,7 +16,7 @@ import numpy as np
 import optax
 
 from twocircuit_jax.model.hf_io import save_hf
-from twocircuit_jax.parallel import mesh as pmesh
+from twocircuit_jax.parallel import dispatch, mesh as pmesh
 from twocircuit_jax.sampler.jax_sampler import JaxSampler
 from twocircuit_jax.tasks import make_task
 from twocircuit_jax.train.evaluate import Evaluator
@@ -58,7 +58,7 @@ def run_sft(cfg, out_dir: str, log=print) -> dict:
     sh = state_shardings(state, mesh)
     state = jax.device_put(state, sh)
     batch_sh = {k: pmesh.batch_sharding(mesh) for k in data}
-    jitted = jax.jit(step, in_shardings=(sh, batch_sh, None), out_shardings=(sh, pmesh.replicated(mesh)),
+    jitted = dispatch.jit(step, in_shardings=(sh, batch_sh, None), out_shardings=(sh, pmesh.replicated(mesh)),
                      donate_argnums=(0,))
     rng = np.random.default_rng(cfg.train.seed)
     evaluator = Evaluator(task, tokenizer, task.eval_problems()[: cfg.train.eval_size], cfg.train.max_prompt_len,

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from twocircuit_jax.parallel import mesh as pmesh
+from twocircuit_jax.parallel import dispatch, mesh as pmesh
 
 
 class TrainState(NamedTuple):
@@ -94,7 +94,7 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
 def jit_train_step(step, state_sharding: TrainState, batch_sharding, ctx_sharding=None, mesh=None):
     """jit once: explicit in/out shardings, state donated (its buffers are reused for the new state)."""
     rep = pmesh.replicated(mesh) if mesh is not None else None
-    return jax.jit(step, in_shardings=(state_sharding, batch_sharding, ctx_sharding),
+    return dispatch.jit(step, in_shardings=(state_sharding, batch_sharding, ctx_sharding),
                    out_shardings=(state_sharding, rep), donate_argnums=(0,))
 
 
