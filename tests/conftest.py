@@ -3,6 +3,11 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA:CPU's device pool has max(cores, devices) threads; two multi-device programs with collectives in flight at once
+# can fill it with threads waiting at each other's rendezvous (an abort after 40 s). The project's own programs never
+# overlap (twocircuit_jax/parallel/dispatch.py), but eager ops on sharded arrays and orbax's background saves are
+# not serialised: a larger pool (idle threads cost nothing) leaves room for them.
+os.environ.setdefault("PJRT_NPROC", "64")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
