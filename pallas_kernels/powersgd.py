@@ -8,6 +8,7 @@ Rows of G/E are tiled; Q stays whole (m·r small). Ragged n is zero-padded in th
 result depends on out-of-bounds reads (NaN in interpret mode). Stacked leaves [L, n, m] go through `jax.vmap`.
 Not differentiated: PowerSGD runs on gradients, after autodiff.
 """
+
 from __future__ import annotations
 
 import jax
@@ -41,16 +42,25 @@ def _ef_project_2d(G, E, Q, interpret, block_rows):
         G = jnp.pad(G, ((0, n_pad - n), (0, 0)))
         E = jnp.pad(E, ((0, n_pad - n), (0, 0)))
     (P,) = call_kernel(
-        _kernel, grid=(n_pad // bn,),
-        in_specs=[pl.BlockSpec((bn, m), lambda i: (i, 0)), pl.BlockSpec((bn, m), lambda i: (i, 0)),
-                  pl.BlockSpec((m, r), lambda i: (0, 0))],
-        out_specs=[pl.BlockSpec((bn, r), lambda i: (i, 0))], out_shapes=[((n_pad, r), jnp.float32)],
-        args=(G, E, Q), interpret=interpret, name="powersgd_ef_project")
+        _kernel,
+        grid=(n_pad // bn,),
+        in_specs=[
+            pl.BlockSpec((bn, m), lambda i: (i, 0)),
+            pl.BlockSpec((bn, m), lambda i: (i, 0)),
+            pl.BlockSpec((m, r), lambda i: (0, 0)),
+        ],
+        out_specs=[pl.BlockSpec((bn, r), lambda i: (i, 0))],
+        out_shapes=[((n_pad, r), jnp.float32)],
+        args=(G, E, Q),
+        interpret=interpret,
+        name="powersgd_ef_project",
+    )
     return P[:n]
 
 
-def ef_project(G: jax.Array, E: jax.Array, Q: jax.Array, *, interpret: bool = False,
-               block_rows: int = 128) -> jax.Array:
+def ef_project(
+    G: jax.Array, E: jax.Array, Q: jax.Array, *, interpret: bool = False, block_rows: int = 128
+) -> jax.Array:
     """Kernel P = (G + E)·Q. Accepts [n, m] or stacked [L, n, m] (with Q [m, r] or [L, m, r])."""
     check_can_run(interpret, "ef_project")
     if G.shape != E.shape or G.shape[-1] != Q.shape[-2]:

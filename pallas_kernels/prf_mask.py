@@ -15,6 +15,7 @@ blocks, full width when H is small) so no result depends on out-of-bounds reads 
 The padding copy costs one extra pass over h when H or N is ragged; H % 128 == 0 with N % block_rows == 0 pads
 nothing.
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from twocircuit_jax.fast import prf
+from pallas_kernels import prf
 
 
 class MaskRows(NamedTuple):
@@ -58,8 +59,7 @@ def _kernel(h_ref, khi_ref, klo_ref, thi_ref, tlo_ref, tj_ref, flip_ref, gain_re
     bn, bh = h_ref.shape
     col0 = pl.program_id(1) * block_cols
     j = (jax.lax.broadcasted_iota(jnp.int32, (bn, bh), 1) + col0).astype(jnp.uint32)
-    rows = MaskRows(khi_ref[...], klo_ref[...], thi_ref[...], tlo_ref[...], tj_ref[...], flip_ref[...],
-                    gain_ref[...])
+    rows = MaskRows(khi_ref[...], klo_ref[...], thi_ref[...], tlo_ref[...], tj_ref[...], flip_ref[...], gain_ref[...])
     keep = _keep(rows, j)
     x = h_ref[...].astype(jnp.float32)
     o_ref[...] = jnp.where(keep, x * rows.gain, 0.0).astype(o_ref.dtype)
@@ -81,7 +81,8 @@ def _check_backend(interpret: bool):
     if not interpret and jax.default_backend() == "cpu":
         raise RuntimeError(
             "fast.use_kernel: the Pallas prf_mask kernel cannot run on the CPU backend; pass interpret=True "
-            "(tests) or set fast.use_kernel=false to use the jnp reference")
+            "(tests) or set fast.use_kernel=false to use the jnp reference"
+        )
 
 
 def _call(h, rows: MaskRows, interpret: bool, block_rows: int, block_cols: int):
@@ -115,16 +116,23 @@ def _masked_fwd(h, rows, interpret, block_rows, block_cols):
 
 def _masked_bwd(interpret, block_rows, block_cols, rows, g):
     # backward wire message = g * gain * m: the same kernel on the cotangent; rows get no cotangent
-    zero_rows = jax.tree.map(lambda r: jnp.zeros(r.shape, jax.dtypes.float0) if r.dtype != jnp.float32
-                             else jnp.zeros_like(r), rows)
+    zero_rows = jax.tree.map(
+        lambda r: jnp.zeros(r.shape, jax.dtypes.float0) if r.dtype != jnp.float32 else jnp.zeros_like(r), rows
+    )
     return _call(g, rows, interpret, block_rows, block_cols), zero_rows
 
 
 _masked.defvjp(_masked_fwd, _masked_bwd)
 
 
-def prf_mask_kernel(h: jax.Array, rows: MaskRows, *, interpret: bool = False,
-                    block_rows: int | None = None, block_cols: int | None = None) -> jax.Array:
+def prf_mask_kernel(
+    h: jax.Array,
+    rows: MaskRows,
+    *,
+    interpret: bool = False,
+    block_rows: int | None = None,
+    block_cols: int | None = None,
+) -> jax.Array:
     """Kernel version of `prf_mask_reference` (same values and gradients). h [N, H] float32/bfloat16.
 
     Raises RuntimeError on the CPU backend unless interpret=True: never a silent fallback."""

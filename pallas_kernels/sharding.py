@@ -5,6 +5,7 @@ refused). The codec kernels are row-wise (one token per row), so each device run
 row arguments are split over the batch mesh axes, the rest (a basis Q) replicated, and the output stays split.
 No collective is added. check_vma is off: the interpret-mode lowering of jax 0.10 does not type-check under it.
 """
+
 from __future__ import annotations
 
 import jax
@@ -16,8 +17,8 @@ BATCH_AXES = ("data", "fsdp")
 def shard_rows(fn, mesh, n_row_args: int, axes=BATCH_AXES):
     """fn(*row_args, *replicated_args) -> rows [N, ...]; returns the same function run per device on its rows.
 
-    With no mesh (or a single device) `fn` itself is returned; inside a shard_map that is already manual over the
-batch axes the kernel runs directly. Row arguments may be pytrees of [N, ...] arrays.
+        With no mesh (or a single device) `fn` itself is returned; inside a shard_map that is already manual over the
+    batch axes the kernel runs directly. Row arguments may be pytrees of [N, ...] arrays.
     """
     if mesh is None or mesh.size == 1:
         return fn
@@ -33,8 +34,10 @@ batch axes the kernel runs directly. Row arguments may be pytrees of [N, ...] ar
         rows = jax.tree.leaves(args[:n_row_args])
         n = rows[0].shape[0]
         if n % split:
-            raise ValueError(f"kernel rows: {n} rows do not split over the {split}-way batch axes {axes}; the "
-                             f"rollout rows (train.mini_batch * sampler.n) and the sequence length set this")
+            raise ValueError(
+                f"kernel rows: {n} rows do not split over the {split}-way batch axes {axes}; the "
+                f"rollout rows (train.mini_batch * sampler.n) and the sequence length set this"
+            )
         in_specs = tuple(jax.tree.map(lambda _: P(axes), a) for a in args[:n_row_args])
         in_specs += tuple(jax.tree.map(lambda _: P(), a) for a in args[n_row_args:])
         return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=P(axes), check_vma=False)(*args)

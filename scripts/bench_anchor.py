@@ -9,6 +9,7 @@ moment updates); "fire_jit" is the jitted device part alone. Memory is XLA's com
 (arguments + outputs + temporaries − aliased), i.e. the peak the executable needs, and on GPU also the device's
 peak_bytes_in_use. Prints one JSON object.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,12 +56,22 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=10)
     a = ap.parse_args(argv)
     heads = max(1, a.hidden // 32)
-    cfg = load_config(data={
-        "model": {"vocab_size": a.vocab, "hidden_size": a.hidden, "num_layers": a.layers, "num_heads": heads,
-                  "num_kv_heads": 1, "head_dim": a.hidden // heads, "intermediate_size": 3 * a.hidden},
-        "fast": {"pp_size": 1},
-        "anchor": {"enabled": True, "cadence": 1, "delay": 1, "projection": False, "swap_cadence": 1},
-        "train": {"train_batch": 2, "mini_batch": 1}})
+    cfg = load_config(
+        data={
+            "model": {
+                "vocab_size": a.vocab,
+                "hidden_size": a.hidden,
+                "num_layers": a.layers,
+                "num_heads": heads,
+                "num_kv_heads": 1,
+                "head_dim": a.hidden // heads,
+                "intermediate_size": 3 * a.hidden,
+            },
+            "fast": {"pp_size": 1},
+            "anchor": {"enabled": True, "cadence": 1, "delay": 1, "projection": False, "swap_cadence": 1},
+            "train": {"train_batch": 2, "mini_batch": 1},
+        }
+    )
     mesh = pmesh.make_mesh(cfg.mesh)
     params = init_params(cfg.model, jax.random.PRNGKey(0))
     opt = make_optimizer(cfg.optim)
@@ -69,26 +80,35 @@ def main(argv=None):
     state = jax.device_put(state, sh)
     r = np.random.default_rng(0)
     B, T = a.batch, a.seq
-    b = {"tokens": r.integers(3, a.vocab, (B, T)).astype(np.int32), "attention_mask": np.ones((B, T), np.int32),
-         "response_mask": (np.arange(T)[None] >= T // 3).repeat(B, 0).astype(np.float32),
-         "advantages": r.normal(size=B).astype(np.float32), "sample_id": np.arange(B, dtype=np.int32),
-         "sampler_logp": np.zeros((B, T), np.float32), "old_logp": -np.ones((B, T), np.float32),
-         "ref_logp": -np.ones((B, T), np.float32), "ref_logp_dense": -np.ones((B, T), np.float32)}
+    b = {
+        "tokens": r.integers(3, a.vocab, (B, T)).astype(np.int32),
+        "attention_mask": np.ones((B, T), np.int32),
+        "response_mask": (np.arange(T)[None] >= T // 3).repeat(B, 0).astype(np.float32),
+        "advantages": r.normal(size=B).astype(np.float32),
+        "sample_id": np.arange(B, dtype=np.int32),
+        "sampler_logp": np.zeros((B, T), np.float32),
+        "old_logp": -np.ones((B, T), np.float32),
+        "ref_logp": -np.ones((B, T), np.float32),
+        "ref_logp_dense": -np.ones((B, T), np.float32),
+    }
     batch = jax.device_put(b, pmesh.batch_shardings(b, mesh))
 
     circ = AnchorCircuit(cfg, cfg.model, state.params)
     ctx = {"step": jnp.zeros((), jnp.int32), **circ.init_ctx()}
     loss_fn = make_grpo_loss(cfg.model, cfg.grpo, T)
     rep = pmesh.replicated(mesh)
-    step = jax.jit(make_train_step(loss_fn, opt, grad_transform=circ.grad_transform),
-                   in_shardings=(sh, None, rep), out_shardings=(sh, rep))  # no donation: the same state is reused
+    step = jax.jit(
+        make_train_step(loss_fn, opt, grad_transform=circ.grad_transform),
+        in_shardings=(sh, None, rep),
+        out_shardings=(sh, rep),
+    )  # no donation: the same state is reused
 
     tick = [0]
 
     def fire():
         tick[0] += 1
         nonlocal ctx
-        ctx, m = circ.before_tick(tick[0], tick[0], True, batch, state, ctx)
+        ctx, m, _ = circ.before_tick(tick[0], tick[0], True, batch, state, ctx)
         return ctx["merger"].m
 
     t_fire = _median(fire, a.reps)
@@ -96,8 +116,12 @@ def main(argv=None):
     dev = jax.device_put(jax.device_get(state.params), sh.params)
     carry = {"merger": ctx["merger"], "moments": circ.moments}
     fire_c = circ._fire_jit.lower(dev, dict((k, batch[k]) for k in circ._batch_keys), carry).compile()
-    t_fire_jit = _median(lambda: circ._fire_jit(dev, {k: batch[k] for k in circ._batch_keys},
-                                                 jax.tree.map(jnp.copy, carry))[0]["merger"].m, a.reps)
+    t_fire_jit = _median(
+        lambda: (
+            circ._fire_jit(dev, {k: batch[k] for k in circ._batch_keys}, jax.tree.map(jnp.copy, carry))[0]["merger"].m
+        ),
+        a.reps,
+    )
     host_opt = jax.device_get(state.opt_state)
     copies = [jax.device_put(host_opt, sh.opt_state) for _ in range(a.reps + 2)]  # the swap donates its input
     circ.after_tick(1, state._replace(opt_state=copies.pop()), ctx, {})  # builds the swap jit (state's shardings)
@@ -106,13 +130,18 @@ def main(argv=None):
     t_swap = _median(lambda: swap(copies.pop(), circ.moments)[0], a.reps)
     step_c = step.lower(state, batch, ctx).compile()
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
-    out = {"backend": jax.default_backend(), "devices": jax.device_count(), "params": int(n_params),
-           "batch": [B, T],
-           "time_s": {"fast_step": t_step, "fire": t_fire, "fire_jit": t_fire_jit, "swap": t_swap},
-           "time_rel_fast_step": {"fire": t_fire / t_step, "fire_jit": t_fire_jit / t_step, "swap": t_swap / t_step},
-           "mem_bytes": {"fast_step": _mem(step_c), "fire_jit": _mem(fire_c), "swap": _mem(swap_c)}}
-    out["mem_rel_fast_step"] = {k: out["mem_bytes"][k] / max(out["mem_bytes"]["fast_step"], 1)
-                                for k in ("fire_jit", "swap")}
+    out = {
+        "backend": jax.default_backend(),
+        "devices": jax.device_count(),
+        "params": int(n_params),
+        "batch": [B, T],
+        "time_s": {"fast_step": t_step, "fire": t_fire, "fire_jit": t_fire_jit, "swap": t_swap},
+        "time_rel_fast_step": {"fire": t_fire / t_step, "fire_jit": t_fire_jit / t_step, "swap": t_swap / t_step},
+        "mem_bytes": {"fast_step": _mem(step_c), "fire_jit": _mem(fire_c), "swap": _mem(swap_c)},
+    }
+    out["mem_rel_fast_step"] = {
+        k: out["mem_bytes"][k] / max(out["mem_bytes"]["fast_step"], 1) for k in ("fire_jit", "swap")
+    }
     stats = getattr(jax.devices()[0], "memory_stats", lambda: None)()
     if stats and "peak_bytes_in_use" in stats:
         out["device_peak_bytes"] = int(stats["peak_bytes_in_use"])

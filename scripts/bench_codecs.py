@@ -7,6 +7,7 @@ once, warmed up, then timed (median of `--iters`, block_until_ready). One line p
     codec=prf_mask step_ms=... dense_ms=... ratio=...
 The SPEC target for the jnp reference codecs is ratio <= 1.15 (printed as ok/over; never asserted).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,7 +25,6 @@ def _step_fn(cfg, mesh, params, fast_override):
     import jax.numpy as jnp
 
     from twocircuit_jax.fast.circuit import FastCircuit
-    from twocircuit_jax.parallel import mesh as pmesh
     from twocircuit_jax.train.grpo_step import make_grpo_loss
     from twocircuit_jax.train.step import init_state, make_optimizer, make_train_step, state_shardings
 
@@ -39,13 +39,17 @@ def _step_fn(cfg, mesh, params, fast_override):
     ctx = {"step": jnp.asarray(1, jnp.int32)}
     if c:
         ctx["codec"] = c.init_state(params)
-    step = jax.jit(make_train_step(loss, opt, grad_fn=c.grad_fn(None) if c else None),
-                   in_shardings=(sh, None, None), donate_argnums=(0,))
+    step = jax.jit(
+        make_train_step(loss, opt, grad_fn=c.grad_fn(None) if c else None),
+        in_shardings=(sh, None, None),
+        donate_argnums=(0,),
+    )
     return step, jax.device_put(state, sh), ctx
 
 
 def _time(step, state, batch, ctx, iters):
     import jax
+
     state, m = step(state, batch, ctx)  # compile + warm-up
     jax.block_until_ready(m)
     ts = []
@@ -81,22 +85,33 @@ def main(argv=None) -> int:
     t, s = cfg.train, cfg.sampler
     B, T, new = t.mini_batch * s.n, t.max_prompt_len + s.sampling.max_new_tokens, s.sampling.max_new_tokens
     resp = np.zeros((B, T), np.float32)
-    resp[:, T - new:] = 1
-    batch = {"tokens": jax.random.randint(jax.random.PRNGKey(1), (B, T), 3, cfg.model.vocab_size, jnp.int32),
-             "attention_mask": jnp.ones((B, T), jnp.int32), "response_mask": jnp.asarray(resp),
-             "advantages": jax.random.normal(jax.random.PRNGKey(2), (B,)), "sample_id": jnp.arange(B, dtype=jnp.int32),
-             "old_logp": jnp.full((B, T), -4.0), "ref_logp": jnp.full((B, T), -4.0)}
+    resp[:, T - new :] = 1
+    batch = {
+        "tokens": jax.random.randint(jax.random.PRNGKey(1), (B, T), 3, cfg.model.vocab_size, jnp.int32),
+        "attention_mask": jnp.ones((B, T), jnp.int32),
+        "response_mask": jnp.asarray(resp),
+        "advantages": jax.random.normal(jax.random.PRNGKey(2), (B,)),
+        "sample_id": jnp.arange(B, dtype=jnp.int32),
+        "old_logp": jnp.full((B, T), -4.0),
+        "ref_logp": jnp.full((B, T), -4.0),
+    }
     batch = jax.device_put(batch, pmesh.batch_shardings(batch, mesh))
     print(f"backend={jax.default_backend()} devices={len(jax.devices())} mesh={dict(mesh.shape)} batch={B}x{T}")
-    dense_ms = _time(*_step_fn(cfg, mesh, params, {"codec": "none", "grad_codec": "none"})[:2], batch,
-                     {"step": jnp.asarray(1, jnp.int32)}, args.iters)
+    dense_ms = _time(
+        *_step_fn(cfg, mesh, params, {"codec": "none", "grad_codec": "none"})[:2],
+        batch,
+        {"step": jnp.asarray(1, jnp.int32)},
+        args.iters,
+    )
     for item in args.codecs.split(","):
         a, g = item.split("+")
         step, state, ctx = _step_fn(cfg, mesh, params, {"codec": a, "grad_codec": g})
         ms = _time(step, state, batch, ctx, args.iters)
         r = ms / dense_ms
-        print(f"codec={a} grad_codec={g} step_ms={ms:.2f} dense_ms={dense_ms:.2f} ratio={r:.3f} "
-              f"{'ok' if r <= 1.15 else 'over'}(target<=1.15)")
+        print(
+            f"codec={a} grad_codec={g} step_ms={ms:.2f} dense_ms={dense_ms:.2f} ratio={r:.3f} "
+            f"{'ok' if r <= 1.15 else 'over'}(target<=1.15)"
+        )
     return 0
 
 

@@ -11,6 +11,7 @@ Columns (seconds, median of --reps):
 The 0.5B model is randomly initialised with Qwen2.5-0.5B shapes (hidden 896, 24 layers, 14/2 heads, MLP 4864,
 vocab 151936, tied embeddings): ~494M parameters.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,10 +31,28 @@ from twocircuit_jax.model import init_params, save_hf, to_hf_state_dict  # noqa:
 from twocircuit_jax.sampler.export import export_weights, load_export, prune  # noqa: E402
 
 SIZES = {
-    "tiny": ModelConfig(vocab_size=96, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
-                        intermediate_size=128, max_position_embeddings=256),
-    "0.5b": ModelConfig(vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
-                        intermediate_size=4864, max_position_embeddings=32768, rope_theta=1e6, tie_embeddings=True),
+    "tiny": ModelConfig(
+        vocab_size=96,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+        intermediate_size=128,
+        max_position_embeddings=256,
+    ),
+    "0.5b": ModelConfig(
+        vocab_size=151936,
+        hidden_size=896,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        head_dim=64,
+        intermediate_size=4864,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+        tie_embeddings=True,
+    ),
 }
 
 
@@ -64,14 +83,21 @@ def bench(name, cfg, engine: bool, reps: int, work: str):
     path = sorted(os.path.join(root, d) for d in os.listdir(root) if d.startswith("v"))[-1]
     (_, host), t_restore = _timed(lambda: load_export(path), reps)
     _, t_handoff = _timed(lambda: _handoff(cfg, host), reps)
-    del host
+    host = None  # free the restored copy before the engine starts
     t_reload = None
     if engine:
         from twocircuit_jax.sampler.vllm_client import VLLMSampler
 
         model_dir = save_hf(cfg, params, os.path.join(work, name, "model"))
-        s = VLLMSampler(SamplerConfig(startup_timeout_s=900, request_timeout_s=900), model_dir, root, cfg,
-                        dtype=cfg.param_dtype, kv_cache_bytes=256 << 20, max_model_len=256)
+        s = VLLMSampler(
+            SamplerConfig(startup_timeout_s=900, request_timeout_s=900),
+            model_dir,
+            root,
+            cfg,
+            dtype=cfg.param_dtype,
+            kv_cache_bytes=256 << 20,
+            max_model_len=256,
+        )
         try:
             loads = []
             for _ in range(reps):
@@ -88,8 +114,12 @@ def bench(name, cfg, engine: bool, reps: int, work: str):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="tiny,0.5b")
-    ap.add_argument("--engine", choices=["tiny", "all", "none"], default="tiny",
-                    help="sizes that also start a vLLM engine to time the in-place reload")
+    ap.add_argument(
+        "--engine",
+        choices=["tiny", "all", "none"],
+        default="tiny",
+        help="sizes that also start a vLLM engine to time the in-place reload",
+    )
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--work", default="", help="scratch folder (default: a temp dir, removed after)")
@@ -103,7 +133,9 @@ def main(argv=None):
             engine = a.engine == "all" or a.engine == name
             rows.append((name, *bench(name, cfg, engine, a.reps, work)))
             print(f"done {name}", file=sys.stderr, flush=True)
-    print(f"\n{'model':6} {'params':>12} {'dtype':>9} {'export_s':>9} {'restore_s':>10} {'handoff_s':>10} {'reload_s':>9}")
+    print(
+        f"\n{'model':6} {'params':>12} {'dtype':>9} {'export_s':>9} {'restore_s':>10} {'handoff_s':>10} {'reload_s':>9}"
+    )
     for name, n, te, tr, th, tl in rows:
         rl = "-" if tl is None else f"{tl:.3f}"
         print(f"{name:6} {n:>12,d} {a.dtype:>9} {te:>9.3f} {tr:>10.3f} {th:>10.3f} {rl:>9}")

@@ -8,6 +8,7 @@ Achieved bandwidth = bytes the op must move (inputs read once + output written o
 the device's measured copy bandwidth (a jitted x -> x + 1 over a 1 GiB buffer: read + write). On CPU the kernels
 cannot be compiled; the script says so and exits 2 (it never silently times the interpreter or the reference).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,6 +19,7 @@ import time
 
 def _timed(fn, *args, iters):
     import jax
+
     out = fn(*args)
     jax.block_until_ready(out)
     ts = []
@@ -31,6 +33,7 @@ def _timed(fn, *args, iters):
 def copy_bandwidth(iters: int) -> float:
     import jax
     import jax.numpy as jnp
+
     x = jnp.zeros((256, 1024, 1024), jnp.float32)  # 1 GiB
     t = _timed(jax.jit(lambda a: a + 1.0), x, iters=iters)
     return 2 * x.size * 4 / t
@@ -50,47 +53,79 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     if jax.default_backend() == "cpu":
-        print("bench_kernels: no accelerator (backend cpu); the Pallas kernels cannot be compiled here and the "
-              "interpreter would time nothing useful. Run on a GPU/TPU host.", file=sys.stderr)
+        print(
+            "bench_kernels: no accelerator (backend cpu); the Pallas kernels cannot be compiled here and the "
+            "interpreter would time nothing useful. Run on a GPU/TPU host.",
+            file=sys.stderr,
+        )
         return 2
+    from pallas_kernels import prf
     from pallas_kernels.lowrank import lowrank_reference, project_reconstruct
     from pallas_kernels.powersgd import ef_project, ef_project_reference
     from pallas_kernels.prf_mask import MaskRows, prf_mask_kernel, prf_mask_reference
     from twocircuit_jax.fast import mask as mask_lib
-    from twocircuit_jax.fast import prf
 
     N, H, r, F = args.tokens, args.hidden, args.rank, args.mlp
     dt = jnp.dtype(args.dtype)
     k = jax.random.split(jax.random.PRNGKey(0), 6)
     h = jax.random.normal(k[0], (N, H), dt)
-    rk = prf.row_key(prf.prefix_key(0, 3, jnp.int32(1)), jnp.arange(N // 128 or 1, dtype=jnp.int32),
-                     jnp.broadcast_to(jnp.arange(128, dtype=jnp.int32), (N // 128 or 1, 128)))
+    rk = prf.row_key(
+        prf.prefix_key(0, 3, jnp.int32(1)),
+        jnp.arange(N // 128 or 1, dtype=jnp.int32),
+        jnp.broadcast_to(jnp.arange(128, dtype=jnp.int32), (N // 128 or 1, 128)),
+    )
     thr = prf.const64(mask_lib.bernoulli_threshold(0.95))
     col = lambda x, d=jnp.uint32: jnp.broadcast_to(jnp.asarray(x, d).reshape(-1, 1)[:N], (N, 1))  # noqa: E731
-    rows = MaskRows(col(rk.hi), col(rk.lo), col(thr.hi), col(thr.lo), col(0xFFFFFFFF), col(0),
-                    col(mask_lib.constant_gain(0.95), jnp.float32))
+    rows = MaskRows(
+        col(rk.hi),
+        col(rk.lo),
+        col(thr.hi),
+        col(thr.lo),
+        col(0xFFFFFFFF),
+        col(0),
+        col(mask_lib.constant_gain(0.95), jnp.float32),
+    )
     Q = jnp.linalg.qr(jax.random.normal(k[1], (H, r), jnp.float32))[0]
     G = jax.random.normal(k[2], (H, F), jnp.float32)
     E = jax.random.normal(k[3], (H, F), jnp.float32)
     Qg = jax.random.normal(k[4], (F, args.grad_rank), jnp.float32)
     item = dt.itemsize
     cases = [
-        ("prf_mask", lambda x, rw: prf_mask_kernel(x, rw), lambda x, rw: prf_mask_reference(x, rw), (h, rows),
-         2 * N * H * item + N * 7 * 4),
-        ("lowrank", lambda m, q: project_reconstruct(m, q), lambda m, q: lowrank_reference(m, q)[1], (h, Q),
-         2 * N * H * item + H * r * 4),
-        ("powersgd_ef_project", lambda g, e, q: ef_project(g, e, q), ef_project_reference, (G, E, Qg),
-         2 * H * F * 4 + F * args.grad_rank * 4 + H * args.grad_rank * 4),
+        (
+            "prf_mask",
+            lambda x, rw: prf_mask_kernel(x, rw),
+            lambda x, rw: prf_mask_reference(x, rw),
+            (h, rows),
+            2 * N * H * item + N * 7 * 4,
+        ),
+        (
+            "lowrank",
+            lambda m, q: project_reconstruct(m, q),
+            lambda m, q: lowrank_reference(m, q)[1],
+            (h, Q),
+            2 * N * H * item + H * r * 4,
+        ),
+        (
+            "powersgd_ef_project",
+            lambda g, e, q: ef_project(g, e, q),
+            ef_project_reference,
+            (G, E, Qg),
+            2 * H * F * 4 + F * args.grad_rank * 4 + H * args.grad_rank * 4,
+        ),
     ]
     bw = copy_bandwidth(args.iters)
-    print(f"device={jax.devices()[0].device_kind} copy_bandwidth={bw / 1e9:.1f} GB/s dtype={args.dtype} "
-          f"tokens={N} hidden={H} rank={r}")
+    print(
+        f"device={jax.devices()[0].device_kind} copy_bandwidth={bw / 1e9:.1f} GB/s dtype={args.dtype} "
+        f"tokens={N} hidden={H} rank={r}"
+    )
     for name, kern, ref, xs, nbytes in cases:
         tk = _timed(jax.jit(kern), *xs, iters=args.iters)
         tr = _timed(jax.jit(ref), *xs, iters=args.iters)
-        print(f"{name}: kernel_ms={tk * 1e3:.3f} reference_ms={tr * 1e3:.3f} speedup={tr / tk:.2f} "
-              f"kernel_bw={nbytes / tk / 1e9:.1f} GB/s ({nbytes / tk / bw:.0%} of copy) "
-              f"reference_bw={nbytes / tr / 1e9:.1f} GB/s ({nbytes / tr / bw:.0%} of copy)")
+        print(
+            f"{name}: kernel_ms={tk * 1e3:.3f} reference_ms={tr * 1e3:.3f} speedup={tr / tk:.2f} "
+            f"kernel_bw={nbytes / tk / 1e9:.1f} GB/s ({nbytes / tk / bw:.0%} of copy) "
+            f"reference_bw={nbytes / tr / 1e9:.1f} GB/s ({nbytes / tr / bw:.0%} of copy)"
+        )
     return 0
 
 

@@ -3,6 +3,7 @@
 Prints a table; no assertion. Random weights of each config's model shape (base_model is not loaded: the speed of
 generation does not depend on the values). Usage: python scripts/bench_sampler.py [--configs a.yaml b.yaml]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,10 @@ def main() -> int:
             out = sampler.generate(prompts, args.n, sp, seed=r + 1)
             toks += sum(len(t) for t in out.tokens)
         dt = time.perf_counter() - t0
-        print(f"{os.path.basename(path):28}{nparams:>10,}{args.prompts * args.n:>6}{sp.max_new_tokens:>5}"
-              f"{compile_s:>11.1f}{toks / dt:>11.0f}")
+        print(
+            f"{os.path.basename(path):28}{nparams:>10,}{args.prompts * args.n:>6}{sp.max_new_tokens:>5}"
+            f"{compile_s:>11.1f}{toks / dt:>11.0f}"
+        )
     return 0
 
 

@@ -11,6 +11,7 @@ Both sides are per replica (a replica's share of the tokens) and per step (ticks
     dense_bytes=D compressed_bytes=C ratio=R
 Note: XLA:CPU widens bf16 collectives to f32, so bf16 parameters are counted at 4 bytes on both sides.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,12 +29,19 @@ def _setup_devices(n: int):
 def _batch_shapes(cfg):
     import jax
     import jax.numpy as jnp
+
     t, s = cfg.train, cfg.sampler
     B, T = t.mini_batch * s.n, t.max_prompt_len + s.sampling.max_new_tokens
     f = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt)  # noqa: E731
-    b = {"tokens": f((B, T), jnp.int32), "attention_mask": f((B, T), jnp.int32),
-         "response_mask": f((B, T), jnp.float32), "sampler_logp": f((B, T), jnp.float32),
-         "advantages": f((B,), jnp.float32), "sample_id": f((B,), jnp.int32), "old_logp": f((B, T), jnp.float32)}
+    b = {
+        "tokens": f((B, T), jnp.int32),
+        "attention_mask": f((B, T), jnp.int32),
+        "response_mask": f((B, T), jnp.float32),
+        "sampler_logp": f((B, T), jnp.float32),
+        "advantages": f((B,), jnp.float32),
+        "sample_id": f((B,), jnp.int32),
+        "old_logp": f((B, T), jnp.float32),
+    }
     if cfg.grpo.kl_coef > 0:
         b["ref_logp"] = f((B, T), jnp.float32)
     return b
@@ -80,34 +88,51 @@ def _measure(cfg, devices) -> dict:
     rep = pmesh.replicated(mesh)
     if grad_fn is not None:  # PowerSGD's error memory lives split over dp, as in the loop
         from jax.sharding import NamedSharding, PartitionSpec as P
+
         from twocircuit_jax.fast.powersgd import state_specs
+
         ctx_sh = {"step": rep, "codec": {k: jax.tree.map(lambda _: rep, v) for k, v in ctx["codec"].items()}}
         specs = state_specs(ctx["codec"]["powersgd"], pmesh.BATCH_AXES)
-        ctx_sh["codec"]["powersgd"] = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                                                   is_leaf=lambda x: isinstance(x, P))
+        ctx_sh["codec"]["powersgd"] = jax.tree.map(
+            lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
+        )
         out_sh = (state_sh, None)
     else:
         ctx_sh = jax.tree.map(lambda _: rep, ctx)
         out_sh = (state_sh, rep)
-    jitted = jax.jit(step, in_shardings=(state_sh, pmesh.batch_shardings(batch, mesh), ctx_sh),
-                     out_shardings=out_sh, donate_argnums=(0,))
+    jitted = jax.jit(
+        step,
+        in_shardings=(state_sh, pmesh.batch_shardings(batch, mesh), ctx_sh),
+        out_shardings=out_sh,
+        donate_argnums=(0,),
+    )
     hlo = jitted.lower(state, batch, ctx).compile().as_text()
     coll = fbytes.collective_bytes_from_hlo(hlo)
     ticks = cfg.ticks_per_step * cfg.train.ppo_epochs
     from twocircuit_jax.fast.boundaries import boundary_layers
+
     b = boundary_layers(model_cfg.num_layers, cfg.fast.pp_size)
     rows = cfg.train.mini_batch * cfg.sampler.n // pmesh.dp_size(mesh)  # per replica, like the HLO bytes
     tokens = rows * (cfg.train.max_prompt_len + cfg.sampler.sampling.max_new_tokens)
-    act = fbytes.activation_bytes(cfg.fast, tokens=tokens, hidden=model_cfg.hidden_size, boundaries=b) if b \
+    act = (
+        fbytes.activation_bytes(cfg.fast, tokens=tokens, hidden=model_cfg.hidden_size, boundaries=b)
+        if b
         else {"comm/bytes_compressed": 0.0, "comm/bytes_dense": 0.0}
-    return {"collective_bytes": coll["total"] * ticks, "collective_counts": coll["counts"],
-            "act_compressed": act["comm/bytes_compressed"] * ticks, "act_dense": act["comm/bytes_dense"] * ticks,
-            "ticks": ticks, "dp": pmesh.dp_size(mesh)}
+    )
+    return {
+        "collective_bytes": coll["total"] * ticks,
+        "collective_counts": coll["counts"],
+        "act_compressed": act["comm/bytes_compressed"] * ticks,
+        "act_dense": act["comm/bytes_dense"] * ticks,
+        "ticks": ticks,
+        "dp": pmesh.dp_size(mesh),
+    }
 
 
 def dense_twin(cfg):
-    return dataclasses.replace(cfg, fast=dataclasses.replace(cfg.fast, codec="none", grad_codec="none",
-                                                            use_kernel=False))
+    return dataclasses.replace(
+        cfg, fast=dataclasses.replace(cfg.fast, codec="none", grad_codec="none", use_kernel=False)
+    )
 
 
 def main(argv=None) -> int:
@@ -128,16 +153,20 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if len(jax.devices()) < args.devices:
-        print(f"error: --devices {args.devices}, but jax has {len(jax.devices())} (set it before importing jax)",
-              file=sys.stderr)
+        print(
+            f"error: --devices {args.devices}, but jax has {len(jax.devices())} (set it before importing jax)",
+            file=sys.stderr,
+        )
         return 2
     devices = jax.devices()[: args.devices]
     comp = measure(cfg, devices)
     dense = measure(dense_twin(cfg), devices)
     for name, r in (("dense", dense), ("config", comp)):
-        print(f"{name}: dp={r['dp']} ticks/step={r['ticks']} hlo_collective_bytes={r['collective_bytes']:.0f} "
-              f"counts={ {k: v for k, v in r['collective_counts'].items() if v} } "
-              f"boundary_bytes={r['act_compressed']:.0f} (dense-equivalent {r['act_dense']:.0f})")
+        print(
+            f"{name}: dp={r['dp']} ticks/step={r['ticks']} hlo_collective_bytes={r['collective_bytes']:.0f} "
+            f"counts={ {k: v for k, v in r['collective_counts'].items() if v} } "
+            f"boundary_bytes={r['act_compressed']:.0f} (dense-equivalent {r['act_dense']:.0f})"
+        )
     D = dense["collective_bytes"] + dense["act_dense"]
     C = comp["collective_bytes"] + comp["act_compressed"]
     print(f"dense_bytes={D:.0f} compressed_bytes={C:.0f} ratio={C / D:.6f}")

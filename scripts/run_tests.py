@@ -5,6 +5,7 @@ it without bound (one CI run here ended with the pytest process aborting deep in
 alone). Groups of files in separate processes bound that. Every test file is in exactly one group; a group that
 fails (or runs no test) stops the run with its exit code. Extra arguments are passed to every pytest call.
 """
+
 from __future__ import annotations
 
 import glob
@@ -28,14 +29,22 @@ def main(argv: list[str], root: str | None = None) -> int:
     size = -(-len(files) // GROUPS)
     totals = {"passed": 0, "failed": 0, "skipped": 0, "deselected": 0}
     for i in range(0, len(files), size):
-        group = files[i:i + size]
+        group = files[i : i + size]
         print(f"--- pytest group {i // size + 1}: {len(group)} files", flush=True)
         trace = os.path.join(tempfile.mkdtemp(prefix="twocircuit-tests-"), "current")
-        env = {**os.environ, "TWOCIRCUIT_TEST_TRACE": trace,
-               "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "pytest_trace", *argv, *group], cwd=root,
-                              env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        env = {
+            **os.environ,
+            "TWOCIRCUIT_TEST_TRACE": trace,
+            "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])),
+        }
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "pytest_trace", *argv, *group],
+            cwd=root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         sys.stdout.write(proc.stdout)
         sys.stdout.flush()
         tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
@@ -45,8 +54,10 @@ def main(argv: list[str], root: str | None = None) -> int:
             continue
         if proc.returncode < 0:  # killed by a signal: name the test it was in and XLA's last words, at the end
             running = open(trace).read() if os.path.exists(trace) else "(before the first test)"
-            print(f"pytest group {i // size + 1} died of {signal.Signals(-proc.returncode).name} while running "
-                  f"{running}", file=sys.stderr)
+            print(
+                f"pytest group {i // size + 1} died of {signal.Signals(-proc.returncode).name} while running {running}",
+                file=sys.stderr,
+            )
             for line in proc.stdout.splitlines():
                 if "rendezvous.cc" in line and "Termination" in line or line.startswith(("F1", "F0", "Check failed")):
                     print("  " + line[:400], file=sys.stderr)

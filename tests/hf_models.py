@@ -1,5 +1,4 @@
 """Tiny random transformers models built locally (no network) for parity tests."""
-import os
 
 import numpy as np
 
@@ -8,9 +7,20 @@ def make_hf_model(kind: str, out_dir: str, *, tie: bool = False, seed: int = 0, 
     import torch
     import transformers
 
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, rope_theta=12345.0, tie_word_embeddings=tie, eos_token_id=2,
-                  pad_token_id=0, bos_token_id=1)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=12345.0,
+        tie_word_embeddings=tie,
+        eos_token_id=2,
+        pad_token_id=0,
+        bos_token_id=1,
+    )
     if kind == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     elif kind == "qwen3":
@@ -31,5 +41,12 @@ def torch_logits(model, tokens, mask):
 
     pos = np.maximum(np.cumsum(mask, 1) - 1, 0)
     with torch.no_grad():
-        return model(input_ids=torch.tensor(np.asarray(tokens)), attention_mask=torch.tensor(np.asarray(mask)),
-                     position_ids=torch.tensor(pos)).logits.float().numpy()
+        return (
+            model(
+                input_ids=torch.tensor(np.asarray(tokens)),
+                attention_mask=torch.tensor(np.asarray(mask)),
+                position_ids=torch.tensor(pos),
+            )
+            .logits.float()
+            .numpy()
+        )

@@ -7,19 +7,32 @@ import numpy as np
 import pytest
 import yaml
 
-from twocircuit_jax.parallel import dispatch
 from twocircuit_jax.anchor.circuit import AnchorCircuit
 from twocircuit_jax.config import load_config
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.model.qwen2 import init_params
-from twocircuit_jax.parallel import mesh as pmesh
+from twocircuit_jax.parallel import dispatch, mesh as pmesh
 from twocircuit_jax.train.grpo_step import OLD, make_grpo_loss, make_logp_fn
 from twocircuit_jax.train.step import init_state, make_optimizer, make_train_step, state_shardings
 
-MODEL = {"vocab_size": 100, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16,
-         "intermediate_size": 64, "eos_token_id": 2, "pad_token_id": 0, "bos_token_id": 1}
+MODEL = {
+    "vocab_size": 100,
+    "hidden_size": 32,
+    "num_layers": 2,
+    "num_heads": 2,
+    "num_kv_heads": 1,
+    "head_dim": 16,
+    "intermediate_size": 64,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+}
 TINY = {
-    "name": "tiny", "tokenizer": "char", "model": MODEL, "mesh": {"data": -1}, "optim": {"lr": 1e-3},
+    "name": "tiny",
+    "tokenizer": "char",
+    "model": MODEL,
+    "mesh": {"data": -1},
+    "optim": {"lr": 1e-3},
     "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 64, "eval_size": 8},
     "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
     "fast": {"pp_size": 2},
@@ -47,17 +60,23 @@ def tiny():
 
     def batch(seed):
         r = np.random.default_rng(seed)
-        b = {"tokens": r.integers(3, 100, (B, T)).astype(np.int32), "attention_mask": np.ones((B, T), np.int32),
-             "response_mask": np.concatenate([np.zeros((B, T - 4)), np.ones((B, 4))], 1).astype(np.float32),
-             "advantages": r.normal(size=B).astype(np.float32), "sample_id": np.arange(B, dtype=np.int32),
-             "sampler_logp": np.zeros((B, T), np.float32), "old_logp": np.zeros((B, T), np.float32),
-             "ref_logp": -r.uniform(1, 5, (B, T)).astype(np.float32)}
+        b = {
+            "tokens": r.integers(3, 100, (B, T)).astype(np.int32),
+            "attention_mask": np.ones((B, T), np.int32),
+            "response_mask": np.concatenate([np.zeros((B, T - 4)), np.ones((B, 4))], 1).astype(np.float32),
+            "advantages": r.normal(size=B).astype(np.float32),
+            "sample_id": np.arange(B, dtype=np.int32),
+            "sampler_logp": np.zeros((B, T), np.float32),
+            "old_logp": np.zeros((B, T), np.float32),
+            "ref_logp": -r.uniform(1, 5, (B, T)).astype(np.float32),
+        }
         b["ref_logp_dense"] = b["ref_logp"]
         return jax.device_put(b, pmesh.batch_shardings(b, mesh))
 
     def moved(st, gs):  # distinct weights per step, as if the trainer had moved
-        p = jax.tree.map(lambda x: x + 0.01 * gs * jnp.sin(jnp.arange(x.size, dtype=x.dtype).reshape(x.shape) + gs),
-                         st.params)
+        p = jax.tree.map(
+            lambda x: x + 0.01 * gs * jnp.sin(jnp.arange(x.size, dtype=x.dtype).reshape(x.shape) + gs), st.params
+        )
         return st._replace(params=jax.device_put(p, sh.params))
 
     del rng
@@ -84,7 +103,7 @@ def _drive(circ, ctx, state_of, batch, ticks, tps=2, poison_tick=None):
         st = state_of(gs)
         if tau == poison_tick:
             st = st._replace(params=jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), st.params))
-        ctx, m = circ.before_tick(tau, gs, (tau - 1) % tps == 0, batch(tau), st, ctx)
+        ctx, m, _ = circ.before_tick(tau, gs, (tau - 1) % tps == 0, batch(tau), st, ctx)
         out.append(m)
     return ctx, out
 
@@ -100,9 +119,12 @@ def test_fire_is_pure_and_reads_only_snapshots(tiny, projection):
         ctx, _ = _drive(circ, ctx, lambda gs: moved(state, gs), batch, 5)
         live = moved(state, 3)
         before = jax.device_get(live)
-        st4 = live if poison is None else live._replace(params=jax.tree.map(lambda x: jnp.full_like(x, jnp.nan),
-                                                                             live.params))
-        ctx, m = circ.before_tick(6, 3, False, batch(6), st4, ctx)
+        st4 = (
+            live
+            if poison is None
+            else live._replace(params=jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), live.params))
+        )
+        ctx, m, _ = circ.before_tick(6, 3, False, batch(6), st4, ctx)
         assert circ.fires == 3 and "anchor/pg_loss" in m and m["anchor/ratio_mean"] == 1.0
         assert ("rank1/evr" in m) == projection  # window [tick 1, tick 3]: the forecast is in use
         if poison is None:  # the fire neither wrote nor donated the trainer state
@@ -125,7 +147,7 @@ def test_retention_bound_and_delay_over_many_ticks(tiny):
     delays = []
     for tau in range(1, 61):
         gs = (tau - 1) // 2 + 1
-        ctx, _ = circ.before_tick(tau, gs, tau % 2 == 1, batch(tau % 3), moved(state, gs % 4), ctx)
+        ctx, _, _ = circ.before_tick(tau, gs, tau % 2 == 1, batch(tau % 3), moved(state, gs % 4), ctx)
         assert circ.buffer.num_batches <= bound
         assert circ.buffer.num_snapshots <= bound + 1  # plus the current step's (sampler) snapshot
         if tau % 2 == 0:
@@ -193,9 +215,11 @@ def test_disabled_anchor_is_absent_from_ctx(tiny):
     from twocircuit_jax.train.loop import GRPOTrainer
 
     _, _, state, _, _, _, _ = tiny
-    for anchor, keys in (({"enabled": False, "swap_cadence": 0}, {"step"}),
-                         ({"merger": "none", "projection": False, "swap_cadence": 0}, {"step"}),
-                         ({}, {"step", "merger", "anchor_fire", "anchor_merge"})):
+    for anchor, keys in (
+        ({"enabled": False, "swap_cadence": 0}, {"step"}),
+        ({"merger": "none", "projection": False, "swap_cadence": 0}, {"step"}),
+        ({}, {"step", "merger", "anchor_fire", "anchor_merge"}),
+    ):
         t = GRPOTrainer.__new__(GRPOTrainer)
         t.cfg = _cfg(**anchor)
         t.model_cfg, t.state, t.codec, t.anchor, t.ref_params = t.cfg.model, state, None, None, state.params
@@ -204,15 +228,18 @@ def test_disabled_anchor_is_absent_from_ctx(tiny):
         assert set(t.ctx) == keys and (t.anchor is None) == (not t.cfg.anchor.enabled)
 
 
-@pytest.mark.parametrize("sets, field", [
-    (["anchor.merger=none"], "anchor.projection"),
-    (["anchor.replay_paired_batch=false"], "anchor.projection"),
-    (["anchor.cadence=3", "anchor.merger_cadence=2"], "anchor.cadence"),
-    (['anchor.owns_q=true'], "anchor.owns_q"),
-    (["anchor.enabled=false"], "anchor.swap_cadence"),
-    (["anchor.swap_alpha=1.5"], "anchor.swap_alpha"),
-    (["anchor.swap_beta1=1.0"], "anchor.swap_beta1"),
-])
+@pytest.mark.parametrize(
+    "sets, field",
+    [
+        (["anchor.merger=none"], "anchor.projection"),
+        (["anchor.replay_paired_batch=false"], "anchor.projection"),
+        (["anchor.cadence=3", "anchor.merger_cadence=2"], "anchor.cadence"),
+        (["anchor.owns_q=true"], "anchor.owns_q"),
+        (["anchor.enabled=false"], "anchor.swap_cadence"),
+        (["anchor.swap_alpha=1.5"], "anchor.swap_alpha"),
+        (["anchor.swap_beta1=1.0"], "anchor.swap_beta1"),
+    ],
+)
 def test_cross_circuit_rules_name_the_field(tmp_path, sets, field):
     p = tmp_path / "c.yaml"
     p.write_text(yaml.safe_dump(TINY))

@@ -1,37 +1,53 @@
 """The anchor is a dense participant (SPEC §4.3): with the mask codec on, its KL term is the dense probe's
 `kl/ref_dense` on the same batch (not KL(dense ‖ codec-view reference)), and its TIS weights compare its own dense
 log-probs with the sampler's, so they are 1 when trainer and sampler are the same dense model."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from twocircuit_jax.parallel import dispatch
 from twocircuit_jax.anchor.circuit import AnchorCircuit
 from twocircuit_jax.config import load_config
 from twocircuit_jax.fast.circuit import FastCircuit
 from twocircuit_jax.grpo.tis import tis_weights
 from twocircuit_jax.metrics.probe import dense_probe_metrics
 from twocircuit_jax.model.qwen2 import init_params
-from twocircuit_jax.parallel import mesh as pmesh
+from twocircuit_jax.parallel import dispatch, mesh as pmesh
 from twocircuit_jax.train.grpo_step import DENSE, OLD, REF, make_logp_fn
 from twocircuit_jax.train.step import init_state, make_optimizer, state_shardings
 
-MODEL = {"vocab_size": 100, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16,
-         "intermediate_size": 64, "eos_token_id": 2, "pad_token_id": 0, "bos_token_id": 1}
+MODEL = {
+    "vocab_size": 100,
+    "hidden_size": 32,
+    "num_layers": 2,
+    "num_heads": 2,
+    "num_kv_heads": 1,
+    "head_dim": 16,
+    "intermediate_size": 64,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+}
 B, T, NEW = 8, 12, 4
 
 
 @pytest.fixture(scope="module")
 def fired():
-    cfg = load_config(data={
-        "name": "dense_view", "tokenizer": "char", "model": MODEL, "mesh": {"data": -1},
-        "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 64, "eval_size": 8},
-        "sampler": {"n": 4, "sampling": {"max_new_tokens": NEW}},
-        "grpo": {"kl_coef": 0.01, "tis": "token", "tis_cap": 2.0},
-        "fast": {"codec": "prf_mask", "pp_size": 2, "p": 0.9},
-        "anchor": {"enabled": True, "cadence": 2, "delay": 2, "window": 2, "projection": False},
-        "train": {"steps": 2, "train_batch": 4, "mini_batch": 2, "eval_every": 0, "max_prompt_len": T - NEW}})
+    cfg = load_config(
+        data={
+            "name": "dense_view",
+            "tokenizer": "char",
+            "model": MODEL,
+            "mesh": {"data": -1},
+            "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 64, "eval_size": 8},
+            "sampler": {"n": 4, "sampling": {"max_new_tokens": NEW}},
+            "grpo": {"kl_coef": 0.01, "tis": "token", "tis_cap": 2.0},
+            "fast": {"codec": "prf_mask", "pp_size": 2, "p": 0.9},
+            "anchor": {"enabled": True, "cadence": 2, "delay": 2, "window": 2, "projection": False},
+            "train": {"steps": 2, "train_batch": 4, "mini_batch": 2, "eval_every": 0, "max_prompt_len": T - NEW},
+        }
+    )
     mesh = pmesh.make_mesh(cfg.mesh)
     ref = init_params(cfg.model, jax.random.PRNGKey(0), std=0.3)
     theta = jax.tree.map(lambda x: x + 0.05 * jnp.cos(jnp.arange(x.size, dtype=x.dtype).reshape(x.shape)), ref)
@@ -41,9 +57,13 @@ def fired():
     codec = FastCircuit(cfg, cfg.model, mesh)
     ctx = {"step": jnp.asarray(1, jnp.int32), "codec": codec.init_state(theta)}
     r = np.random.default_rng(0)
-    b = {"tokens": r.integers(3, 100, (B, T)).astype(np.int32), "attention_mask": np.ones((B, T), np.int32),
-         "response_mask": np.concatenate([np.zeros((B, T - NEW)), np.ones((B, NEW))], 1).astype(np.float32),
-         "advantages": r.normal(size=B).astype(np.float32), "sample_id": np.arange(B, dtype=np.int32)}
+    b = {
+        "tokens": r.integers(3, 100, (B, T)).astype(np.int32),
+        "attention_mask": np.ones((B, T), np.int32),
+        "response_mask": np.concatenate([np.zeros((B, T - NEW)), np.ones((B, NEW))], 1).astype(np.float32),
+        "advantages": r.normal(size=B).astype(np.float32),
+        "sample_id": np.arange(B, dtype=np.int32),
+    }
     b = jax.device_put(b, pmesh.batch_shardings(b, mesh))
     # What the loop puts in the batch: codec-view ℓ_old and ℓ_ref, the sampler's dense ℓ_s (here: the same dense
     # model as the trainer), and the fast circuit's TIS weights exp(ℓ_old(codec) − ℓ_s).
@@ -53,12 +73,19 @@ def fired():
     b["ref_logp_dense"] = dense(ref, b, ctx)[0]  # what the loop adds when the anchor is on
     b["sampler_logp"] = dense(state.params, b, ctx)[0]
     b["is_weight"] = tis_weights(b["old_logp"], b["sampler_logp"], b["response_mask"], "token", 2.0)[0]
-    anchor = AnchorCircuit(cfg, cfg.model, state.params, codec=codec)
+    anchor = AnchorCircuit(cfg, cfg.model, state.params)  # a mask codec: the anchor owns no basis
     ctx.update(anchor.init_ctx())
     for tau in (1, 2):  # the same weights and batch on every tick: whichever pair the fire replays is (θ, b)
-        ctx, m = anchor.before_tick(tau, 1, tau == 1, b, state, ctx)
-    probe = dense_probe_metrics(dense(state.params, b, ctx)[0], dense(ref, b, ctx)[0], b["old_logp"], b["ref_logp"],
-                                b["sampler_logp"], b["response_mask"], cfg.grpo.kl_estimator)
+        ctx, m, _ = anchor.before_tick(tau, 1, tau == 1, b, state, ctx)
+    probe = dense_probe_metrics(
+        dense(state.params, b, ctx)[0],
+        dense(ref, b, ctx)[0],
+        b["old_logp"],
+        b["ref_logp"],
+        b["sampler_logp"],
+        b["response_mask"],
+        cfg.grpo.kl_estimator,
+    )
     return m, probe
 
 

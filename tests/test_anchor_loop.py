@@ -1,16 +1,17 @@
 """The anchor circuit through `twocircuit train`: fire markers and counters in metrics.jsonl, merger corrections,
 delayed pairing after warm-up, swaps that keep the optimizer shardings and never recompile the train step."""
+
 import json
 
 import jax
 import numpy as np
 import pytest
 import yaml
-
 from tiny_run import tiny_config
 
-TINY = tiny_config(name="tiny", anchor={"enabled": True, "cadence": 4, "delay": 4, "window": 2, "swap_cadence": 2},
-                   train={"steps": 6})
+TINY = tiny_config(
+    name="tiny", anchor={"enabled": True, "cadence": 4, "delay": 4, "window": 2, "swap_cadence": 2}, train={"steps": 6}
+)
 
 
 @pytest.fixture(scope="module")

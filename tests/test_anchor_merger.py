@@ -1,4 +1,5 @@
 """Merger algebra (SPEC §4.4, §8.6): every rule against a hand-computed numpy result."""
+
 from dataclasses import replace
 
 import jax
@@ -13,10 +14,16 @@ from twocircuit_jax.config.sections import AnchorConfig
 def _params(seed=0):
     r = np.random.default_rng(seed)
     f = lambda *s: jnp.asarray(r.normal(size=s), jnp.float32)  # noqa: E731
-    return {"embed": f(5, 3), "final_norm": f(3),
-            "layers": {"q_proj": {"kernel": f(2, 3, 4), "bias": f(2, 4)}, "down_proj": {"kernel": f(2, 4, 3)},
-                       "input_norm": f(2, 3)},
-            "step_ids": jnp.arange(3, dtype=jnp.int32)}
+    return {
+        "embed": f(5, 3),
+        "final_norm": f(3),
+        "layers": {
+            "q_proj": {"kernel": f(2, 3, 4), "bias": f(2, 4)},
+            "down_proj": {"kernel": f(2, 4, 3)},
+            "input_norm": f(2, 3),
+        },
+        "step_ids": jnp.arange(3, dtype=jnp.int32),
+    }
 
 
 def _np(tree):
@@ -82,7 +89,9 @@ def test_signed_ema_and_cold_guard():
     ga_cold["layers"]["down_proj"]["kernel"] = jnp.zeros_like(ga["layers"]["down_proj"]["kernel"])
     st = _fire(cfg, init_merger(p, cfg), ga_cold)
     g3, st3, _ = merge(st, g, cfg, False)
-    assert np.array_equal(np.asarray(g3["layers"]["down_proj"]["kernel"]), np.asarray(g["layers"]["down_proj"]["kernel"]))
+    assert np.array_equal(
+        np.asarray(g3["layers"]["down_proj"]["kernel"]), np.asarray(g["layers"]["down_proj"]["kernel"])
+    )
     np.testing.assert_allclose(np.asarray(g3["layers"]["q_proj"]["kernel"]), want, rtol=1e-6)
     assert int(st3.cold_m_fallbacks) == 1
 
@@ -106,7 +115,7 @@ def test_signed_gate_omega_and_decay():
         for k, gl in tg(g).items():
             gn = np.asarray(gl)
             signed = 0.25 * gn + 0.75 * np.abs(gn) * np.sign(m[k])
-            w = 1.0 if fire else omega * 0.75 ** age
+            w = 1.0 if fire else omega * 0.75**age
             np.testing.assert_allclose(np.asarray(tg(g2)[k]), (1 - w) * gn + w * signed, rtol=1e-5, atol=1e-6)
 
 

@@ -1,14 +1,20 @@
 """The anchor-owned low-rank basis (anchor.owns_q auto with fast.codec lowrank): only fires refresh Q."""
+
 import json
 
 import yaml
+from tiny_run import tiny_config
 
 from twocircuit_jax.cli import main
 from twocircuit_jax.config import load_config
-from tiny_run import tiny_config
 
-CFG = tiny_config(optim={"lr": 3e-3}, model={"num_layers": 4}, fast={"codec": "lowrank", "rank": 3},
-                  anchor={"enabled": True, "cadence": 4, "delay": 4, "window": 2}, train={"steps": 5})
+CFG = tiny_config(
+    optim={"lr": 3e-3},
+    model={"num_layers": 4},
+    fast={"codec": "lowrank", "rank": 3},
+    anchor={"enabled": True, "cadence": 4, "delay": 4, "window": 2},
+    train={"steps": 5},
+)
 
 
 def test_only_fires_publish_a_basis(tmp_path, monkeypatch):

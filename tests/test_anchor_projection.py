@@ -1,4 +1,5 @@
 """Rank-1 weight projection (SPEC §4.5, §8.6) and the snapshot history policy."""
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -9,11 +10,17 @@ from twocircuit_jax.anchor.projection import SnapshotWindow, rank1_forecast
 
 def _linear(ticks, seed=0, shape=(6, 5)):
     r = np.random.default_rng(seed)
-    base = {"a": r.normal(size=shape).astype(np.float32), "b": r.normal(size=(7,)).astype(np.float32),
-            "ids": np.arange(4, dtype=np.int32)}
+    base = {
+        "a": r.normal(size=shape).astype(np.float32),
+        "b": r.normal(size=(7,)).astype(np.float32),
+        "ids": np.arange(4, dtype=np.int32),
+    }
     vel = {"a": r.normal(size=shape).astype(np.float32), "b": r.normal(size=(7,)).astype(np.float32)}
-    snap = lambda t: {"a": base["a"] + np.float32(t) * vel["a"], "b": base["b"] + np.float32(t) * vel["b"],  # noqa
-                      "ids": base["ids"]}
+    snap = lambda t: {
+        "a": base["a"] + np.float32(t) * vel["a"],
+        "b": base["b"] + np.float32(t) * vel["b"],  # noqa
+        "ids": base["ids"],
+    }
     return [snap(t) for t in ticks], snap
 
 

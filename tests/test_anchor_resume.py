@@ -1,18 +1,22 @@
 """A compressed run with the anchor on, killed and resumed, repeats the uninterrupted run step for step."""
+
 import json
 
 import pytest
 import yaml
-
-from twocircuit_jax.cli import main
 from tiny_run import tiny_config
 
+from twocircuit_jax.cli import main
+
 CFG = tiny_config(
-    optim={"lr": 3e-3}, model={"num_layers": 4}, fast={"codec": "lowrank", "rank": 3},
+    optim={"lr": 3e-3},
+    model={"num_layers": 4},
+    fast={"codec": "lowrank", "rank": 3},
     grpo={"format_penalty": -1.0},  # reward variance on a random model, so the updates are not all zero
     # delay < cadence: the batch a fire needs was retained before the interruption, so it must be checkpointed
     anchor={"enabled": True, "cadence": 4, "delay": 2, "window": 2, "swap_cadence": 2},
-    train={"steps": 6, "checkpoint_every": 1})
+    train={"steps": 6, "checkpoint_every": 1},
+)
 
 
 def _rows(run):

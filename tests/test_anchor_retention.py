@@ -1,4 +1,5 @@
 """Delayed pairing and retention (SPEC §4.2, §8.4): bound, exact delays, canary."""
+
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -9,9 +10,14 @@ from twocircuit_jax.anchor.retention import CanaryMismatchError, ReplayBuffer, R
 
 def _params(tick):
     """Live weights whose values name the tick they belong to (so the test can check which snapshot came back)."""
-    return {"layers": {"q_proj": {"kernel": np.full((2, 3, 4), tick, np.float32)},
-                       "down_proj": {"kernel": np.full((2, 4, 3), -tick, np.float32)}},
-            "final_norm": np.full((3,), 0.5 * tick, np.float32), "ids": np.arange(3, dtype=np.int32)}
+    return {
+        "layers": {
+            "q_proj": {"kernel": np.full((2, 3, 4), tick, np.float32)},
+            "down_proj": {"kernel": np.full((2, 4, 3), -tick, np.float32)},
+        },
+        "final_norm": np.full((3,), 0.5 * tick, np.float32),
+        "ids": np.arange(3, dtype=np.int32),
+    }
 
 
 def _run(cadence, delay, tps, ticks=200):

@@ -1,4 +1,5 @@
 """Optimizer-state swap purity (SPEC §4.6, §8.5), including sharded optax states on the 8-device fake mesh."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,15 +8,17 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from twocircuit_jax.anchor.merger import select_targets
-from twocircuit_jax.anchor.swap import (AnchorMoments, init_anchor_moments, swap_optimizer_moments,
-                                        update_anchor_moments)
+from twocircuit_jax.anchor.swap import AnchorMoments, init_anchor_moments, swap_optimizer_moments, update_anchor_moments
 
 
 def _params(seed=0):
     r = np.random.default_rng(seed)
     f = lambda *s: jnp.asarray(r.normal(size=s), jnp.float32)  # noqa: E731
-    return {"embed": f(8, 16), "final_norm": f(16),
-            "layers": {"q_proj": {"kernel": f(2, 8, 16), "bias": f(2, 16)}, "up_proj": {"kernel": f(2, 8, 16)}}}
+    return {
+        "embed": f(8, 16),
+        "final_norm": f(16),
+        "layers": {"q_proj": {"kernel": f(2, 8, 16), "bias": f(2, 16)}, "up_proj": {"kernel": f(2, 8, 16)}},
+    }
 
 
 def _adam_state(opt, params, seed=1):
@@ -26,8 +29,11 @@ def _adam_state(opt, params, seed=1):
 
 
 def _find_adam(state):
-    found = [x for x in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
-             if isinstance(x, optax.ScaleByAdamState)]
+    found = [
+        x
+        for x in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+        if isinstance(x, optax.ScaleByAdamState)
+    ]
     assert len(found) == 1
     return found[0]
 
@@ -41,8 +47,10 @@ def _fired_moments(params, scope="all", n=2):
 
 def _bits_equal(a, b):
     la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-    return len(la) == len(lb) and all(np.array_equal(np.atleast_1d(np.asarray(x)).view(np.uint8), np.atleast_1d(np.asarray(y)).view(np.uint8))
-                                      for x, y in zip(la, lb))
+    return len(la) == len(lb) and all(
+        np.array_equal(np.atleast_1d(np.asarray(x)).view(np.uint8), np.atleast_1d(np.asarray(y)).view(np.uint8))
+        for x, y in zip(la, lb)
+    )
 
 
 def test_anchor_moment_update_formula():
@@ -94,10 +102,12 @@ def test_partial_blend_formula_and_no_scale_match():
     a0, a1 = _find_adam(st), _find_adam(new)
     k = "layers/q_proj/kernel"
     mu0, nu0 = np.asarray(a0.mu["layers"]["q_proj"]["kernel"]), np.asarray(a0.nu["layers"]["q_proj"]["kernel"])
-    np.testing.assert_allclose(np.asarray(a1.mu["layers"]["q_proj"]["kernel"]),
-                               0.75 * mu0 + 0.25 * np.asarray(mom.m[k]), rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(a1.nu["layers"]["q_proj"]["kernel"]),
-                               0.75 * nu0 + 0.25 * np.asarray(mom.v[k]), rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(a1.mu["layers"]["q_proj"]["kernel"]), 0.75 * mu0 + 0.25 * np.asarray(mom.m[k]), rtol=1e-5
+    )
+    np.testing.assert_allclose(
+        np.asarray(a1.nu["layers"]["q_proj"]["kernel"]), 0.75 * nu0 + 0.25 * np.asarray(mom.v[k]), rtol=1e-5
+    )
     # Decoder scope: the embedding's moments are not targets and stay bit-identical.
     assert _bits_equal(a0.mu["embed"], a1.mu["embed"]) and _bits_equal(a0.nu["embed"], a1.nu["embed"])
 
@@ -161,7 +171,7 @@ def test_sharded_state_keeps_shardings_and_no_recompile(anchor_sharded):
         return swap_optimizer_moments(s, m, alpha=alpha)
 
     f = jax.jit(fn)
-    out0, met0 = f(st, mom0, 1.0)   # before the first fire: identity
+    out0, met0 = f(st, mom0, 1.0)  # before the first fire: identity
     out1, met1 = f(out0, mom1, 1.0)  # after a fire: applied, same compiled program
     out2, _ = f(out1, mom1, 0.5)
     assert len(traces) == 1 and f._cache_size() == 1
@@ -173,8 +183,9 @@ def test_sharded_state_keeps_shardings_and_no_recompile(anchor_sharded):
     a_old, a_new = _find_adam(st), _find_adam(out1)
     mu = np.asarray(a_old.mu["layers"]["up_proj"]["kernel"])
     rho = np.linalg.norm(mu) / np.linalg.norm(np.asarray(mom1.m[k]))
-    np.testing.assert_allclose(np.asarray(a_new.mu["layers"]["up_proj"]["kernel"]), rho * np.asarray(mom1.m[k]),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(a_new.mu["layers"]["up_proj"]["kernel"]), rho * np.asarray(mom1.m[k]), rtol=1e-5
+    )
 
 
 def test_moments_type_is_a_namedtuple_pytree():

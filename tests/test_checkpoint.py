@@ -1,4 +1,5 @@
 """Checkpoint manager: sharded bit-exact round trip, commit protocol, best-keeping, retention."""
+
 import json
 import os
 import shutil
@@ -22,9 +23,16 @@ def _state(seed=0):
         "b": jnp.asarray(rng.normal(size=3), jnp.float32),
     }
     opt = optax.adamw(1e-3).init(params)
-    return {"params": params, "opt": opt, "key": jax.random.PRNGKey(seed),
-            "codec": {"basis": jax.device_put(jnp.asarray(rng.normal(size=(8, 2)), jnp.float32),
-                                              NamedSharding(mesh, P("dp", None)))}}
+    return {
+        "params": params,
+        "opt": opt,
+        "key": jax.random.PRNGKey(seed),
+        "codec": {
+            "basis": jax.device_put(
+                jnp.asarray(rng.normal(size=(8, 2)), jnp.float32), NamedSharding(mesh, P("dp", None))
+            )
+        },
+    }
 
 
 def _leaves(t):
@@ -65,7 +73,7 @@ def test_half_written_checkpoints_are_ignored_and_cleaned(tmp_path):
     assert cm.latest() == 1
     with pytest.raises(FileNotFoundError):
         cm.restore(2, state)
-    cm2 = CheckpointManager(tmp_path)          # a restarted run cleans the debris
+    cm2 = CheckpointManager(tmp_path)  # a restarted run cleans the debris
     assert cm2.latest() == 1
     assert sorted(os.listdir(tmp_path)) == ["step_00000001"]
 
@@ -77,7 +85,7 @@ def test_retention_keeps_last_n(tmp_path):
         cm.save(s, state, {"s": s})
     assert cm.steps() == [30, 40] and cm.latest() == 40
     assert cm.restore(30, state)[1] == {"s": 30}
-    cm.save(40, state, {"s": "again"})         # re-saving a step (after a resume) replaces it
+    cm.save(40, state, {"s": "again"})  # re-saving a step (after a resume) replaces it
     assert cm.steps() == [30, 40] and cm.restore(40, state)[1] == {"s": "again"}
 
 
@@ -86,11 +94,11 @@ def test_best_kept_only_on_strictly_better_score(tmp_path):
     s1, s2 = _state(1), _state(2)
     assert cm.best_score() is None
     assert cm.save_best(3, s1, {"step": 3}, 0.4)
-    assert not cm.save_best(4, s2, {"step": 4}, 0.3)     # worse
-    assert not cm.save_best(5, s2, {"step": 5}, 0.4)     # equal is not better
+    assert not cm.save_best(4, s2, {"step": 4}, 0.3)  # worse
+    assert not cm.save_best(5, s2, {"step": 5}, 0.4)  # equal is not better
     assert not cm.save_best(6, s2, {"step": 6}, float("nan"))
     for s in (4, 5, 6):
-        cm.save(s, s2, {})                                # retention never touches best
+        cm.save(s, s2, {})  # retention never touches best
     got, meta = cm.restore_best(s1)
     assert meta == {"step": 3} and cm.best_score() == 0.4
     assert np.asarray(got["params"]["w"]).tobytes() == np.asarray(s1["params"]["w"]).tobytes()
@@ -105,6 +113,6 @@ def test_best_kept_only_on_strictly_better_score(tmp_path):
 def test_crash_while_replacing_best_restores_old_best(tmp_path):
     cm = CheckpointManager(tmp_path)
     cm.save_best(1, _state(1), {"step": 1}, 0.2)
-    os.rename(tmp_path / "best", tmp_path / ".tmp-old-best-deadbeef")   # crash between the two renames
+    os.rename(tmp_path / "best", tmp_path / ".tmp-old-best-deadbeef")  # crash between the two renames
     assert CheckpointManager(tmp_path).best_score() == 0.2
     assert sorted(os.listdir(tmp_path)) == ["best"]

@@ -1,5 +1,6 @@
 """scripts/comm_bytes.py in-process on configs/tiny.yaml (8 fake devices from conftest): the final line, ratio = 1
 for codec none and < 1 for a codec; PowerSGD's measured HLO gradient bytes against the §3.6 formula."""
+
 import importlib.util
 import os
 import re
@@ -20,8 +21,20 @@ def compiles_in_time():
 
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     try:
-        subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "comm_bytes.py"), "--config", TINY,
-                        "--set", "fast.codec=none"], env=env, capture_output=True, timeout=240, check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                os.path.join(ROOT, "scripts", "comm_bytes.py"),
+                "--config",
+                TINY,
+                "--set",
+                "fast.codec=none",
+            ],
+            env=env,
+            capture_output=True,
+            timeout=240,
+            check=True,
+        )
     except subprocess.TimeoutExpired:
         pytest.skip("XLA's CPU compile of configs/tiny.yaml's 8-device train step did not finish in 240 s here")
 

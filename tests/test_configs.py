@@ -1,4 +1,5 @@
 """Every shipped YAML parses into a valid RunConfig; overrides and errors name the field."""
+
 import glob
 import os
 
@@ -7,7 +8,9 @@ import pytest
 from twocircuit_jax.config import ConfigError, load_config, parse_set, save_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHIPPED = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")) + glob.glob(os.path.join(ROOT, "configs", "shapes", "*.yaml")))
+SHIPPED = sorted(
+    glob.glob(os.path.join(ROOT, "configs", "*.yaml")) + glob.glob(os.path.join(ROOT, "configs", "shapes", "*.yaml"))
+)
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[os.path.relpath(p, ROOT) for p in SHIPPED])

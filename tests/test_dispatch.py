@@ -5,6 +5,7 @@ back to back deadlock the pool within a few rounds under plain `jax.jit`, and XL
 The interleaving check runs in a subprocess with that default pool (the test session itself runs with a larger one,
 see conftest.py).
 """
+
 import os
 import subprocess
 import sys

@@ -1,10 +1,10 @@
 """Low-rank bootstrap: one dense sketch pass before the first compressed forward publishes Q1."""
+
 import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 import yaml
 
 from twocircuit_jax.cli import main
@@ -17,8 +17,15 @@ from twocircuit_jax.parallel import make_mesh
 
 TINY = {
     "tokenizer": "char",
-    "model": {"vocab_size": 100, "hidden_size": 32, "num_layers": 4, "num_heads": 2, "num_kv_heads": 1,
-              "head_dim": 16, "intermediate_size": 64},
+    "model": {
+        "vocab_size": 100,
+        "hidden_size": 32,
+        "num_layers": 4,
+        "num_heads": 2,
+        "num_kv_heads": 1,
+        "head_dim": 16,
+        "intermediate_size": 64,
+    },
     "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 32, "eval_size": 8},
     "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
     "fast": {"codec": "lowrank", "rank": 3, "pp_size": 2},
@@ -33,14 +40,17 @@ def test_bootstrap_publishes_the_power_iteration_of_a_dense_sketch():
     st0 = fc.init_state()
     params = init_params(cfg.model, jax.random.key(1), std=0.2)
     rng = np.random.default_rng(0)
-    batch = {"tokens": jnp.asarray(rng.integers(3, 100, (4, 10)), jnp.int32),
-             "attention_mask": jnp.asarray(np.pad(np.ones((4, 8)), ((0, 0), (2, 0))), jnp.int32)}
+    batch = {
+        "tokens": jnp.asarray(rng.integers(3, 100, (4, 10)), jnp.int32),
+        "attention_mask": jnp.asarray(np.pad(np.ones((4, 8)), ((0, 0), (2, 0))), jnp.int32),
+    }
     st1, m = fc.bootstrap(st0, params, batch)
     assert m == {"codec/bootstrapped": 1}
     # the same thing by hand: dense forward, sketch against Q0, one power-iteration step
     hook, layers = fc.sketch_hook(st0, batch["attention_mask"])
-    _, aux = forward_with_aux(cfg.model, params, batch["tokens"], batch["attention_mask"], hook=hook,
-                              hook_layers=layers)
+    _, aux = forward_with_aux(
+        cfg.model, params, batch["tokens"], batch["attention_mask"], hook=hook, hook_layers=layers
+    )
     ref = lr.activate_staged(lr.refresh_basis(lr.accumulate_sketch(st0["lowrank"], aux), cfg.fast))
     for b in fc.boundaries:
         np.testing.assert_allclose(np.asarray(st1["lowrank"].Q[b]), np.asarray(ref.Q[b]), atol=1e-6)
@@ -55,8 +65,10 @@ def test_bootstrapped_basis_reconstructs_better_at_the_first_step(tmp_path):
         p = tmp_path / f"{flag}.yaml"
         p.write_text(yaml.safe_dump(TINY))
         run = tmp_path / flag
-        assert main(["train", "--config", str(p), "--out", str(run), "--no-progress",
-                     "--set", f"fast.bootstrap={flag}"]) == 0
+        assert (
+            main(["train", "--config", str(p), "--out", str(run), "--no-progress", "--set", f"fast.bootstrap={flag}"])
+            == 0
+        )
         r = [json.loads(l) for l in open(run / "metrics.jsonl")][1]
         assert ("codec/bootstrapped" in r) == (flag == "true")
         errs[flag] = r["codec/old_logprob/recon_rel_err"]

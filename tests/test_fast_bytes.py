@@ -1,4 +1,5 @@
 """Byte accounting (SPEC §3.6, §8 invariant 9): formulas, and the formulas vs collective bytes in compiled HLO."""
+
 import dataclasses
 
 import jax
@@ -6,15 +7,24 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from twocircuit_jax.parallel import dispatch
 from twocircuit_jax.config.sections import FastConfig
-from twocircuit_jax.fast.bytes import (activation_bytes, collective_bytes_from_hlo, combine, exact_k,
-                                       grad_allreduce_bytes, powersgd_plain_bytes)
+from twocircuit_jax.fast.bytes import (
+    activation_bytes,
+    collective_bytes_from_hlo,
+    combine,
+    exact_k,
+    grad_allreduce_bytes,
+    powersgd_plain_bytes,
+)
 from twocircuit_jax.fast.powersgd import init_powersgd, powersgd_reduce, state_specs
+from twocircuit_jax.parallel import dispatch
 
 R = 8
-PARAMS = {"embed": jnp.zeros((12, 8)), "layers": {"w": jnp.zeros((2, 24, 16)), "b": jnp.zeros((2, 16))},
-          "head": jnp.zeros((20, 18))}
+PARAMS = {
+    "embed": jnp.zeros((12, 8)),
+    "layers": {"w": jnp.zeros((2, 24, 16)), "b": jnp.zeros((2, 16))},
+    "head": jnp.zeros((20, 18)),
+}
 
 
 def _mesh(name):
@@ -54,7 +64,9 @@ def test_grad_formulas():
     assert d["comm/bytes_compressed"] == 4 * (2 * 40 * 2 + 38 * 2 + 12 * 8 + 2 * 16 + 1)
     off = grad_allreduce_bytes(PARAMS, dataclasses.replace(cfg, grad_codec="none"))
     assert off["comm/bytes_compressed"] == dense and off["comm/bytes_ratio"] == 1.0
-    bf = grad_allreduce_bytes(jax.tree.map(lambda x: x.astype(jnp.bfloat16), PARAMS), dataclasses.replace(cfg, grad_codec="none"))
+    bf = grad_allreduce_bytes(
+        jax.tree.map(lambda x: x.astype(jnp.bfloat16), PARAMS), dataclasses.replace(cfg, grad_codec="none")
+    )
     assert bf["comm/bytes_dense"] == dense / 2
 
 
@@ -68,8 +80,14 @@ def test_powersgd_formula_matches_hlo():
         cfg = FastConfig(grad_codec="powersgd", grad_rank=2, start_after=start_after)
         st = init_powersgd(cfg, PARAMS, R)
         specs = state_specs(st, "data")
-        f = dispatch.jit(jax.shard_map(lambda g, s: powersgd_reduce(jax.tree.map(lambda x: x[0], g), s, cfg, "data"),
-                                  mesh=_mesh("data"), in_specs=(P("data"), specs), out_specs=(P(), specs, P())))
+        f = dispatch.jit(
+            jax.shard_map(
+                lambda g, s: powersgd_reduce(jax.tree.map(lambda x: x[0], g), s, cfg, "data"),
+                mesh=_mesh("data"),
+                in_specs=(P("data"), specs),
+                out_specs=(P(), specs, P()),
+            )
+        )
         got = collective_bytes_from_hlo(f.lower(_grads(), st).compile().as_text())
         want = grad_allreduce_bytes(PARAMS, cfg)["comm/bytes_compressed"]
         if start_after == 0:
@@ -77,8 +95,14 @@ def test_powersgd_formula_matches_hlo():
         else:  # lax.cond: both branches are compiled, so HLO holds the compressed and the plain collectives
             assert got["total"] == want + powersgd_plain_bytes(PARAMS), got
     # Dense reference: a plain pmean of the gradient tree moves exactly bytes_dense.
-    dense = dispatch.jit(jax.shard_map(lambda g: jax.lax.pmean(jax.tree.map(lambda x: x[0], g), "data"),
-                                  mesh=_mesh("data"), in_specs=P("data"), out_specs=P()))
+    dense = dispatch.jit(
+        jax.shard_map(
+            lambda g: jax.lax.pmean(jax.tree.map(lambda x: x[0], g), "data"),
+            mesh=_mesh("data"),
+            in_specs=P("data"),
+            out_specs=P(),
+        )
+    )
     got = collective_bytes_from_hlo(dense.lower(_grads()).compile().as_text())
     assert got["total"] == grad_allreduce_bytes(PARAMS, cfg)["comm/bytes_dense"]
 
@@ -132,8 +156,15 @@ def test_bytes_count_the_channels_the_mask_keeps_on_half_cases():
 
     for p, H in ((0.75, 10), (0.95, 30), (0.875, 4), (0.95, 1536)):
         cfg = FastConfig(codec="prf_mask", p=p, exact_k=True)
-        bits = mask_bits(cfg, [0], 0, jnp.int32(1), jnp.arange(2, dtype=jnp.int32),
-                         jnp.tile(jnp.arange(5, dtype=jnp.int32), (2, 1)), H)
+        bits = mask_bits(
+            cfg,
+            [0],
+            0,
+            jnp.int32(1),
+            jnp.arange(2, dtype=jnp.int32),
+            jnp.tile(jnp.arange(5, dtype=jnp.int32), (2, 1)),
+            H,
+        )
         kept = np.asarray(bits).reshape(-1, H).sum(-1)
         assert len(set(kept.tolist())) == 1, kept
         m = activation_bytes(cfg, tokens=1, hidden=H, boundaries=[0])

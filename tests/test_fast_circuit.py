@@ -1,6 +1,5 @@
 """FastCircuit wiring (SPEC §2, §3.1, §3.6): boundaries, tags, bad configs, kernel refusal, mask identity across
 paths, the low-rank basis life cycle, per-step byte metrics against fast/bytes.py."""
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -10,17 +9,25 @@ import pytest
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.config.run import load_config
 from twocircuit_jax.fast import bytes as fbytes
-from twocircuit_jax.fast import lowrank as lr
 from twocircuit_jax.fast.boundaries import boundary_layers
 from twocircuit_jax.fast.circuit import DENSE, OLD, REF, TRAIN, FastCircuit
 from twocircuit_jax.model.qwen2 import default_positions, init_params
 from twocircuit_jax.parallel.mesh import make_mesh
 
-TINY = {"model": {"vocab_size": 100, "hidden_size": 32, "num_layers": 4, "num_heads": 2, "num_kv_heads": 1,
-                  "head_dim": 16, "intermediate_size": 64},
-        "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
-        "fast": {"codec": "prf_mask", "pp_size": 4, "rank": 3},
-        "train": {"train_batch": 4, "mini_batch": 2, "max_prompt_len": 12}}
+TINY = {
+    "model": {
+        "vocab_size": 100,
+        "hidden_size": 32,
+        "num_layers": 4,
+        "num_heads": 2,
+        "num_kv_heads": 1,
+        "head_dim": 16,
+        "intermediate_size": 64,
+    },
+    "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
+    "fast": {"codec": "prf_mask", "pp_size": 4, "rank": 3},
+    "train": {"train_batch": 4, "mini_batch": 2, "max_prompt_len": 12},
+}
 
 
 def cfg_with(**fast):
@@ -46,12 +53,17 @@ def test_boundaries():
         boundary_layers(4, 5)
 
 
-@pytest.mark.parametrize("override,field", [
-    ({"p": 1.0}, "fast.p"), ({"p": -0.1}, "fast.p"),
-    ({"codec": "lowrank", "rank": 32}, "fast.rank"),
-    ({"pp_size": 5}, "fast.pp_size"),
-    ({"codec": "foo"}, "fast.codec"), ({"grad_codec": "bar"}, "fast.grad_codec"),
-])
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ({"p": 1.0}, "fast.p"),
+        ({"p": -0.1}, "fast.p"),
+        ({"codec": "lowrank", "rank": 32}, "fast.rank"),
+        ({"pp_size": 5}, "fast.pp_size"),
+        ({"codec": "foo"}, "fast.codec"),
+        ({"grad_codec": "bar"}, "fast.grad_codec"),
+    ],
+)
 def test_bad_config_names_field(override, field):
     with pytest.raises(ConfigError) as e:
         cfg_with(**override)
@@ -137,9 +149,16 @@ def test_lowrank_basis_never_changes_mid_step(mesh):
     assert m["codec/q_updates"] == 1 and m["codec/q_activations"] == 1 and m["codec/steps"] == 2
 
 
-@pytest.mark.parametrize("fast", [{"codec": "prf_mask"}, {"codec": "lowrank"}, {"codec": "sr_quant"},
-                                  {"codec": "none", "grad_codec": "powersgd", "start_after": 0},
-                                  {"codec": "prf_mask", "p": 0.5, "exact_k": False}])
+@pytest.mark.parametrize(
+    "fast",
+    [
+        {"codec": "prf_mask"},
+        {"codec": "lowrank"},
+        {"codec": "sr_quant"},
+        {"codec": "none", "grad_codec": "powersgd", "start_after": 0},
+        {"codec": "prf_mask", "p": 0.5, "exact_k": False},
+    ],
+)
 def test_step_bytes_match_formulas(mesh, fast):
     c = circuit(mesh, **fast)
     model = c.model_cfg

@@ -1,6 +1,7 @@
 """SPEC §8 invariants through the real train step on the 8-device fake mesh:
 codec off = the plain GRPO step bit for bit; under every codec the trainer's own first-update ratio is 1 while the
 codec view differs from the dense policy (seed 003's blindness); PowerSGD at full rank = the dense all-reduce step."""
+
 import dataclasses
 
 import jax
@@ -9,24 +10,37 @@ import numpy as np
 import optax
 import pytest
 
-from twocircuit_jax.parallel import dispatch
 from twocircuit_jax.config.run import load_config
 from twocircuit_jax.fast.circuit import FastCircuit
 from twocircuit_jax.fast.grad_fn import NEW_STATE
 from twocircuit_jax.model.qwen2 import init_params
-from twocircuit_jax.parallel import mesh as pmesh
+from twocircuit_jax.parallel import dispatch, mesh as pmesh
 from twocircuit_jax.train.grpo_step import OLD, make_grpo_loss, make_logp_fn
 from twocircuit_jax.train.step import init_state, make_train_step, state_shardings
 
-MODEL = {"vocab_size": 100, "hidden_size": 16, "num_layers": 4, "num_heads": 1, "num_kv_heads": 1, "head_dim": 16,
-         "intermediate_size": 32, "qkv_bias": False}
+MODEL = {
+    "vocab_size": 100,
+    "hidden_size": 16,
+    "num_layers": 4,
+    "num_heads": 1,
+    "num_kv_heads": 1,
+    "head_dim": 16,
+    "intermediate_size": 32,
+    "qkv_bias": False,
+}
 B, T, NEW = 16, 12, 6  # 16 rows over 8 replicas; the last NEW positions are the response
 
 
 def run_cfg(**fast):
-    return load_config(data={"model": MODEL, "grpo": {"kl_coef": 0.0}, "sampler": {"n": 4},
-                             "fast": dict({"pp_size": 4, "rank": 3, "grad_rank": 2}, **fast),
-                             "train": {"train_batch": 4, "mini_batch": 4, "max_prompt_len": T - NEW}})
+    return load_config(
+        data={
+            "model": MODEL,
+            "grpo": {"kl_coef": 0.0},
+            "sampler": {"n": 4},
+            "fast": dict({"pp_size": 4, "rank": 3, "grad_rank": 2}, **fast),
+            "train": {"train_batch": 4, "mini_batch": 4, "max_prompt_len": T - NEW},
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +50,14 @@ def setup():
     params = init_params(cfg.model, jax.random.key(0), std=0.3)  # a peaked policy, so the codec shows
     k = jax.random.split(jax.random.PRNGKey(3), 2)
     resp = np.zeros((B, T), np.float32)
-    resp[:, T - NEW:] = 1.0  # every replica holds the same number of loss tokens
-    batch = {"tokens": jax.random.randint(k[0], (B, T), 3, 100, jnp.int32), "attention_mask": jnp.ones((B, T), jnp.int32),
-             "response_mask": jnp.asarray(resp), "advantages": jax.random.normal(k[1], (B,)),
-             "sample_id": jnp.arange(B, dtype=jnp.int32)}
+    resp[:, T - NEW :] = 1.0  # every replica holds the same number of loss tokens
+    batch = {
+        "tokens": jax.random.randint(k[0], (B, T), 3, 100, jnp.int32),
+        "attention_mask": jnp.ones((B, T), jnp.int32),
+        "response_mask": jnp.asarray(resp),
+        "advantages": jax.random.normal(k[1], (B,)),
+        "sample_id": jnp.arange(B, dtype=jnp.int32),
+    }
     return cfg, mesh, params, batch
 
 
@@ -58,9 +76,14 @@ def one_step(cfg, mesh, params, batch, circuit, optimizer=SGD):
         loss = make_grpo_loss(cfg.model, cfg.grpo, NEW, act)
         grad_fn = circuit.grad_fn(None) if circuit else None
         sh = state_shardings(init_state(params, optimizer), mesh)
-        _JIT[key] = (dispatch.jit(make_logp_fn(cfg.model, act, OLD)), sh,
-                     dispatch.jit(make_train_step(loss, optimizer, grad_fn=grad_fn), in_shardings=(sh, None, None),
-                             donate_argnums=(0,)), circuit)  # keep circuit alive: its id is the key
+        _JIT[key] = (
+            dispatch.jit(make_logp_fn(cfg.model, act, OLD)),
+            sh,
+            dispatch.jit(
+                make_train_step(loss, optimizer, grad_fn=grad_fn), in_shardings=(sh, None, None), donate_argnums=(0,)
+            ),
+            circuit,
+        )  # keep circuit alive: its id is the key
     logp, sh, step, _ = _JIT[key]
     b = jax.device_put(dict(batch), pmesh.batch_shardings(batch, mesh))
     b["old_logp"] = logp(params, b, ctx)[0]
@@ -97,7 +120,7 @@ def test_first_update_ratio_is_exactly_one_while_the_codec_view_is_far_from_dens
     if c is None:
         return
     dense_logp = _dense_logp(cfg)(params, b, {"step": jnp.int32(1)})[0]
-    gap = np.abs(np.exp(np.asarray(b["old_logp"])) - np.exp(np.asarray(dense_logp)))[:, T - NEW:]
+    gap = np.abs(np.exp(np.asarray(b["old_logp"])) - np.exp(np.asarray(dense_logp)))[:, T - NEW :]
     assert gap.mean() > 1e-3, gap.mean()  # the trainer's ratio cannot see this gap: it compares codec to codec
     assert float(m["codec/recon_rel_err"]) > 0.05
 
@@ -145,7 +168,7 @@ def _uneven(batch):
     lengths = np.array([1 + (7 * i) % NEW for i in range(B)])
     resp = np.zeros((B, T), np.float32)
     for i, n in enumerate(lengths):
-        resp[i, T - NEW:T - NEW + n] = 1.0
+        resp[i, T - NEW : T - NEW + n] = 1.0
     return dict(batch, response_mask=jnp.asarray(resp))
 
 
@@ -166,7 +189,7 @@ def _grads(cfg, mesh, params, batch, circuit, agg):
 
 def _rel(a, b):
     num = sum(float(jnp.sum((x - y) ** 2)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-    den = sum(float(jnp.sum(y ** 2)) for y in jax.tree.leaves(b))
+    den = sum(float(jnp.sum(y**2)) for y in jax.tree.leaves(b))
     return (num / den) ** 0.5
 
 

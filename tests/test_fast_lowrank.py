@@ -1,4 +1,5 @@
 """orth and the low-rank activation codec (SPEC §3.3): basis algebra, power iteration, staging, sketch masking."""
+
 import dataclasses
 
 import jax
@@ -7,11 +8,20 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from twocircuit_jax.parallel import dispatch
 from twocircuit_jax.config.sections import FastConfig
-from twocircuit_jax.fast.lowrank import (accumulate_sketch, activate_staged, basis_cond, host_seed, init_lowrank,
-                                         lowrank_metrics, make_lowrank_hook, refresh_basis, stage)
+from twocircuit_jax.fast.lowrank import (
+    accumulate_sketch,
+    activate_staged,
+    basis_cond,
+    host_seed,
+    init_lowrank,
+    lowrank_metrics,
+    make_lowrank_hook,
+    refresh_basis,
+    stage,
+)
 from twocircuit_jax.fast.orth import orth
+from twocircuit_jax.parallel import dispatch
 
 H, R = 16, 3
 CFG = FastConfig(codec="lowrank", rank=R, seed=5)
@@ -73,8 +83,9 @@ def test_hook_reconstructs_projection_and_gradient():
     out, aux = hook(1, h)
     Q = st.Q[1]
     np.testing.assert_allclose(np.asarray(out), np.asarray(h @ Q @ Q.T), atol=1e-5)
-    np.testing.assert_allclose(np.asarray(aux["sketch"]), np.asarray(h.reshape(-1, H).T @ (h.reshape(-1, H) @ Q)),
-                               rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(
+        np.asarray(aux["sketch"]), np.asarray(h.reshape(-1, H).T @ (h.reshape(-1, H) @ Q)), rtol=1e-5, atol=1e-4
+    )
     want = jnp.linalg.norm(h - h @ Q @ Q.T) / jnp.linalg.norm(h)
     np.testing.assert_allclose(float(aux["recon_rel_err"]), float(want), rtol=1e-5)
     g = jax.random.normal(jax.random.PRNGKey(3), h.shape)

@@ -1,4 +1,5 @@
 """prf_mask codec (SPEC §3.2, invariants 1 and 2 of §8)."""
+
 import math
 
 import jax
@@ -6,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import prf
 from twocircuit_jax.config.sections import FastConfig
-from twocircuit_jax.fast import mask, prf
+from twocircuit_jax.fast import mask
 
 B, T, H = 4, 5, 32
 BOUNDARIES = (3, 7)
@@ -35,13 +37,23 @@ def run_hook(c, layer, h, step=5, sid=SID, pos=POS, am=None):
     return _run_hook(c, layer, h, step, sid, pos, am)
 
 
-_run_hook = jax.jit(lambda c, layer, h, step, sid, pos, am: mask.make_mask_hook(c, BOUNDARIES, step, sid, pos, am)(
-    layer, h), static_argnums=(0, 1))
+_run_hook = jax.jit(
+    lambda c, layer, h, step, sid, pos, am: mask.make_mask_hook(c, BOUNDARIES, step, sid, pos, am)(layer, h),
+    static_argnums=(0, 1),
+)
 
 
 def oracle_u(c, step, layer, sid, pos, width):
-    return np.array([[[prf.oracle_u(c.seed, layer, step, int(sid[b]), int(pos[b, t]), j) for j in range(width)]
-                      for t in range(pos.shape[1])] for b in range(len(sid))], dtype=object)
+    return np.array(
+        [
+            [
+                [prf.oracle_u(c.seed, layer, step, int(sid[b]), int(pos[b, t]), j) for j in range(width)]
+                for t in range(pos.shape[1])
+            ]
+            for b in range(len(sid))
+        ],
+        dtype=object,
+    )
 
 
 def test_bernoulli_matches_oracle_threshold():
@@ -125,8 +137,9 @@ def test_left_padding_invariance():
 def test_three_path_tags_see_the_same_mask():
     c = cfg()
     # old_logprob / train / reference: three separately built (and separately compiled) hooks
-    outs = [np.asarray(jax.jit(lambda h: mask.make_mask_hook(c, BOUNDARIES, 9, SID, POS)(3, h)[0])(X))
-            for _ in range(3)]
+    outs = [
+        np.asarray(jax.jit(lambda h: mask.make_mask_hook(c, BOUNDARIES, 9, SID, POS)(3, h)[0])(X)) for _ in range(3)
+    ]
     np.testing.assert_array_equal(outs[0], outs[1])
     np.testing.assert_array_equal(outs[0], outs[2])
 

@@ -1,4 +1,5 @@
 """Gradient PowerSGD with error feedback (SPEC §3.5, §8 invariant 7) on the 8-device fake CPU mesh."""
+
 import dataclasses
 
 import jax
@@ -7,16 +8,25 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from twocircuit_jax.parallel import dispatch
 from twocircuit_jax.config.sections import FastConfig
-from twocircuit_jax.fast.powersgd import (flat_leaves, init_powersgd, plan_leaves, powersgd_reduce,
-                                          powersgd_reference, state_specs)
+from twocircuit_jax.fast.powersgd import (
+    flat_leaves,
+    init_powersgd,
+    plan_leaves,
+    powersgd_reduce,
+    powersgd_reference,
+    state_specs,
+)
+from twocircuit_jax.parallel import dispatch
 
 R = 8
 AX = "data"
 # A leaf of every kind: stacked decoder matrix, plain matrix, vector, embedding (uncompressed by default).
-PARAMS = {"embed": jnp.zeros((12, 8)), "layers": {"w": jnp.zeros((2, 24, 16)), "b": jnp.zeros((2, 16))},
-          "head": jnp.zeros((20, 18))}
+PARAMS = {
+    "embed": jnp.zeros((12, 8)),
+    "layers": {"w": jnp.zeros((2, 24, 16)), "b": jnp.zeros((2, 16))},
+    "head": jnp.zeros((20, 18)),
+}
 
 
 def _mesh():
@@ -51,14 +61,17 @@ def _sharded(cfg, state, interpret=False):
             mean, new, m = powersgd_reduce(_replica(g, 0), st, cfg, AX, skip=skip, interpret=interpret)
             return jax.tree.map(lambda x: x[None], (mean, new.Q, new.step, m)), new.e
 
-        _CACHE[key] = dispatch.jit(jax.shard_map(body, mesh=_mesh(), in_specs=(P(AX), specs, P()),
-                                            out_specs=(P(AX), specs.e)))
+        _CACHE[key] = dispatch.jit(
+            jax.shard_map(body, mesh=_mesh(), in_specs=(P(AX), specs, P()), out_specs=(P(AX), specs.e))
+        )
 
     def run(g, st, skip=False):
         per, e = _CACHE[key](g, st, jnp.asarray(skip))
         for x in jax.tree.leaves(per):
             x = np.asarray(x)
-            assert all(x[0].tobytes() == x[i].tobytes() for i in range(1, R)), "replicated value differs across replicas"
+            assert all(x[0].tobytes() == x[i].tobytes() for i in range(1, R)), (
+                "replicated value differs across replicas"
+            )
         mean, Q, step, m = jax.tree.map(lambda x: x[0], per)
         return mean, state._replace(Q=Q, e=e, step=step), m
 
@@ -118,8 +131,9 @@ def test_shard_map_matches_reference_over_two_ticks():
         for path in ("head", "layers/w"):
             gl, e_old, e_new = flat_leaves(g)[path], old.e[path], state.e[path]
             split = lambda e: np.asarray(e).reshape(gl.shape)  # noqa: E731  [R·n0, ...] -> [R, n0, ...]
-            np.testing.assert_allclose(split(e_new) + np.asarray(flat_leaves(mean)[path])[None],
-                                       np.asarray(gl) + split(e_old), atol=1e-5)
+            np.testing.assert_allclose(
+                split(e_new) + np.asarray(flat_leaves(mean)[path])[None], np.asarray(gl) + split(e_old), atol=1e-5
+            )
     assert int(state.step) == 2
     assert float(jnp.abs(state.e["head"]).max()) > 0.1
 

@@ -1,4 +1,5 @@
 """PRF of SPEC §3.2: u32pair and x64 must match the pure-Python integer oracle bit for bit."""
+
 import random
 
 import jax
@@ -6,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from twocircuit_jax.fast import prf
+from pallas_kernels import prf
 
 # Published splitmix64 outputs for state 0: next() adds the golden gamma then mixes, so output i = mix(i * gamma).
 SPLITMIX_SEED0 = [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
@@ -59,13 +60,23 @@ WIDTH = 6
 
 
 def _oracle_grid(seed, layer, step, direction):
-    return np.array([[[prf.oracle_u(seed, layer, step, int(SID[b]), int(POS[b, t]), j, direction)
-                       for j in range(WIDTH)] for t in range(POS.shape[1])] for b in range(len(SID))], np.uint64)
+    return np.array(
+        [
+            [
+                [prf.oracle_u(seed, layer, step, int(SID[b]), int(POS[b, t]), j, direction) for j in range(WIDTH)]
+                for t in range(POS.shape[1])
+            ]
+            for b in range(len(SID))
+        ],
+        np.uint64,
+    )
 
 
 @pytest.mark.parametrize("impl", ["u32pair", "x64"])
-@pytest.mark.parametrize("seed,layer,step,direction", [(0, 3, 10, None), (12345678901, 27, 7, None),
-                                                       (2**64 - 1, 0, 2**31 - 1, 1), (5, 11, 0, 0)])
+@pytest.mark.parametrize(
+    "seed,layer,step,direction",
+    [(0, 3, 10, None), (12345678901, 27, 7, None), (2**64 - 1, 0, 2**31 - 1, 1), (5, 11, 0, 0)],
+)
 def test_prf_u_matches_oracle(impl, seed, layer, step, direction):
     fn = jax.jit(lambda s, sid, pos: prf.prf_u(impl, seed, layer, s, sid, pos, WIDTH, direction))
     got = _join(fn(jnp.int32(step), jnp.asarray(SID), jnp.asarray(POS)))

@@ -1,4 +1,5 @@
 """sr_quant codec (SPEC §3.4) against a NumPy reference driven by the integer-oracle uniforms."""
+
 import functools
 
 import jax
@@ -6,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import prf
 from twocircuit_jax.config.sections import FastConfig
-from twocircuit_jax.fast import mask, prf
-from twocircuit_jax.fast import sr_quant as sq
+from twocircuit_jax.fast import mask, sr_quant as sq
 
 B, T, H, LAYER = 2, 3, 20, 5
 SID = jnp.array([9, 4], jnp.int32)
@@ -24,8 +25,16 @@ def cfg(**kw):
 
 
 def oracle_unif(c, step, direction, sid=SID, pos=POS, width=H):
-    u = np.array([[[prf.oracle_u(c.seed, LAYER, step, int(sid[b]), int(pos[b, t]), j, direction)
-                    for j in range(width)] for t in range(pos.shape[1])] for b in range(len(sid))], np.uint64)
+    u = np.array(
+        [
+            [
+                [prf.oracle_u(c.seed, LAYER, step, int(sid[b]), int(pos[b, t]), j, direction) for j in range(width)]
+                for t in range(pos.shape[1])
+            ]
+            for b in range(len(sid))
+        ],
+        np.uint64,
+    )
     return (u >> np.uint64(29)).astype(np.float64) / 2.0**24
 
 
@@ -35,7 +44,7 @@ def np_quantize(x, unif, bits, block, rounding):
     out = np.zeros_like(x)
     gaps = 2**bits - 1
     for start in range(0, x.shape[-1], block):
-        xb = x[..., start:start + block]
+        xb = x[..., start : start + block]
         s = np.abs(xb).max(-1, keepdims=True)
         step = np.where(s > 0, 2 * s / gaps, 1.0)
         t = (xb + s) / step
@@ -43,8 +52,8 @@ def np_quantize(x, unif, bits, block, rounding):
             q = np.round(t)
         else:
             lo = np.floor(t)
-            q = lo + (unif[..., start:start + block] < t - lo)
-        out[..., start:start + block] = np.where(s > 0, np.clip(q, 0, gaps) * step - s, 0.0)
+            q = lo + (unif[..., start : start + block] < t - lo)
+        out[..., start : start + block] = np.where(s > 0, np.clip(q, 0, gaps) * step - s, 0.0)
     return out
 
 
@@ -88,8 +97,9 @@ def test_sr_is_unbiased_over_steps():
     c = cfg(quant_bits=1)
     outs = jax.jit(jax.vmap(lambda s: sq.encode(c, LAYER, s, SID, POS, X)))(jnp.arange(512, dtype=jnp.int32))
     x = np.asarray(X)
-    s = np.concatenate([np.abs(x[..., i:i + 8]).max(-1, keepdims=True).repeat(min(8, H - i), -1)
-                        for i in range(0, H, 8)], -1)
+    s = np.concatenate(
+        [np.abs(x[..., i : i + 8]).max(-1, keepdims=True).repeat(min(8, H - i), -1) for i in range(0, H, 8)], -1
+    )
     err = np.abs(np.asarray(outs).mean(0) - x)
     assert (err < 5 * s / np.sqrt(512)).all(), err.max()
 
@@ -99,8 +109,11 @@ def test_subset_k_quantizes_only_exact_k_channels():
     out, grad = fwd_and_grad(c, X, CT, 2)
     u = mask.flipped_u(c, LAYER, 2, SID, POS, H)
     thr, thr_j = mask.exact_k_threshold(u, 6)
-    keep = np.asarray(prf.keep_rule(u, prf.U64(thr.hi[..., None], thr.lo[..., None]), thr_j[..., None],
-                                    jnp.arange(H, dtype=jnp.uint32)))
+    keep = np.asarray(
+        prf.keep_rule(
+            u, prf.U64(thr.hi[..., None], thr.lo[..., None]), thr_j[..., None], jnp.arange(H, dtype=jnp.uint32)
+        )
+    )
     assert (keep.sum(-1) == 6).all()
     want = np_quantize(np.where(keep, X, 0), oracle_unif(c, 2, 0), 2, 8, "sr") * keep * (H / 6)
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-6)

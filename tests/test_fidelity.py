@@ -1,6 +1,7 @@
 """The gradient-fidelity gauge (metrics/probe.py): the gradient the fast circuit applies against the dense step's
 on the same batch. Exact where the circuit is exact (codec off, p=0 mask, PowerSGD at full rank), clearly below 1
 under a lossy codec, and moved by the merger when M points elsewhere."""
+
 import dataclasses
 
 import jax
@@ -8,26 +9,39 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from twocircuit_jax.parallel import dispatch
 from twocircuit_jax.anchor.merger import init_merger, update_ema
 from twocircuit_jax.config.run import load_config
 from twocircuit_jax.fast.circuit import FastCircuit
 from twocircuit_jax.metrics.probe import grad_cosines, group_of, make_fidelity_fn
 from twocircuit_jax.model.qwen2 import init_params
-from twocircuit_jax.parallel import mesh as pmesh
+from twocircuit_jax.parallel import dispatch, mesh as pmesh
 from twocircuit_jax.train.grpo_step import OLD, make_grpo_loss, make_logp_fn
 from twocircuit_jax.train.step import default_grad_fn
 
-MODEL = {"vocab_size": 100, "hidden_size": 16, "num_layers": 4, "num_heads": 1, "num_kv_heads": 1, "head_dim": 16,
-         "intermediate_size": 32, "qkv_bias": False}
+MODEL = {
+    "vocab_size": 100,
+    "hidden_size": 16,
+    "num_layers": 4,
+    "num_heads": 1,
+    "num_kv_heads": 1,
+    "head_dim": 16,
+    "intermediate_size": 32,
+    "qkv_bias": False,
+}
 B, T, NEW = 16, 12, 6
 
 
 def run_cfg(anchor=None, **fast):
-    return load_config(data={"model": MODEL, "grpo": {"kl_coef": 0.01}, "sampler": {"n": 4},
-                             "fast": dict({"pp_size": 4, "rank": 3, "grad_rank": 2}, **fast),
-                             "anchor": anchor or {"enabled": False},
-                             "train": {"train_batch": 4, "mini_batch": 4, "max_prompt_len": T - NEW}})
+    return load_config(
+        data={
+            "model": MODEL,
+            "grpo": {"kl_coef": 0.01},
+            "sampler": {"n": 4},
+            "fast": dict({"pp_size": 4, "rank": 3, "grad_rank": 2}, **fast),
+            "anchor": anchor or {"enabled": False},
+            "train": {"train_batch": 4, "mini_batch": 4, "max_prompt_len": T - NEW},
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +52,17 @@ def setup():
     params = jax.tree.map(lambda x: x * 1.05, ref)
     k = jax.random.split(jax.random.PRNGKey(3), 3)
     resp = np.zeros((B, T), np.float32)
-    resp[:, T - NEW:] = 1.0
-    batch = {"tokens": jax.random.randint(k[0], (B, T), 3, 100, jnp.int32), "attention_mask": jnp.ones((B, T), jnp.int32),
-             "response_mask": jnp.asarray(resp), "advantages": jax.random.normal(k[1], (B,)),
-             "sample_id": jnp.arange(B, dtype=jnp.int32), "old_logp": jnp.zeros((B, T)),
-             "sampler_logp": -jax.random.uniform(k[2], (B, T)), "ref_logp": jnp.zeros((B, T))}
+    resp[:, T - NEW :] = 1.0
+    batch = {
+        "tokens": jax.random.randint(k[0], (B, T), 3, 100, jnp.int32),
+        "attention_mask": jnp.ones((B, T), jnp.int32),
+        "response_mask": jnp.asarray(resp),
+        "advantages": jax.random.normal(k[1], (B,)),
+        "sample_id": jnp.arange(B, dtype=jnp.int32),
+        "old_logp": jnp.zeros((B, T)),
+        "sampler_logp": -jax.random.uniform(k[2], (B, T)),
+        "ref_logp": jnp.zeros((B, T)),
+    }
     batch = jax.device_put(batch, pmesh.batch_shardings(batch, mesh))
     # As the loop does with codecs off: ℓ_ref from the reference weights.
     batch["ref_logp"] = dispatch.jit(make_logp_fn(cfg.model, None, OLD))(ref, batch, {})[0]
@@ -55,8 +75,9 @@ def fidelity(setup, circuit=None, grad_transform=None, ctx_extra=None, cfg=None)
     act = circuit if (circuit and circuit.has_activation_codec) else None
     loss = make_grpo_loss(cfg.model, cfg.grpo, NEW, act)
     compute = (circuit.grad_fn(None) if circuit and circuit.grad_fn(None) else default_grad_fn)(loss)
-    fn = make_fidelity_fn(cfg.model, cfg.grpo, NEW, act, compute, grad_transform,
-                          lambda: make_grpo_loss(cfg.model, cfg.grpo, NEW, None))
+    fn = make_fidelity_fn(
+        cfg.model, cfg.grpo, NEW, act, compute, grad_transform, lambda: make_grpo_loss(cfg.model, cfg.grpo, NEW, None)
+    )
     ctx = {"step": jnp.asarray(1, jnp.int32), "first_minibatch": jnp.asarray(False), **(ctx_extra or {})}
     if circuit:
         ctx["codec"] = circuit.init_state(params)
@@ -87,7 +108,7 @@ def test_lossy_codec_lowers_the_cosine_and_shows_at_each_boundary(setup):
 
 
 def test_merger_moves_the_applied_gradient(setup):
-    cfg, mesh, params = setup[0], setup[1], setup[2]
+    params = setup[2]
     acfg = run_cfg(anchor={"enabled": True, "cadence": 2, "delay": 2, "window": 2, "projection": False}).anchor
     # M from a gradient that disagrees with the dense one: the signed merger must pull the cosine down.
     st = update_ema(init_merger(params, acfg), jax.tree.map(lambda x: -jnp.ones_like(x) * jnp.sign(x), params), acfg)
@@ -103,10 +124,19 @@ def test_merger_moves_the_applied_gradient(setup):
 
 
 def test_groups_and_cosine_formula():
-    assert [group_of(p) for p in ("embed", "lm_head", "final_norm", "layers/input_norm", "layers/q_proj/kernel",
-                                  "layers/down_proj/kernel")] == ["embed", "lm_head", "norm", "norm", "attn", "mlp"]
+    assert [
+        group_of(p)
+        for p in (
+            "embed",
+            "lm_head",
+            "final_norm",
+            "layers/input_norm",
+            "layers/q_proj/kernel",
+            "layers/down_proj/kernel",
+        )
+    ] == ["embed", "lm_head", "norm", "norm", "attn", "mlp"]
     a = {"embed": jnp.array([1.0, 0.0]), "layers": {"up_proj": {"kernel": jnp.array([0.0, 2.0])}}}
     b = {"embed": jnp.array([1.0, 1.0]), "layers": {"up_proj": {"kernel": jnp.array([0.0, -1.0])}}}
     c = grad_cosines(a, b)
-    np.testing.assert_allclose(float(c["fidelity/grad_cos"]), (1 - 2) / (5 ** 0.5 * 3 ** 0.5), rtol=1e-6)
+    np.testing.assert_allclose(float(c["fidelity/grad_cos"]), (1 - 2) / (5**0.5 * 3**0.5), rtol=1e-6)
     np.testing.assert_allclose(float(c["fidelity/grad_cos/mlp"]), -1.0, rtol=1e-6)

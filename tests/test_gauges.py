@@ -1,4 +1,5 @@
 """Entropy and length gauges."""
+
 import numpy as np
 import pytest
 
@@ -28,8 +29,12 @@ def test_entropy_summary_over_mask():
 
 def test_length_stats():
     s = length_stats([4, 8, 16, 16], [False, False, True, False], limit=16)
-    assert s == {"length/mean": 11.0, "length/max": 16.0, "length/limit_share": 11.0 / 16,
-                 "length/truncated_frac": 0.25}
+    assert s == {
+        "length/mean": 11.0,
+        "length/max": 16.0,
+        "length/limit_share": 11.0 / 16,
+        "length/truncated_frac": 0.25,
+    }
     assert length_stats([], [], 16) == {}
     with pytest.raises(ValueError, match="limit"):
         length_stats([1], [False], 0)

@@ -1,4 +1,5 @@
 """Group advantages against a per-group numpy loop."""
+
 import numpy as np
 import pytest
 
@@ -8,11 +9,11 @@ from twocircuit_jax.grpo.advantages import group_advantages
 def _ref(r, n, std_normalize, eps=1e-6):
     out = np.zeros_like(r, dtype=np.float64)
     for g in range(len(r) // n):
-        x = r[g * n:(g + 1) * n].astype(np.float64)
+        x = r[g * n : (g + 1) * n].astype(np.float64)
         sd = x.std(ddof=1) if n > 1 else 0.0
         if sd <= 1e-8:
             continue
-        out[g * n:(g + 1) * n] = (x - x.mean()) / (sd + eps) if std_normalize else x - x.mean()
+        out[g * n : (g + 1) * n] = (x - x.mean()) / (sd + eps) if std_normalize else x - x.mean()
     return out
 
 
@@ -49,6 +50,7 @@ def test_bad_shapes_raise():
 
 def test_jittable():
     import jax
+
     r = np.arange(8, dtype=np.float32)
     f = jax.jit(group_advantages, static_argnums=(1, 2))
     np.testing.assert_allclose(np.asarray(f(r, 4, True)), np.asarray(group_advantages(r, 4, True)))

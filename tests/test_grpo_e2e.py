@@ -1,24 +1,42 @@
 """Dense GRPO end to end through the CLI: 3 steps, exact resume, bad input, failing scorer, best checkpoint."""
+
 import json
 import os
 
-import numpy as np
 import pytest
 import yaml
 
 from twocircuit_jax.cli import main
 
 TINY = {
-    "name": "tiny", "tokenizer": "char",
-    "model": {"vocab_size": 100, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1,
-              "head_dim": 16, "intermediate_size": 64, "eos_token_id": 2, "pad_token_id": 0, "bos_token_id": 1},
+    "name": "tiny",
+    "tokenizer": "char",
+    "model": {
+        "vocab_size": 100,
+        "hidden_size": 32,
+        "num_layers": 2,
+        "num_heads": 2,
+        "num_kv_heads": 1,
+        "head_dim": 16,
+        "intermediate_size": 64,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+    },
     "mesh": {"data": -1},
     "optim": {"lr": 1e-3},
     "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 64, "eval_size": 16},
     "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
     "fast": {"pp_size": 2},
-    "train": {"steps": 3, "train_batch": 4, "mini_batch": 2, "eval_every": 2, "eval_size": 16, "max_prompt_len": 16,
-              "checkpoint_every": 1},
+    "train": {
+        "steps": 3,
+        "train_batch": 4,
+        "mini_batch": 2,
+        "eval_every": 2,
+        "eval_size": 16,
+        "max_prompt_len": 16,
+        "checkpoint_every": 1,
+    },
 }
 
 
@@ -47,9 +65,24 @@ def test_three_steps_write_run_folder(three_steps):
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[2] and "eval/accuracy" in rows[3]
     for r in rows[1:]:
-        for key in ("tick", "reward/mean", "policy/entropy", "length/mean", "length/max", "length/limit_share",
-                    "length/truncated_frac", "grad/norm", "kl/ref", "ppo/ratio_mean", "ppo/clip_frac", "lr",
-                    "time/step_s", "time/tokens_per_s", "mismatch/prob_gap_mean", "mismatch/prob_corr"):
+        for key in (
+            "tick",
+            "reward/mean",
+            "policy/entropy",
+            "length/mean",
+            "length/max",
+            "length/limit_share",
+            "length/truncated_frac",
+            "grad/norm",
+            "kl/ref",
+            "ppo/ratio_mean",
+            "ppo/clip_frac",
+            "lr",
+            "time/step_s",
+            "time/tokens_per_s",
+            "mismatch/prob_gap_mean",
+            "mismatch/prob_corr",
+        ):
             assert key in r, key
     assert [r["tick"] for r in rows[1:]] == [2, 4, 6]  # two ticks per GRPO step
     # dense JAX sampler vs trainer: the same policy
@@ -126,11 +159,15 @@ def test_every_subcommand_has_help(cmd, capsys):
 
 def test_token_tis_and_sequence_tis_run_and_log(tmp_path):
     for mode in ("token", "sequence"):
-        data = dict(TINY, grpo={"tis": mode, "tis_cap": 2.0},
-                    train=dict(TINY["train"], steps=1, eval_every=0, checkpoint_every=0))
+        data = dict(
+            TINY,
+            grpo={"tis": mode, "tis_cap": 2.0},
+            train=dict(TINY["train"], steps=1, eval_every=0, checkpoint_every=0),
+        )
         run = str(tmp_path / mode)
-        assert main(["train", "--config", write_cfg(tmp_path, data, f"{mode}.yaml"), "--out", run,
-                     "--no-progress"]) == 0
+        assert (
+            main(["train", "--config", write_cfg(tmp_path, data, f"{mode}.yaml"), "--out", run, "--no-progress"]) == 0
+        )
         r = read_metrics(run)[1]
         # dense JAX sampler: trainer and sampler agree, so every weight is ~1 and none is clipped
         assert r["tis/weight_mean"] == pytest.approx(1.0, abs=1e-4) and r["tis/clip_frac"] == 0.0

@@ -1,4 +1,5 @@
 """GRPO loss pieces against a straightforward float64 numpy implementation."""
+
 import dataclasses
 
 import jax
@@ -26,8 +27,13 @@ def _np_agg(mat, m, mode, token_count=None, norm_len=None):
     vals = []
     for b in seqs:
         s = (mat[b] * m[b]).sum()
-        vals.append({"seq-mean-token-sum": s, "seq-mean-token-mean": s / m[b].sum(),
-                     "seq-mean-token-sum-norm": s / (m.shape[1] if norm_len is None else norm_len)}[mode])
+        vals.append(
+            {
+                "seq-mean-token-sum": s,
+                "seq-mean-token-mean": s / m[b].sum(),
+                "seq-mean-token-sum-norm": s / (m.shape[1] if norm_len is None else norm_len),
+            }[mode]
+        )
     return np.mean(vals)
 
 
@@ -50,24 +56,30 @@ def _np_loss(logp, old, ref, adv, m, w, cfg, token_count=None):
     pg_loss = _np_agg(pg, m, cfg.loss_agg, token_count)
     kl_loss = _np_agg(kl, m, cfg.loss_agg, token_count)
     sel = m > 0
-    metrics = {"loss/pg": pg_loss, "loss/kl": kl_loss, "kl/ref": kl[sel].mean(),
-               "ppo/ratio_mean": ratio[sel].mean(), "ppo/ratio_max": ratio[sel].max(),
-               "ppo/ratio_min": ratio[sel].min(), "ppo/clip_frac": (pg2 > pg1)[sel].mean(),
-               "ppo/kl": (old - logp)[sel].mean()}
+    metrics = {
+        "loss/pg": pg_loss,
+        "loss/kl": kl_loss,
+        "kl/ref": kl[sel].mean(),
+        "ppo/ratio_mean": ratio[sel].mean(),
+        "ppo/ratio_max": ratio[sel].max(),
+        "ppo/ratio_min": ratio[sel].min(),
+        "ppo/clip_frac": (pg2 > pg1)[sel].mean(),
+        "ppo/kl": (old - logp)[sel].mean(),
+    }
     return pg_loss + cfg.kl_coef * kl_loss, metrics
 
 
 def _inputs(seed, B=4, T=7, spread=0.6):
     rng = np.random.default_rng(seed)
     logp = -rng.uniform(0.1, 3.0, (B, T)).astype(np.float32)
-    old = (logp + rng.normal(0, spread, (B, T))).astype(np.float32)   # ratios from ~0.2 to ~5: all clip regimes
+    old = (logp + rng.normal(0, spread, (B, T))).astype(np.float32)  # ratios from ~0.2 to ~5: all clip regimes
     ref = (logp + rng.normal(0, 0.5, (B, T))).astype(np.float32)
     adv = rng.normal(size=B).astype(np.float32)
-    adv[0], adv[1] = -1.5, 1.2                                         # both signs present
+    adv[0], adv[1] = -1.5, 1.2  # both signs present
     m = np.zeros((B, T), np.float32)
     for b in range(B):
         start = rng.integers(1, 3)
-        m[b, start:start + rng.integers(2, T - start)] = 1.0          # varied response lengths
+        m[b, start : start + rng.integers(2, T - start)] = 1.0  # varied response lengths
     return logp, old, ref, adv, m
 
 
@@ -82,7 +94,7 @@ def test_loss_and_metrics_match_numpy(mode, est):
     np.testing.assert_allclose(float(loss), want, rtol=2e-5, atol=1e-6)
     for k, v in want_met.items():
         np.testing.assert_allclose(float(met[k]), v, rtol=2e-5, atol=1e-6, err_msg=k)
-    assert 0 < float(met["ppo/clip_frac"]) < 1          # the inputs really exercise clipping
+    assert 0 < float(met["ppo/clip_frac"]) < 1  # the inputs really exercise clipping
 
 
 def test_clipping_regimes_by_hand():
@@ -91,15 +103,18 @@ def test_clipping_regimes_by_hand():
     logp = np.log(ratios)
     zeros = np.zeros_like(logp)
     mask = np.array([[0, 1, 1, 1]], np.float32)
-    for a, want, frac, dual in [(1.0, -(1.28 + 0.5 + 1.28), 2 / 3, 0.0),  # A>0: 1.5, 5 -> 1.28; 0.5 unclipped
-                                (-1.0, 1.5 + 0.8 + 3.0, 1 / 3, 1 / 3)]:    # A<0: 0.5 -> 0.8; 5 capped at c=3
+    for a, want, frac, dual in [
+        (1.0, -(1.28 + 0.5 + 1.28), 2 / 3, 0.0),  # A>0: 1.5, 5 -> 1.28; 0.5 unclipped
+        (-1.0, 1.5 + 0.8 + 3.0, 1 / 3, 1 / 3),
+    ]:  # A<0: 0.5 -> 0.8; 5 capped at c=3
         loss, met = grpo_loss(jnp.asarray(logp), zeros, None, jnp.array([a]), mask, None, cfg)
         np.testing.assert_allclose(float(loss), want, rtol=1e-6)
         np.testing.assert_allclose(float(met["ppo/clip_frac"]), frac, rtol=1e-6)
         np.testing.assert_allclose(float(met["ppo/dual_clip_frac"]), dual, rtol=1e-6)
     # without dual clip the A<0, r=5 token costs 5
-    loss, _ = grpo_loss(jnp.asarray(logp), zeros, None, jnp.array([-1.0]), mask, None,
-                        dataclasses.replace(cfg, dual_clip=0.0))
+    loss, _ = grpo_loss(
+        jnp.asarray(logp), zeros, None, jnp.array([-1.0]), mask, None, dataclasses.replace(cfg, dual_clip=0.0)
+    )
     np.testing.assert_allclose(float(loss), 1.5 + 0.8 + 5.0, rtol=1e-6)
 
 
@@ -126,7 +141,9 @@ def test_gradient_matches_finite_differences(mode):
         up, dn = base.copy(), base.copy()
         up[idx] += h
         dn[idx] -= h
-        fd[idx] = (_np_loss(up, old, ref, adv, m, None, cfg)[0] - _np_loss(dn, old, ref, adv, m, None, cfg)[0]) / (2 * h)
+        fd[idx] = (_np_loss(up, old, ref, adv, m, None, cfg)[0] - _np_loss(dn, old, ref, adv, m, None, cfg)[0]) / (
+            2 * h
+        )
     assert np.all(g[m == 0] == 0.0)
     np.testing.assert_allclose(g, fd, rtol=1e-3, atol=1e-5)
     assert np.abs(g).max() > 0

@@ -1,4 +1,5 @@
 """Truncated importance sampling weights against numpy."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +14,7 @@ def _inputs(seed=0, B=4, T=6):
     samp = (old + rng.normal(0, 1.0, (B, T))).astype(np.float32)
     m = (rng.uniform(size=(B, T)) < 0.7).astype(np.float32)
     m[:, 0] = 0
-    m[-1] = 0                                  # a row with no response tokens
+    m[-1] = 0  # a row with no response tokens
     return old, samp, m
 
 
@@ -37,7 +38,7 @@ def test_token_mode_matches_numpy():
     np.testing.assert_allclose(float(met["tis/weight_min"]), want[sel].min(), rtol=1e-6)
     np.testing.assert_allclose(float(met["tis/clip_frac"]), (raw[sel] > cap).mean(), rtol=1e-6)
     ws = want[sel]
-    np.testing.assert_allclose(float(met["tis/ess"]), ws.sum() ** 2 / (ws.size * (ws ** 2).sum()), rtol=1e-5)
+    np.testing.assert_allclose(float(met["tis/ess"]), ws.sum() ** 2 / (ws.size * (ws**2).sum()), rtol=1e-5)
     assert 0 < float(met["tis/clip_frac"]) < 1
 
 

@@ -1,6 +1,6 @@
 """A run pointed at a local Hugging Face checkpoint (its own tokenizer) and local MATH JSONL files."""
+
 import json
-import os
 
 import jax
 import yaml
@@ -13,21 +13,38 @@ from twocircuit_jax.model.tokenizer import load_tokenizer
 
 def test_train_from_hf_dir_on_math_files(tmp_path):
     tok = load_tokenizer("char")
-    mcfg = ModelConfig(vocab_size=100, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
-                       intermediate_size=64, tie_embeddings=False, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    mcfg = ModelConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        intermediate_size=64,
+        tie_embeddings=False,
+        eos_token_id=tok.eos_id,
+        pad_token_id=tok.pad_id,
+    )
     hf = save_hf(mcfg, init_params(mcfg, jax.random.key(0)), str(tmp_path / "hf"), tokenizer=tok)
-    rows = [{"problem": f"What is {a}+{b}?", "solution": f"It is \\boxed{{{a + b}}}.", "answer": str(a + b)}
-            for a in range(4) for b in range(4)]
+    rows = [
+        {"problem": f"What is {a}+{b}?", "solution": f"It is \\boxed{{{a + b}}}.", "answer": str(a + b)}
+        for a in range(4)
+        for b in range(4)
+    ]
     train, test = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
     train.write_text("\n".join(json.dumps(r) for r in rows[:12]))
     test.write_text("\n".join(json.dumps(r) for r in rows[12:]))
     cfg = {
-        "base_model": hf, "tokenizer": "auto",
-        "task": {"type": "math_files", "train_files": [str(train)], "eval_files": [str(test)],
-                 "prompt_template": "{question} \\boxed{"},
+        "base_model": hf,
+        "tokenizer": "auto",
+        "task": {
+            "type": "math_files",
+            "train_files": [str(train)],
+            "eval_files": [str(test)],
+            "prompt_template": "{question} \\boxed{",
+        },
         "sampler": {"n": 2, "sampling": {"max_new_tokens": 4}},
-        "train": {"steps": 1, "train_batch": 4, "mini_batch": 4, "eval_every": 1, "eval_size": 4,
-                  "max_prompt_len": 32},
+        "train": {"steps": 1, "train_batch": 4, "mini_batch": 4, "eval_every": 1, "eval_size": 4, "max_prompt_len": 32},
     }
     p = tmp_path / "cfg.yaml"
     p.write_text(yaml.safe_dump(cfg))

@@ -1,4 +1,5 @@
 """The embedded JAX sampler: log-probs match a teacher-forced forward; EOS, truncation, n, top-k/top-p."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,8 +9,17 @@ from twocircuit_jax.config import ModelConfig, SamplingConfig
 from twocircuit_jax.model import forward, init_params
 from twocircuit_jax.sampler.jax_sampler import JaxSampler, process_logits
 
-CFG = ModelConfig(vocab_size=40, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                  intermediate_size=64, eos_token_id=2, pad_token_id=0)
+CFG = ModelConfig(
+    vocab_size=40,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=64,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +79,7 @@ def test_greedy_and_top_k_one_agree_with_argmax(sampler):
         seq.append(nxt)
         if nxt == CFG.eos_token_id:
             break
-    assert seq[len(prompt):] == g
+    assert seq[len(prompt) :] == g
 
 
 def test_process_logits_top_p_keeps_smallest_prefix():

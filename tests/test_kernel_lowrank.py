@@ -1,4 +1,5 @@
 """Fused low-rank project/reconstruct Pallas kernel vs its jnp reference, CPU interpret mode (SPEC §3.6 Kernels)."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,8 +11,12 @@ from twocircuit_jax.fast.lowrank import init_lowrank, make_lowrank_hook
 from twocircuit_jax.fast.orth import orth
 
 # (N, H, r, dtype, block_rows): ragged N (not a multiple of the block), several blocks, rank 1, bf16.
-CASES = [(5, 24, 3, jnp.float32, 128), (37, 64, 4, jnp.bfloat16, 16), (32, 16, 1, jnp.float32, 16),
-         (50, 32, 2, jnp.bfloat16, 128)]
+CASES = [
+    (5, 24, 3, jnp.float32, 128),
+    (37, 64, 4, jnp.bfloat16, 16),
+    (32, 16, 1, jnp.float32, 16),
+    (50, 32, 2, jnp.bfloat16, 128),
+]
 
 
 def _inputs(N, H, r, dtype, seed):

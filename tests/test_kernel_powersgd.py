@@ -1,4 +1,5 @@
 """Error-feedback projection Pallas kernel P = (G + E)·Q vs its jnp reference, CPU interpret mode."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,8 +8,12 @@ import pytest
 from pallas_kernels.powersgd import ef_project, ef_project_reference
 
 # (shape of G, r, G dtype, block_rows): ragged rows, several blocks, a stacked [L, n, m] leaf, bf16 gradients.
-CASES = [((7, 12), 2, jnp.float32, 128), ((40, 24), 4, jnp.float32, 16), ((3, 20, 9), 2, jnp.bfloat16, 16),
-         ((33, 8), 1, jnp.bfloat16, 128)]
+CASES = [
+    ((7, 12), 2, jnp.float32, 128),
+    ((40, 24), 4, jnp.float32, 16),
+    ((3, 20, 9), 2, jnp.bfloat16, 16),
+    ((33, 8), 1, jnp.bfloat16, 128),
+]
 
 
 @pytest.mark.parametrize("shape,r,dtype,bn", CASES)

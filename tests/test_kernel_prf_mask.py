@@ -1,4 +1,5 @@
 """Pallas prf_mask kernel vs its jnp reference (values and gradients, interpret mode) and the codec's kernel path."""
+
 import functools
 
 import jax
@@ -6,9 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import prf
 from pallas_kernels.prf_mask import MaskRows, prf_mask_kernel, prf_mask_reference
 from twocircuit_jax.config.sections import FastConfig
-from twocircuit_jax.fast import mask, prf
+from twocircuit_jax.fast import mask
 
 
 def make_rows(key, n, width, exact_k: bool, k=5):
@@ -40,8 +42,13 @@ def value_and_grad(h, ct, rows, use_kernel, block_rows=None, block_cols=None):
     return out, vjp(ct)[0]
 
 
-CASES = [(7, 48, jnp.float32, True), (7, 48, jnp.bfloat16, False), (14, 48, jnp.float32, False),
-         (16, 128, jnp.bfloat16, True), (9, 200, jnp.float32, True)]
+CASES = [
+    (7, 48, jnp.float32, True),
+    (7, 48, jnp.bfloat16, False),
+    (14, 48, jnp.float32, False),
+    (16, 128, jnp.bfloat16, True),
+    (9, 200, jnp.float32, True),
+]
 
 
 @pytest.mark.parametrize("n,width,dtype,exact_k", CASES)
@@ -85,8 +92,9 @@ def test_cpu_without_interpret_is_an_error():
         mask.make_mask_hook(c, (1,), 0, jnp.zeros(1, jnp.int32), jnp.zeros((1, 2), jnp.int32))(1, jnp.ones((1, 2, 8)))
     c3 = FastConfig(codec="prf_mask", use_kernel=True, prf_impl="threefry")
     with pytest.raises(ValueError, match="threefry"):
-        mask.make_mask_hook(c3, (1,), 0, jnp.zeros(1, jnp.int32), jnp.zeros((1, 2), jnp.int32),
-                            interpret=True)(1, jnp.ones((1, 2, 8)))
+        mask.make_mask_hook(c3, (1,), 0, jnp.zeros(1, jnp.int32), jnp.zeros((1, 2), jnp.int32), interpret=True)(
+            1, jnp.ones((1, 2, 8))
+        )
 
 
 B, T, H = 2, 7, 48
@@ -103,11 +111,14 @@ def codec_value_and_grad(c, h, ct, step, interpret):
     return out, vjp(ct)[0]
 
 
-@pytest.mark.parametrize("exact_k,rescale,antithetic,impl,dtype", [
-    (True, "constant", False, "u32pair", jnp.float32),
-    (False, "rms_match", True, "x64", jnp.float32),
-    (True, "none", True, "u32pair", jnp.bfloat16),
-])
+@pytest.mark.parametrize(
+    "exact_k,rescale,antithetic,impl,dtype",
+    [
+        (True, "constant", False, "u32pair", jnp.float32),
+        (False, "rms_match", True, "x64", jnp.float32),
+        (True, "none", True, "u32pair", jnp.bfloat16),
+    ],
+)
 def test_codec_kernel_path_matches_reference_path(exact_k, rescale, antithetic, impl, dtype):
     kw = dict(codec="prf_mask", p=0.8, exact_k=exact_k, rescale_mode=rescale, antithetic=antithetic, prf_impl=impl)
     h = jax.random.normal(jax.random.key(2), (B, T, H)).astype(dtype)

@@ -1,15 +1,15 @@
 """Pallas codec kernels inside the batch-sharded step: explicit shard_map per device, equal to the reference."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from twocircuit_jax.parallel import dispatch
 from twocircuit_jax.config import FastConfig, MeshConfig
 from twocircuit_jax.fast import lowrank as lr
 from twocircuit_jax.fast.mask import make_mask_hook
-from twocircuit_jax.parallel import make_mesh
+from twocircuit_jax.parallel import dispatch, make_mesh
 
 MESH = None
 
@@ -60,8 +60,9 @@ def test_lowrank_kernel_shard_mapped_equals_reference():
     h, _, _ = _inputs(H=32)
     cfg = FastConfig(codec="lowrank", pp_size=2, rank=4)
     st = lr.init_lowrank(cfg, 32, (1,))
-    (ko, kg), text = _run(lambda: lr.make_lowrank_hook(st, (1,), sketch=False, use_kernel=True, interpret=True,
-                                                        mesh=mesh), h, mesh)
+    (ko, kg), text = _run(
+        lambda: lr.make_lowrank_hook(st, (1,), sketch=False, use_kernel=True, interpret=True, mesh=mesh), h, mesh
+    )
     (ro, rg), _ = _run(lambda: lr.make_lowrank_hook(st, (1,), sketch=False), h, mesh)
     assert "shard_map" in text or "sdy.manual_computation" in text
     np.testing.assert_allclose(ko, ro, atol=1e-5)

@@ -1,4 +1,5 @@
 """MetricsLogger: jsonl records, TensorBoard events, resume truncation."""
+
 import json
 
 import jax.numpy as jnp
@@ -14,20 +15,40 @@ def _read(run):
 
 def test_jsonl_lines_parse_and_values_convert(tmp_path):
     with MetricsLogger(tmp_path, total_steps=3, show_progress=False) as lg:
-        lg.log(1, {"reward/mean": jnp.float32(0.25), "length/max": np.int32(7), "grad/skipped": False,
-                   "codec/basis_cond": float("inf"), "grad/norm": jnp.array(float("nan")),
-                   "kl/ref": -jnp.inf, "per_boundary": jnp.arange(3), "note": "ok"})
+        lg.log(
+            1,
+            {
+                "reward/mean": jnp.float32(0.25),
+                "length/max": np.int32(7),
+                "grad/skipped": False,
+                "codec/basis_cond": float("inf"),
+                "grad/norm": jnp.array(float("nan")),
+                "kl/ref": -jnp.inf,
+                "per_boundary": jnp.arange(3),
+                "note": "ok",
+            },
+        )
         lg.log(2, {"reward/mean": 0.5, "eval/accuracy": 0.75})
         # flushed per line: readable before close
         assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
     recs = _read(tmp_path)
-    assert recs[0] == {"step": 1, "reward/mean": 0.25, "length/max": 7, "grad/skipped": False,
-                       "codec/basis_cond": "inf", "grad/norm": "nan", "kl/ref": "-inf",
-                       "per_boundary": [0, 1, 2], "note": "ok"}
+    assert recs[0] == {
+        "step": 1,
+        "reward/mean": 0.25,
+        "length/max": 7,
+        "grad/skipped": False,
+        "codec/basis_cond": "inf",
+        "grad/norm": "nan",
+        "kl/ref": "-inf",
+        "per_boundary": [0, 1, 2],
+        "note": "ok",
+    }
     assert recs[1] == {"step": 2, "reward/mean": 0.5, "eval/accuracy": 0.75}
     # strict JSON: no bare NaN/Infinity tokens
-    json.loads("[" + ",".join((tmp_path / "metrics.jsonl").read_text().splitlines()) + "]",
-               parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+    json.loads(
+        "[" + ",".join((tmp_path / "metrics.jsonl").read_text().splitlines()) + "]",
+        parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"),
+    )
     events = list(tmp_path.glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
 
@@ -39,11 +60,12 @@ def test_tensorboard_scalars_readable(tmp_path):
     import struct
 
     from tensorboardX.proto import event_pb2
+
     raw = next(tmp_path.glob("events.out.tfevents.*")).read_bytes()
     vals, i = [], 0
-    while i < len(raw):                                  # TFRecord framing: len u64, crc u32, data, crc u32
-        (n,) = struct.unpack("<Q", raw[i:i + 8])
-        ev = event_pb2.Event.FromString(raw[i + 12:i + 12 + n])
+    while i < len(raw):  # TFRecord framing: len u64, crc u32, data, crc u32
+        (n,) = struct.unpack("<Q", raw[i : i + 8])
+        ev = event_pb2.Event.FromString(raw[i + 12 : i + 12 + n])
         i += 12 + n + 4
         for v in ev.summary.value:
             vals.append((ev.step, v.tag, round(v.simple_value, 6)))
@@ -55,7 +77,7 @@ def test_resume_truncates_later_steps(tmp_path):
         for s in range(1, 5):
             lg.log(s, {"reward/mean": s / 10, **({"eval/accuracy": s / 4} if s == 2 else {})})
     with open(tmp_path / "metrics.jsonl", "a") as f:
-        f.write('{"step": 5, "rew')                     # torn line from a crash
+        f.write('{"step": 5, "rew')  # torn line from a crash
     with MetricsLogger(tmp_path, total_steps=5, show_progress=False, resume_from_step=2) as lg:
         assert lg._last == {"reward": 0.2, "eval": 0.5}  # the bar shows the state at the resume point
         lg.log(3, {"reward/mean": 0.9})

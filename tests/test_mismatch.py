@@ -1,6 +1,6 @@
 """Mismatch metrics against direct numpy computations, identities, splits and jit."""
+
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -14,7 +14,7 @@ def batch(seed=0, B=6, T=9, noise=0.3):
     lo = np.minimum(ls + noise * rng.standard_normal((B, T)), 0.0).astype(np.float32)
     mask = np.zeros((B, T), np.float32)
     for b in range(B):
-        mask[b, 2: 2 + 2 + b] = 1.0  # rows of different lengths, prompt positions masked
+        mask[b, 2 : 2 + 2 + b] = 1.0  # rows of different lengths, prompt positions masked
     trunc = np.array([True, False, True, False, False, False])
     return lo, ls, mask, trunc
 
@@ -30,11 +30,19 @@ def numpy_reference(lo, ls, mask):
     mlo = np.array([lo[b][sel[b]].mean() for b in rows])
     mls = np.array([ls[b][sel[b]].mean() for b in rows])
     return {
-        "prob_gap_mean": gap.mean(), "prob_gap_max": gap.max(), "prob_gap_std": gap.std(),
-        "prob_corr": np.corrcoef(po, ps)[0, 1], "kl_k1": np.mean(-d), "kl_k3": np.mean(np.exp(d) - d - 1),
-        "E_rho": w.mean(), "chi2_token": np.mean(w ** 2) - 1, "chi2_seq": np.mean(np.exp(2 * seq)) - 1,
-        "ess": w.sum() ** 2 / (w.size * np.sum(w ** 2)),
-        "ppl_train": np.mean(np.exp(-mlo)), "ppl_roll": np.mean(np.exp(-mls)), "log_ppl_diff": np.mean(mls - mlo),
+        "prob_gap_mean": gap.mean(),
+        "prob_gap_max": gap.max(),
+        "prob_gap_std": gap.std(),
+        "prob_corr": np.corrcoef(po, ps)[0, 1],
+        "kl_k1": np.mean(-d),
+        "kl_k3": np.mean(np.exp(d) - d - 1),
+        "E_rho": w.mean(),
+        "chi2_token": np.mean(w**2) - 1,
+        "chi2_seq": np.mean(np.exp(2 * seq)) - 1,
+        "ess": w.sum() ** 2 / (w.size * np.sum(w**2)),
+        "ppl_train": np.mean(np.exp(-mlo)),
+        "ppl_roll": np.mean(np.exp(-mls)),
+        "log_ppl_diff": np.mean(mls - mlo),
     }
 
 
@@ -47,16 +55,20 @@ def test_matches_numpy_overall_and_per_split():
         for k, v in ref.items():
             np.testing.assert_allclose(float(got[f"mismatch/{k}{suffix}"]), v, rtol=2e-4, atol=1e-6, err_msg=k + suffix)
     # E[rho] = k3 - k1 + 1, as SPEC §6 notes.
-    np.testing.assert_allclose(float(got["mismatch/E_rho"]),
-                               float(got["mismatch/kl_k3"] - got["mismatch/kl_k1"] + 1), rtol=1e-5)
+    np.testing.assert_allclose(
+        float(got["mismatch/E_rho"]), float(got["mismatch/kl_k3"] - got["mismatch/kl_k1"] + 1), rtol=1e-5
+    )
 
 
 def test_identical_logprobs():
     lo, _, mask, trunc = batch()
     got = mismatch_metrics(lo, lo, mask, truncated=trunc)
     for suffix in ("", "/truncated", "/finished"):
-        g = {k[len("mismatch/"):-len(suffix) or None]: float(v) for k, v in got.items() if k.endswith(suffix) and
-             (suffix or "/" not in k[len("mismatch/"):])}
+        g = {
+            k[len("mismatch/") : -len(suffix) or None]: float(v)
+            for k, v in got.items()
+            if k.endswith(suffix) and (suffix or "/" not in k[len("mismatch/") :])
+        }
         assert g["prob_gap_mean"] == 0 and g["prob_gap_max"] == 0 and g["prob_gap_std"] == 0
         assert g["prob_corr"] == pytest.approx(1.0, abs=1e-5)
         assert g["kl_k1"] == 0 and g["kl_k3"] == 0 and g["log_ppl_diff"] == 0
@@ -85,7 +97,7 @@ def test_ess_with_given_weights_and_large_deltas():
     w = np.minimum(np.exp(lo - ls), 2.0)  # TIS-capped weights in use
     got = mismatch_metrics(lo, ls, mask, weights=w)
     ws = w[mask > 0].astype(np.float64)
-    np.testing.assert_allclose(float(got["mismatch/ess"]), ws.sum() ** 2 / (ws.size * (ws ** 2).sum()), rtol=1e-5)
+    np.testing.assert_allclose(float(got["mismatch/ess"]), ws.sum() ** 2 / (ws.size * (ws**2).sum()), rtol=1e-5)
     # Deltas of hundreds of nats: ESS stays finite and small (one dominant weight), no overflow to NaN.
     far = ls.copy()
     far[0, 2] = ls[0, 2] - 200.0

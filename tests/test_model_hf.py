@@ -1,4 +1,5 @@
 """Model parity with transformers' PyTorch Qwen2/Qwen3, HF round trip, checkpoint errors."""
+
 import json
 import os
 
@@ -6,13 +7,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from twocircuit_jax.model import CheckpointError, forward, load_hf, save_hf
 from hf_models import make_hf_model, torch_logits
 
+from twocircuit_jax.model import CheckpointError, forward, load_hf, save_hf
 
-@pytest.fixture(scope="module", params=[("qwen2", False), ("qwen2", True), ("qwen3", True)],
-                ids=["qwen2-untied", "qwen2-tied", "qwen3-tied"])
+
+@pytest.fixture(
+    scope="module",
+    params=[("qwen2", False), ("qwen2", True), ("qwen3", True)],
+    ids=["qwen2-untied", "qwen2-tied", "qwen3-tied"],
+)
 def hf_pair(request, tmp_path_factory):
     kind, tie = request.param
     d = str(tmp_path_factory.mktemp(f"{kind}{tie}"))

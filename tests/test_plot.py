@@ -1,5 +1,6 @@
 """`twocircuit plot` on small synthetic run folders: figures are real PNGs, the HTML embeds them and names every run,
 the fidelity map's gaps are the known accuracy differences, sweeps expand into arms, bad paths exit 2 cleanly."""
+
 import json
 
 import pytest
@@ -14,8 +15,12 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def _run(folder, *, codec="none", anchor=False, final_acc=0.5, p=0.9, rank=8, bits=1, hidden=64, steps=30):
     """A run folder: config.yaml as the trainer resolves it (the keys plot reads) and metrics.jsonl."""
     folder.mkdir(parents=True)
-    cfg = {"name": folder.name, "model": {"hidden_size": hidden}, "anchor": {"enabled": anchor},
-           "fast": {"codec": codec, "p": p, "rank": rank, "quant_bits": bits, "grad_codec": "none"}}
+    cfg = {
+        "name": folder.name,
+        "model": {"hidden_size": hidden},
+        "anchor": {"enabled": anchor},
+        "fast": {"codec": codec, "p": p, "rank": rank, "quant_bits": bits, "grad_codec": "none"},
+    }
     (folder / "config.yaml").write_text(yaml.safe_dump(cfg))
     rows = []
     for s in range(steps + 1):
@@ -23,8 +28,14 @@ def _run(folder, *, codec="none", anchor=False, final_acc=0.5, p=0.9, rank=8, bi
         if s % 10 == 0:
             row["eval/accuracy"] = 0.25 + (final_acc - 0.25) * s / steps
         if s > 0:
-            row.update({"reward/mean": 0.1 + s / 100, "mismatch/prob_gap_mean": 1e-3 * (1 + s % 3),
-                        "mismatch/prob_corr": 0.99, "policy/entropy": 1.0 - s / 100})
+            row.update(
+                {
+                    "reward/mean": 0.1 + s / 100,
+                    "mismatch/prob_gap_mean": 1e-3 * (1 + s % 3),
+                    "mismatch/prob_corr": 0.99,
+                    "policy/entropy": 1.0 - s / 100,
+                }
+            )
             if anchor and s % 5 == 0:
                 row["anchor/fire"] = 1.0
             if s % 10 == 5:

@@ -1,4 +1,5 @@
 """The dense probe (train.probe_every): reference KL with codecs off against the codec view."""
+
 import json
 
 import pytest
@@ -8,15 +9,29 @@ from twocircuit_jax.cli import main
 
 CFG = {
     "tokenizer": "char",
-    "model": {"vocab_size": 100, "hidden_size": 32, "num_layers": 4, "num_heads": 2, "num_kv_heads": 1,
-              "head_dim": 16, "intermediate_size": 64},
+    "model": {
+        "vocab_size": 100,
+        "hidden_size": 32,
+        "num_layers": 4,
+        "num_heads": 2,
+        "num_kv_heads": 1,
+        "head_dim": 16,
+        "intermediate_size": 64,
+    },
     "optim": {"lr": 3e-2, "weight_decay": 1.0},  # rewards are all 0 on a random model: decay moves the policy
     "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 32, "eval_size": 8},
     "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
     "grpo": {"kl_coef": 0.0},
     "fast": {"codec": "prf_mask", "p": 0.75, "pp_size": 2},
-    "train": {"steps": 3, "train_batch": 4, "mini_batch": 4, "eval_every": 0, "eval_size": 8, "max_prompt_len": 16,
-              "probe_every": 1},
+    "train": {
+        "steps": 3,
+        "train_batch": 4,
+        "mini_batch": 4,
+        "eval_every": 0,
+        "eval_size": 8,
+        "max_prompt_len": 16,
+        "probe_every": 1,
+    },
 }
 
 

@@ -1,4 +1,5 @@
 """Reward shaping: format penalty, overlong zero/mask/soft, failing verifiers counted as score errors."""
+
 import math
 
 import numpy as np
@@ -12,9 +13,14 @@ from twocircuit_jax.tasks.rewards import overlong_penalty, safe_score, score_bat
 class EchoTask:
     """Scores 1 when the completion equals the answer, unparsed when empty, raises on 'boom'."""
 
-    def train_problems(self): return []
-    def eval_problems(self): return []
-    def prompt(self, p): return p.question
+    def train_problems(self):
+        return []
+
+    def eval_problems(self):
+        return []
+
+    def prompt(self, p):
+        return p.question
 
     def score(self, p, text):
         if text == "boom":
@@ -33,7 +39,10 @@ def test_format_penalty_only_for_unparsed():
     assert shape(UNPARSED, 3, False, 16, g) == (-0.5, 1.0)
     assert shape(WRONG, 3, False, 16, g) == (0.0, 1.0)
     assert shape(OK, 3, False, 16, g) == (1.0, 1.0)
-    assert shape(ScoreResult(0.0, False, "err"), 3, False, 16, g) == (0.0, 1.0)  # verifier failure is not a format error
+    assert shape(ScoreResult(0.0, False, "err"), 3, False, 16, g) == (
+        0.0,
+        1.0,
+    )  # verifier failure is not a format error
 
 
 def test_overlong_zero_and_mask():
@@ -61,8 +70,9 @@ def test_safe_score_catches_exceptions():
 
 def test_score_batch_counts_errors_and_masks():
     g = GRPOConfig(overlong_mode="mask", format_penalty=-1.0)
-    rewards, mask, raw, m = score_batch(EchoTask(), [P] * 5, ["2", "3", "", "boom", "2"],
-                                        [1, 1, 0, 1, 16], [False, False, False, False, True], 16, g)
+    rewards, mask, raw, m = score_batch(
+        EchoTask(), [P] * 5, ["2", "3", "", "boom", "2"], [1, 1, 0, 1, 16], [False, False, False, False, True], 16, g
+    )
     np.testing.assert_array_equal(rewards, [1.0, 0.0, -1.0, 0.0, 1.0])
     np.testing.assert_array_equal(mask, [1, 1, 1, 1, 0])
     np.testing.assert_array_equal(raw, [1, 0, 0, 0, 1])
@@ -80,8 +90,9 @@ def test_score_batch_with_real_task():
     from twocircuit_jax.config.sections import TaskConfig
     from twocircuit_jax.tasks import make_task
 
-    task = make_task(from_dict(TaskConfig, {"type": "reasoning_gym", "dataset": "chain_sum",
-                                            "train_size": 8, "eval_size": 4}))
+    task = make_task(
+        from_dict(TaskConfig, {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 8, "eval_size": 4})
+    )
     ps = task.train_problems()[:4]
     texts = [ps[0].answer, "x", ps[2].answer, ps[3].answer]
     r, _, _, m = score_batch(task, ps, texts, [2, 2, 2, 8], [False, False, False, True], 8, GRPOConfig())

@@ -1,5 +1,6 @@
 """scripts/run_tests.py (the `make test` runner): a pytest process killed by a signal fails the run and is named
 with the test it was running; a clean group passes."""
+
 import importlib.util
 import os
 

@@ -1,4 +1,5 @@
 """Weight exports for the vLLM sampler: atomic versions, latest version, corrupt folders, bit-exact round trip."""
+
 import os
 
 import jax
@@ -10,8 +11,9 @@ from twocircuit_jax.config.sections import ModelConfig
 from twocircuit_jax.model import init_params
 from twocircuit_jax.sampler import export as ex
 
-CFG = ModelConfig(vocab_size=50, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
-                  intermediate_size=48)
+CFG = ModelConfig(
+    vocab_size=50, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=48
+)
 
 
 def _params(seed=0, dtype="float32"):

@@ -1,17 +1,18 @@
 """`twocircuit sweep`: arms run one after another into their own folders, a table of the four columns at the end;
 the shipped seed sweeps resolve, and each arm differs from the base only in its listed keys."""
+
 import glob
 import json
 import os
 
 import pytest
 import yaml
+from tiny_run import tiny_config
 
 from twocircuit_jax.cli import main
 from twocircuit_jax.config.base import to_dict
 from twocircuit_jax.config.run import load_config
 from twocircuit_jax.train.sweep import load_sweep
-from tiny_run import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = tiny_config(name="tiny", anchor={"cadence": 2, "delay": 2, "window": 2})
@@ -29,8 +30,11 @@ def _flat(d, pre=""):
 
 def test_two_arm_sweep_runs_each_arm_and_prints_the_table(tmp_path, capsys):
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(TINY))
-    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump({
-        "base": "base.yaml", "arms": {"dense": {}, "anchored": {"anchor.enabled": True}}}, sort_keys=False))
+    (tmp_path / "sweep.yaml").write_text(
+        yaml.safe_dump(
+            {"base": "base.yaml", "arms": {"dense": {}, "anchored": {"anchor.enabled": True}}}, sort_keys=False
+        )
+    )
     out = tmp_path / "runs" / "s"
     assert main(["sweep", "--config", str(tmp_path / "sweep.yaml"), "--out", str(out), "--set", "train.steps=1"]) == 0
     text = capsys.readouterr().out
@@ -38,10 +42,11 @@ def test_two_arm_sweep_runs_each_arm_and_prints_the_table(tmp_path, capsys):
         rows = [json.loads(l) for l in open(out / arm / "metrics.jsonl")]
         assert [r["step"] for r in rows] == [0, 1]  # the --set reached every arm
         assert yaml.safe_load(open(out / arm / "config.yaml"))["name"] == f"sweep/{arm}"
-    assert "anchor/fires" in rows[-1] and "anchor/fires" not in json.loads(open(out / "dense" / "metrics.jsonl")
-                                                                             .readlines()[-1])
+    assert "anchor/fires" in rows[-1] and "anchor/fires" not in json.loads(
+        open(out / "dense" / "metrics.jsonl").readlines()[-1]
+    )
     lines = text.splitlines()
-    table = lines[next(i for i, ln in enumerate(lines) if ln.split()[:2] == ["arm", "reward"]):]
+    table = lines[next(i for i, ln in enumerate(lines) if ln.split()[:2] == ["arm", "reward"]) :]
     assert table[0].split() == ["arm", "reward", "heldout_acc", "ref_kl", "gap"]
     body = {ln.split()[0]: ln.split()[1:] for ln in table[2:4]}
     assert set(body) == {"dense", "anchored"} and all(len(v) == 4 and "-" not in v for v in body.values())
@@ -51,24 +56,33 @@ def test_two_arm_sweep_runs_each_arm_and_prints_the_table(tmp_path, capsys):
 
 def test_bad_arm_fails_before_running_anything(tmp_path, capsys):
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(TINY))
-    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump({
-        "base": "base.yaml", "arms": {"ok": {}, "typo": {"anchor.cadense": 3}}}))
+    (tmp_path / "sweep.yaml").write_text(
+        yaml.safe_dump({"base": "base.yaml", "arms": {"ok": {}, "typo": {"anchor.cadense": 3}}})
+    )
     out = tmp_path / "runs" / "bad"
     assert main(["sweep", "--config", str(tmp_path / "sweep.yaml"), "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "arms.typo" in err and "cadense" in err and not out.exists()
 
 
-SWEEPS = sorted(glob.glob(os.path.join(ROOT, "configs", "sweeps", "*.yaml"))
-                + glob.glob(os.path.join(ROOT, "configs", "experiments", "*.yaml")))
+SWEEPS = sorted(
+    glob.glob(os.path.join(ROOT, "configs", "sweeps", "*.yaml"))
+    + glob.glob(os.path.join(ROOT, "configs", "experiments", "*.yaml"))
+)
 
 
 @pytest.mark.parametrize("path", SWEEPS, ids=[os.path.relpath(p, ROOT) for p in SWEEPS])
 def test_shipped_sweeps_resolve_and_differ_only_in_listed_keys(path):
     spec = yaml.safe_load(open(path))
     name, arms = load_sweep(path)
-    base = _flat(to_dict(load_config(os.path.join(os.path.dirname(path), spec["base"]),
-                                     [f"{k}={json.dumps(v)}" for k, v in (spec.get("set") or {}).items()])))
+    base = _flat(
+        to_dict(
+            load_config(
+                os.path.join(os.path.dirname(path), spec["base"]),
+                [f"{k}={json.dumps(v)}" for k, v in (spec.get("set") or {}).items()],
+            )
+        )
+    )
     assert [a for a, _ in arms] == list(spec["arms"])
     for arm, cfg in arms:
         got = _flat(to_dict(cfg))
@@ -93,8 +107,14 @@ def test_shipped_sweeps_are_the_seed_arms():
 @pytest.mark.parametrize("name,hidden", [("fidelity_map", 64), ("fidelity_map_wide", 256)])
 def test_fidelity_maps_cover_codec_strength_anchor(name, hidden):
     _, arms = load_sweep(os.path.join(ROOT, "configs", "experiments", f"{name}.yaml"))
-    cells = {(c.fast.codec, {"prf_mask": c.fast.p, "lowrank": c.fast.rank, "sr_quant": c.fast.quant_bits,
-                             "none": None}[c.fast.codec], c.anchor.enabled) for _, c in arms}
+    cells = {
+        (
+            c.fast.codec,
+            {"prf_mask": c.fast.p, "lowrank": c.fast.rank, "sr_quant": c.fast.quant_bits, "none": None}[c.fast.codec],
+            c.anchor.enabled,
+        )
+        for _, c in arms
+    }
     want = {("none", None, False)}
     for anchor in (False, True):
         want |= {("prf_mask", p, anchor) for p in (0.5, 0.75, 0.9, 0.95)}

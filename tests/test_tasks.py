@@ -1,4 +1,5 @@
 """Tasks: reasoning-gym generation/splits/scoring, MATH files loading/boxed extraction/math-verify grading."""
+
 import json
 
 import pytest
@@ -128,8 +129,11 @@ def test_math_files_parquet(tmp_path):
 
     f = tmp_path / "d.parquet"
     pq.write_table(pa.table({"q": ["1+1?", "3*3?"], "sol": [r"\boxed{2}", r"\boxed{9}"]}), f)
-    task = make_task(from_dict(TaskConfig, {"type": "math_files", "train_files": [str(f)], "problem_key": "q",
-                                            "solution_key": "sol"}))
+    task = make_task(
+        from_dict(
+            TaskConfig, {"type": "math_files", "train_files": [str(f)], "problem_key": "q", "solution_key": "sol"}
+        )
+    )
     ps = task.train_problems()
     assert [p.answer for p in ps] == ["2", "9"]
     assert task.eval_problems() == []
@@ -140,13 +144,16 @@ def test_math_files_parquet(tmp_path):
         bad.train_problems()
 
 
-@pytest.mark.parametrize("content, pattern", [
-    ('{"problem": "a", "answer": "1"}\n{not json\n', r"train\.jsonl:line 2: invalid JSON"),
-    ('{"problem": "a", "answer": "1"}\n\n{"answer": "2"}\n', r"train\.jsonl:line 3: field 'problem'"),
-    ('{"problem": "a", "solution": "no box"}\n', r"line 1: no reference answer.*'answer'.*'solution'"),
-    ('[1, 2]\n', r"line 1: expected a JSON object"),
-    ('{"problem": ["a"], "answer": "1"}\n', r"line 1: field 'problem' must be a string"),
-])
+@pytest.mark.parametrize(
+    "content, pattern",
+    [
+        ('{"problem": "a", "answer": "1"}\n{not json\n', r"train\.jsonl:line 2: invalid JSON"),
+        ('{"problem": "a", "answer": "1"}\n\n{"answer": "2"}\n', r"train\.jsonl:line 3: field 'problem'"),
+        ('{"problem": "a", "solution": "no box"}\n', r"line 1: no reference answer.*'answer'.*'solution'"),
+        ("[1, 2]\n", r"line 1: expected a JSON object"),
+        ('{"problem": ["a"], "answer": "1"}\n', r"line 1: field 'problem' must be a string"),
+    ],
+)
 def test_math_files_malformed_input_names_file_line_field(tmp_path, content, pattern):
     (tmp_path / "train.jsonl").write_text(content)
     task = make_task(from_dict(TaskConfig, {"type": "math_files", "train_files": [str(tmp_path / "train.jsonl")]}))

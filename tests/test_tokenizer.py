@@ -1,4 +1,5 @@
 """Char tokenizer: round trip, special-token handling, and that the saved folder loads through AutoTokenizer."""
+
 import json
 import string
 
@@ -17,7 +18,14 @@ def test_char_round_trip_and_ids():
     assert len(ids) == len(TEXT)  # one token per character, no specials added
     assert all(4 <= i < tok.vocab_size for i in ids)
     assert tok.decode(ids) == TEXT
-    assert len(set(tok.encode(string.printable.replace("\t", "").replace("\r", "").replace("\x0b", "").replace("\x0c", "")))) == 96
+    assert (
+        len(
+            set(
+                tok.encode(string.printable.replace("\t", "").replace("\r", "").replace("\x0b", "").replace("\x0c", ""))
+            )
+        )
+        == 96
+    )
 
 
 def test_char_decode_stops_at_eos_and_skips_specials():

@@ -1,5 +1,5 @@
 """The sharded pure train step: equals the single-device step, keeps shardings, compiles once, skips NaN."""
-import dataclasses
+
 import functools
 
 import jax
@@ -14,8 +14,9 @@ from twocircuit_jax.parallel import batch_shardings, make_mesh, mesh_shape
 from twocircuit_jax.train.losses import next_token_loss
 from twocircuit_jax.train.step import init_state, jit_train_step, make_optimizer, make_train_step, state_shardings
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                  intermediate_size=64)
+CFG = ModelConfig(
+    vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64
+)
 OPT = OptimConfig(lr=1e-2, weight_decay=0.01, grad_clip=1.0)
 
 
@@ -43,9 +44,11 @@ def _build(mesh_cfg, devices):
 @pytest.fixture(scope="module")
 def runs():
     out = {}
-    for name, mcfg, devs in [("single", MeshConfig(1, 1, 1), jax.devices()[:1]),
-                             ("dp8", MeshConfig(-1, 1, 1), jax.devices()),
-                             ("fsdp_tp", MeshConfig(2, 2, 2), jax.devices())]:
+    for name, mcfg, devs in [
+        ("single", MeshConfig(1, 1, 1), jax.devices()[:1]),
+        ("dp8", MeshConfig(-1, 1, 1), jax.devices()),
+        ("fsdp_tp", MeshConfig(2, 2, 2), jax.devices()),
+    ]:
         mesh, jitted, state, sh, bsh = _build(mcfg, devs)
         init_sh = jax.tree.map(lambda x: x.sharding, state)
         ms = []
@@ -62,8 +65,11 @@ def test_sharded_step_equals_single_device(runs, name):
     for ma, mb in zip(a["metrics"], b["metrics"]):
         np.testing.assert_allclose(ma["loss"], mb["loss"], rtol=1e-5)
         np.testing.assert_allclose(ma["grad/norm"], mb["grad/norm"], rtol=1e-4)
-    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-5),
-                 a["state"].params, b["state"].params)
+    jax.tree.map(
+        lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-5),
+        a["state"].params,
+        b["state"].params,
+    )
 
 
 @pytest.mark.parametrize("name", ["dp8", "fsdp_tp"])
@@ -93,8 +99,11 @@ def test_nonfinite_gradient_skips_update():
     new, m = jitted(jax.device_put(poisoned, sh), jax.device_put(bad, bsh), None)
     assert int(m["grad/skipped"]) == 1 and int(new.skipped) == 1 and int(new.tick) == 1
     # optimizer state unchanged bit for bit
-    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
-                 before.opt_state, jax.device_get(new.opt_state))
+    jax.tree.map(
+        lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
+        before.opt_state,
+        jax.device_get(new.opt_state),
+    )
 
 
 def test_mesh_size_mismatch_is_a_clear_error():

@@ -3,6 +3,7 @@
 No vLLM needed: the fake server reuses vllm_server's argument parser, HTTP handler and parent watchdog, with an
 engine whose answers are scripted by FAKE_MODE. Each test starts processes in well under a second.
 """
+
 import os
 import signal
 import subprocess
@@ -17,11 +18,12 @@ from twocircuit_jax.sampler.vllm_client import SamplerError, VLLMSampler
 
 psutil = pytest.importorskip("psutil")
 
-CFG = ModelConfig(vocab_size=50, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
-                  intermediate_size=48)
+CFG = ModelConfig(
+    vocab_size=50, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=48
+)
 SAMPLING = SamplingConfig(max_new_tokens=4)
 
-FAKE = textwrap.dedent('''
+FAKE = textwrap.dedent("""
     import os, sys, threading
     from http.server import ThreadingHTTPServer
     from twocircuit_jax.sampler import vllm_server as vs
@@ -55,7 +57,7 @@ FAKE = textwrap.dedent('''
         threading.Thread(target=vs._watch_parent, args=(args.parent_pid,), daemon=True).start()
     print("READY %s:%d" % httpd.server_address[:2], flush=True)
     httpd.serve_forever(poll_interval=0.1)
-''')
+""")
 
 
 @pytest.fixture
@@ -67,9 +69,14 @@ def fake(tmp_path, monkeypatch):
 
     def make(mode="good", retries=2):
         env = dict(os.environ, FAKE_MODE=mode)
-        return VLLMSampler(SamplerConfig(max_retries=retries, startup_timeout_s=30, request_timeout_s=10),
-                           str(tmp_path / "model"), str(tmp_path / "exports"), CFG,
-                           command=[sys.executable, str(script)], env=env)
+        return VLLMSampler(
+            SamplerConfig(max_retries=retries, startup_timeout_s=30, request_timeout_s=10),
+            str(tmp_path / "model"),
+            str(tmp_path / "exports"),
+            CFG,
+            command=[sys.executable, str(script)],
+            env=env,
+        )
 
     def calls():
         p = tmp_path / "count"
@@ -89,8 +96,9 @@ def test_good_answer(fake):
     assert calls() == 1
 
 
-@pytest.mark.parametrize("mode,match", [("malformed", "malformed row"), ("short", "short answer: 3 rows"),
-                                        ("garbage", "malformed answer")])
+@pytest.mark.parametrize(
+    "mode,match", [("malformed", "malformed row"), ("short", "short answer: 3 rows"), ("garbage", "malformed answer")]
+)
 def test_bad_answers_are_retried_then_fail_clearly(fake, mode, match):
     make, calls, _, _ = fake
     s = make(mode, retries=2)
@@ -120,7 +128,7 @@ def test_dead_server_restarted_with_latest_version(fake):
     assert time.monotonic() - t0 < 10
 
 
-TRAINER = textwrap.dedent('''
+TRAINER = textwrap.dedent("""
     import os, sys, time
     from twocircuit_jax.config.sections import ModelConfig, SamplerConfig
     from twocircuit_jax.sampler.vllm_client import VLLMSampler
@@ -133,7 +141,7 @@ TRAINER = textwrap.dedent('''
     if sys.argv[1] == "error":
         raise RuntimeError("trainer crashed")
     time.sleep(60)
-''')
+""")
 
 
 @pytest.mark.parametrize("how", ["error", "sigint", "sigterm", "sigkill"])
@@ -142,8 +150,11 @@ def test_no_orphan_when_trainer_ends(fake, how):
     trainer = tmp / "trainer.py"
     trainer.write_text(TRAINER)
     pidfile = tmp / "server.pid"
-    proc = subprocess.Popen([sys.executable, str(trainer), how, str(tmp / "model"), str(tmp / "exports"),
-                             str(script), str(pidfile)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, str(trainer), how, str(tmp / "model"), str(tmp / "exports"), str(script), str(pidfile)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 60
     while not (pidfile.exists() and pidfile.read_text()) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)

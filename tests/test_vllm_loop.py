@@ -6,6 +6,7 @@ correlation for a dense bf16 GPU run; we fail above 1e-4 mean, 1e-3 max, or belo
 reload that silently misses a tensor (seen: a tied LM head kept its start-up weights) lets the gap grow with every
 update, to ~1e-4 mean after three steps of this run, and fails here.
 """
+
 import json
 import os
 import signal
@@ -18,10 +19,21 @@ from twocircuit_jax.cli import main
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 CFG = {
-    "name": "vllm_tiny", "tokenizer": "char",
-    "model": {"vocab_size": 100, "hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1,
-              "head_dim": 32, "intermediate_size": 96, "eos_token_id": 2, "pad_token_id": 0, "bos_token_id": 1,
-              "max_position_embeddings": 64},
+    "name": "vllm_tiny",
+    "tokenizer": "char",
+    "model": {
+        "vocab_size": 100,
+        "hidden_size": 64,
+        "num_layers": 2,
+        "num_heads": 2,
+        "num_kv_heads": 1,
+        "head_dim": 32,
+        "intermediate_size": 96,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "max_position_embeddings": 64,
+    },
     "mesh": {"data": -1},
     "optim": {"lr": 1e-3},
     "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 64, "eval_size": 16},

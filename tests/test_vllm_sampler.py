@@ -2,6 +2,7 @@
 
 Tests run in file order and share the server; each leaves it serving a known version.
 """
+
 import dataclasses
 import math
 import os
@@ -24,8 +25,18 @@ from twocircuit_jax.sampler.vllm_client import SamplerError, VLLMSampler  # noqa
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-CFG = ModelConfig(vocab_size=96, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
-                  intermediate_size=128, max_position_embeddings=256, tie_embeddings=False, eos_token_id=2)
+CFG = ModelConfig(
+    vocab_size=96,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=32,
+    intermediate_size=128,
+    max_position_embeddings=256,
+    tie_embeddings=False,
+    eos_token_id=2,
+)
 PROMPTS = [[5, 6, 7], [9], [10, 11, 12, 13, 14]]
 SAMPLING = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8)
 
@@ -37,8 +48,15 @@ def setup(tmp_path_factory):
     params = jax.tree.map(np.asarray, init_params(CFG, jax.random.PRNGKey(0), std=0.3))
     save_hf(CFG, params, str(root / "model"))
     cfg = SamplerConfig(startup_timeout_s=240, request_timeout_s=120, max_retries=2)
-    s = VLLMSampler(cfg, str(root / "model"), str(root / "exports"), CFG, dtype="float32",
-                    kv_cache_bytes=64 << 20, max_model_len=256)
+    s = VLLMSampler(
+        cfg,
+        str(root / "model"),
+        str(root / "exports"),
+        CFG,
+        dtype="float32",
+        kv_cache_bytes=64 << 20,
+        max_model_len=256,
+    )
     try:
         yield s, params, root
     finally:
@@ -92,8 +110,10 @@ def test_logprobs_match_transformers(setup):
         ref = _hf_logprobs(str(root / "model"), PROMPTS[i // 2], toks)
         gaps += [abs(a - b) for a, b in zip(lps, ref)]
     gaps = np.asarray(gaps)
-    print(f"\nvLLM vs transformers fp32 sampled-token logprob gap: max {gaps.max():.3e} mean {gaps.mean():.3e} "
-          f"over {gaps.size} tokens")
+    print(
+        f"\nvLLM vs transformers fp32 sampled-token logprob gap: max {gaps.max():.3e} mean {gaps.mean():.3e} "
+        f"over {gaps.size} tokens"
+    )
     assert gaps.max() < 1e-3, gaps.max()
 
 
@@ -155,14 +175,28 @@ def test_port_in_use_names_the_port(setup):
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
-        out = subprocess.run([sys.executable, "-m", "twocircuit_jax.sampler.vllm_server", "--model-dir",
-                              str(root / "model"), "--export-root", str(root / "exports"), "--port", str(port)],
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "twocircuit_jax.sampler.vllm_server",
+                "--model-dir",
+                str(root / "model"),
+                "--export-root",
+                str(root / "exports"),
+                "--port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 2
         assert f"port {port} is already in use" in out.stderr
         with pytest.raises(SamplerError, match=f"port {port} is already in use"):
-            VLLMSampler(SamplerConfig(port=port, startup_timeout_s=60), str(root / "model"),
-                        str(root / "exports2"), CFG)
+            VLLMSampler(
+                SamplerConfig(port=port, startup_timeout_s=60), str(root / "model"), str(root / "exports2"), CFG
+            )
 
 
 def test_close_leaves_no_orphan(setup):

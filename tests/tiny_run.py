@@ -1,10 +1,23 @@
 """The tiny run config the end-to-end tests share: a random char-level model on chain_sum, seconds per step."""
+
 import copy
 
 _BASE = {
-    "tokenizer": "char", "mesh": {"data": -1}, "optim": {"lr": 1e-3},
-    "model": {"vocab_size": 100, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1,
-              "head_dim": 16, "intermediate_size": 64, "eos_token_id": 2, "pad_token_id": 0, "bos_token_id": 1},
+    "tokenizer": "char",
+    "mesh": {"data": -1},
+    "optim": {"lr": 1e-3},
+    "model": {
+        "vocab_size": 100,
+        "hidden_size": 32,
+        "num_layers": 2,
+        "num_heads": 2,
+        "num_kv_heads": 1,
+        "head_dim": 16,
+        "intermediate_size": 64,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+    },
     "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 64, "eval_size": 8},
     "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
     "fast": {"pp_size": 2},

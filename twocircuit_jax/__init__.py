@@ -4,6 +4,7 @@ The fast circuit (twocircuit_jax.fast) trains through lossy codecs; the anchor c
 replays dense updates and keeps dense optimizer moments; the sampler (twocircuit_jax.sampler) generates rollouts
 from the dense weights; twocircuit_jax.grpo holds the objective, twocircuit_jax.metrics the diagnostics.
 """
+
 from twocircuit_jax.model.hf_io import load_hf, save_hf
 from twocircuit_jax.model.qwen2 import forward
 

@@ -1,4 +1,5 @@
 """The `twocircuit` command. Exit codes: 0 success, 2 bad input (config, data, paths), 1 failure at run time."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,13 @@ def _parser() -> argparse.ArgumentParser:
     def with_config(sp, out_help):
         sp.add_argument("--config", required=True, help="YAML config file (see configs/)")
         sp.add_argument("--out", required=True, help=out_help)
-        sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key (dotted key, YAML value); repeatable")
+        sp.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config key (dotted key, YAML value); repeatable",
+        )
 
     t = sub.add_parser("train", help="run GRPO; writes config.yaml, metrics.jsonl, TensorBoard events, checkpoints/")
     with_config(t, "run folder, e.g. runs/NAME")
@@ -120,8 +126,9 @@ def _dispatch(args) -> int:
     if args.cmd == "serve-sampler":
         from twocircuit_jax.sampler.vllm_server import serve_from_config
 
-        return serve_from_config(load_config(args.config, args.set), model_dir=args.model_dir,
-                                 export_root=args.export_root)
+        return serve_from_config(
+            load_config(args.config, args.set), model_dir=args.model_dir, export_root=args.export_root
+        )
     if args.cmd == "sweep":
         from twocircuit_jax.train.sweep import run_sweep
 
@@ -139,12 +146,12 @@ def _dispatch(args) -> int:
 def _eval(args) -> int:
     import dataclasses
 
+    from twocircuit_jax.config import load_config
     from twocircuit_jax.sampler.jax_sampler import JaxSampler
     from twocircuit_jax.tasks import make_task
     from twocircuit_jax.train.evaluate import Evaluator
     from twocircuit_jax.train.policy_io import load_policy
     from twocircuit_jax.train.setup import check_vocab, load_run_tokenizer
-    from twocircuit_jax.config import load_config
 
     cfg = load_config(args.config, args.set)
     mcfg, params = load_policy(args.checkpoint)
@@ -153,8 +160,14 @@ def _eval(args) -> int:
     mcfg = check_vocab(mcfg, tokenizer)
     task = make_task(cfg.task)
     t = cfg.train
-    ev = Evaluator(task, tokenizer, list(task.eval_problems())[: t.eval_size], t.max_prompt_len,
-                   cfg.sampler.sampling.max_new_tokens, greedy=t.eval_greedy)
+    ev = Evaluator(
+        task,
+        tokenizer,
+        list(task.eval_problems())[: t.eval_size],
+        t.max_prompt_len,
+        cfg.sampler.sampling.max_new_tokens,
+        greedy=t.eval_greedy,
+    )
     res = {"checkpoint": args.checkpoint, **ev.run(JaxSampler(mcfg, params, prompt_bucket=t.max_prompt_len))}
     print(json.dumps(res))
     if args.out:

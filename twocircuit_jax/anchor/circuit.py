@@ -13,6 +13,7 @@ sharded like the parameters. Resume: counters, M and the moments are checkpointe
 retained batches, host snapshots and projection window go beside them as a pickled blob (`dump_buffers`), so a
 resumed run fires on the same pairs as an uninterrupted one.
 """
+
 from __future__ import annotations
 
 import copy
@@ -30,7 +31,6 @@ from twocircuit_jax.anchor.projection import SnapshotWindow
 from twocircuit_jax.anchor.retention import ReplayBuffer, host_snapshot
 from twocircuit_jax.anchor.swap import init_anchor_moments, swap_optimizer_moments, update_anchor_moments
 from twocircuit_jax.config.base import ConfigError
-from twocircuit_jax.fast import lowrank as lr
 from twocircuit_jax.parallel import dispatch
 
 MERGER_STATE_KEY = "anchor/merger_state"  # carries the merger state out of the jitted step; popped in after_tick
@@ -38,20 +38,21 @@ _ZERO_COUNTERS = ("anchor/optimizer_steps", "anchor/rollouts_generated", "anchor
 
 
 class AnchorCircuit:
-    def __init__(self, run_cfg, model_cfg, params, codec=None):
+    def __init__(self, run_cfg, model_cfg, params, sketcher=None):
         a = self.cfg = run_cfg.anchor
         if a.batch_scope != "ppo_minibatch":
             raise ConfigError("anchor.batch_scope", "only ppo_minibatch replay is implemented")
         if a.warmup_mode != "stale_correct":
-            raise ConfigError("anchor.warmup_mode", "only stale_correct is implemented (q_only needs an "
-                                                    "anchor-owned low-rank basis)")
-        # Anchor-owned low-rank basis (SPEC §3.3): every fire's dense forward sketches the activations (unchanged)
-        # against Q_start; one power-iteration step stages Q_next, which the fast circuit activates after the
-        # step's last tick. The fast path never writes Q then.
+            raise ConfigError(
+                "anchor.warmup_mode", "only stale_correct is implemented (q_only needs an anchor-owned low-rank basis)"
+            )
+        # Anchor-owned low-rank basis: every fire's dense forward also sketches the activations (unchanged) with
+        # `sketcher(basis_state, attention_mask) -> (hook, layers)`, handed in by the loop; the fire returns the
+        # sketch, and the loop gives it to the basis (one power-iteration step, staged). The anchor never sees the
+        # codec itself.
         self.owns_q = bool(run_cfg.anchor_owns_q)
-        if self.owns_q and (codec is None or run_cfg.fast.codec != "lowrank"):
+        if self.owns_q and (sketcher is None or run_cfg.fast.codec != "lowrank"):
             raise ConfigError("anchor.owns_q", "an anchor-owned basis needs fast.codec: lowrank")
-        self.codec = codec if self.owns_q else None
         self.grpo = run_cfg.grpo
         self.param_sh = jax.tree.map(lambda x: x.sharding, params)
         self.rep = NamedSharding(jax.tree.leaves(self.param_sh)[0].mesh, P())
@@ -70,20 +71,28 @@ class AnchorCircuit:
         self.moments, self.mom_sh = None, None
         if a.swap_cadence > 0:
             mom = jax.eval_shape(lambda: init_anchor_moments(params, a.target_scope))
-            self.mom_sh = type(mom)(m={k: by_path[k] for k in mom.m}, v={k: by_path[k] for k in mom.v},
-                                    fired=self.rep)
+            self.mom_sh = type(mom)(m={k: by_path[k] for k in mom.m}, v={k: by_path[k] for k in mom.v}, fired=self.rep)
             # Built by a jitted init so that m, v (and δ below) are distinct buffers: the fire donates them.
-            self.moments = dispatch.jit(lambda: init_anchor_moments(params, a.target_scope), out_shardings=self.mom_sh)()
-        self._merger0 = dispatch.jit(lambda: init_merger(params, a), out_shardings=self.rep)() if self.merger_on else None
-        sketcher = (lambda st, mask: self.codec.sketch_hook({"lowrank": st}, mask)) if self.owns_q else None
-        grad_fn = make_anchor_grad(model_cfg, run_cfg.grpo, run_cfg.sampler.sampling.max_new_tokens, sketcher)
+            self.moments = dispatch.jit(
+                lambda: init_anchor_moments(params, a.target_scope), out_shardings=self.mom_sh
+            )()
+        self._merger0 = (
+            dispatch.jit(lambda: init_merger(params, a), out_shardings=self.rep)() if self.merger_on else None
+        )
+        grad_fn = make_anchor_grad(
+            model_cfg, run_cfg.grpo, run_cfg.sampler.sampling.max_new_tokens, sketcher if self.owns_q else None
+        )
         carry_sh = {"merger": self.rep, "moments": self.mom_sh}
         # One jitted dense forward/backward (+ EMA and moment updates), compiled once: fixed batch keys/shapes,
         # snapshot params put on the parameter shardings. The carry is donated; the trainer state is not an input.
-        # The low-rank state is a separate, non-donated input: its bases share buffers across fields.
-        self._fire_jit = dispatch.jit(functools.partial(self._fire_fn, grad_fn),
-                                 in_shardings=(self.param_sh, None, carry_sh, self.rep),
-                                 out_shardings=(carry_sh, self.rep, self.rep), donate_argnums=(2,))
+        # The basis state is a separate, non-donated input (its bases share buffers across fields); the sketch is
+        # an output.
+        self._fire_jit = dispatch.jit(
+            functools.partial(self._fire_fn, grad_fn),
+            in_shardings=(self.param_sh, None, carry_sh, self.rep),
+            out_shardings=(carry_sh, self.rep, self.rep),
+            donate_argnums=(2,),
+        )
         self._swap_jit = None
         self.fires = self.swaps = self.rank1_bypass_ticks = self.warmup_fires = 0
         self.anchor_rows = self.fast_rows = 0
@@ -98,16 +107,14 @@ class AnchorCircuit:
             return {}
         return {"merger": self._merger0, "anchor_fire": jnp.asarray(False), "anchor_merge": jnp.asarray(True)}
 
-    def _fire_fn(self, grad_fn, params, batch, carry, low):
-        grads, metrics, aux = grad_fn(params, batch, low)
+    def _fire_fn(self, grad_fn, params, batch, carry, basis):
+        grads, metrics, sketch = grad_fn(params, batch, basis)  # the sketch is summed over the global batch
         out = dict(carry)
-        if low is not None:  # the sketch is summed over the global batch inside jit: that is the dp sum
-            low = lr.refresh_basis(lr.accumulate_sketch(low, aux), self.codec.fcfg, axis_name=None)  # staged
         if carry.get("merger") is not None:
             out["merger"] = update_ema(carry["merger"], grads, self.cfg)
         if carry.get("moments") is not None:
             out["moments"] = update_anchor_moments(carry["moments"], grads, self.cfg.swap_beta1, self.cfg.swap_beta2)
-        return out, metrics, low
+        return out, metrics, sketch if basis is not None else None
 
     def grad_transform(self, grads, ctx):
         """Traced inside the train step, before clip/AdamW. lax.cond: until M exists (or off the merger cadence)
@@ -131,7 +138,9 @@ class AnchorCircuit:
         return g, metrics
 
     # --- per tick -----------------------------------------------------------------------------------------------
-    def before_tick(self, tau, gs, first_tick_of_step, minibatch, state, ctx):
+    def before_tick(self, tau, gs, first_tick_of_step, minibatch, state, ctx, basis=None):
+        """Returns (ctx, metrics, sketch): `sketch` is the fire's dense sketch against `basis` (an anchor-owned
+        basis, on a fire tick), else None."""
         a = self.cfg
         batch = {k: minibatch[k] for k in self._batch_keys}
         rows = int(batch["tokens"].shape[0])
@@ -142,17 +151,17 @@ class AnchorCircuit:
                 self.window.add_base(tau, host_snapshot(state.params, self.buffer.dtype))
         # Snapshot on the step's first tick (a params-sized device→host copy, host sync), retain if due.
         self.buffer.on_tick(tau, gs, batch, params=lambda: state.params)
-        metrics = {}
+        metrics, sketch = {}, None
         fire = tau % a.cadence == 0
         if fire:
-            ctx, metrics = self._fire(tau, batch, rows, ctx)
+            ctx, metrics, sketch = self._fire(tau, batch, rows, ctx, basis)
         if self.merger_on:
             if not self.fires:
                 self.rank1_bypass_ticks += int(a.projection)  # M not ready: the merger bypasses this tick
             ctx = {**ctx, "anchor_fire": jnp.asarray(fire), "anchor_merge": jnp.asarray(tau % a.merger_cadence == 0)}
-        return ctx, metrics
+        return ctx, metrics, sketch
 
-    def _fire(self, tau, batch, rows, ctx):
+    def _fire(self, tau, batch, rows, ctx, basis):
         """One dense forward/backward on the delayed pair (or the forecast with the current batch)."""
         rep = self.buffer.replay_for_fire(tau)  # raises on broken delay/staleness or a changed snapshot
         weights, fire_batch, metrics = rep.params, rep.batch, {}
@@ -168,9 +177,10 @@ class AnchorCircuit:
             else:
                 self.warmup_fires += 1
         carry = {"merger": ctx.get("merger"), "moments": self.moments}
-        low = ctx["codec"]["lowrank"] if self.owns_q else None
+        if self.owns_q and basis is None:
+            raise ValueError("anchor fire: the anchor owns the basis but no basis state was handed in")
         dev = jax.device_put(weights, self.param_sh)  # host → device, params-sized
-        carry, fm, low = self._fire_jit(dev, fire_batch, carry, low)  # serialised on XLA:CPU (parallel/dispatch.py)
+        carry, fm, sketch = self._fire_jit(dev, fire_batch, carry, basis if self.owns_q else None)  # serialised on CPU
         # Nothing above may fail after this point: state changes only now.
         if window is not None:
             self.window = window
@@ -178,14 +188,12 @@ class AnchorCircuit:
         if self.merger_on:
             ctx = {**ctx, "merger": carry["merger"]}
             self._merger_ref = carry["merger"]
-        if self.owns_q:
-            ctx = {**ctx, "codec": {**ctx["codec"], "lowrank": low}}
         self.fires += 1
         self.anchor_rows += int(fire_batch["tokens"].shape[0])
         self._step["fire_ticks"].append(tau)
         self._step["replays"].append((rep.data_delay, rep.weight_staleness))
         metrics.update(fm)
-        return ctx, metrics
+        return ctx, metrics, sketch
 
     def after_tick(self, tau, state, ctx, metrics):
         """Pops the merger state out of the step's metrics (mutates `metrics`), then swaps if due."""
@@ -198,10 +206,12 @@ class AnchorCircuit:
         if a.swap_cadence > 0 and tau % a.swap_cadence == 0 and self.fires > 0:
             if self._swap_jit is None:  # built once, with the trainer's own opt-state shardings
                 opt_sh = jax.tree.map(lambda x: x.sharding, state.opt_state)
-                fn = functools.partial(swap_optimizer_moments, alpha=a.swap_alpha, scale_match=a.swap_scale_match,
-                                       mode=a.swap_mode)
-                self._swap_jit = dispatch.jit(fn, in_shardings=(opt_sh, self.mom_sh), out_shardings=(opt_sh, self.rep),
-                                         donate_argnums=(0,))
+                fn = functools.partial(
+                    swap_optimizer_moments, alpha=a.swap_alpha, scale_match=a.swap_scale_match, mode=a.swap_mode
+                )
+                self._swap_jit = dispatch.jit(
+                    fn, in_shardings=(opt_sh, self.mom_sh), out_shardings=(opt_sh, self.rep), donate_argnums=(0,)
+                )
             opt, sm = self._swap_jit(state.opt_state, self.moments)
             state = state._replace(opt_state=opt)
             self.swaps += 1
@@ -213,11 +223,17 @@ class AnchorCircuit:
     def step_metrics(self) -> dict:
         """Per GRPO step; resets the per-step accumulators. Reading ρ is a host sync (once per step)."""
         s = self._step
-        out = {"anchor/fires": self.fires, "anchor/backwards": self.fires, "anchor/fire": float(bool(s["fire_ticks"])),
-               "anchor/rank1_bypass_ticks": self.rank1_bypass_ticks, "anchor/rank1_warmup_fires": self.warmup_fires,
-               "anchor/batch_fraction": self.anchor_rows / max(self.fast_rows, 1),
-               "anchor/retained_batches": self.buffer.num_batches, "anchor/retained_snapshots": self.buffer.num_snapshots,
-               **{k: 0 for k in _ZERO_COUNTERS}}
+        out = {
+            "anchor/fires": self.fires,
+            "anchor/backwards": self.fires,
+            "anchor/fire": float(bool(s["fire_ticks"])),
+            "anchor/rank1_bypass_ticks": self.rank1_bypass_ticks,
+            "anchor/rank1_warmup_fires": self.warmup_fires,
+            "anchor/batch_fraction": self.anchor_rows / max(self.fast_rows, 1),
+            "anchor/retained_batches": self.buffer.num_batches,
+            "anchor/retained_snapshots": self.buffer.num_snapshots,
+            **{k: 0 for k in _ZERO_COUNTERS},
+        }
         if self._merger_ref is not None:
             out["anchor/merger_coldM_fallbacks"] = int(self._merger_ref.cold_m_fallbacks)
         if s["fire_ticks"]:
@@ -235,11 +251,18 @@ class AnchorCircuit:
         """Host buffers for an exact resume: retained batches (brought to host), snapshots with their canaries,
         the projection window, the generator tick. Pickled numpy; params-sized per held snapshot."""
         b = self.buffer
-        return pickle.dumps({
-            "snapshots": dict(b._snapshots), "batches": [(t, s, jax.device_get(x)) for t, s, x in b._batches],
-            "tau": b._tau, "step": b._step, "step_ticks": dict(b._step_ticks), "gen_tick": self._gen_tick,
-            "window": None if self.window is None else (list(self.window._ticks), list(self.window._snaps)),
-        }, protocol=5)
+        return pickle.dumps(
+            {
+                "snapshots": dict(b._snapshots),
+                "batches": [(t, s, jax.device_get(x)) for t, s, x in b._batches],
+                "tau": b._tau,
+                "step": b._step,
+                "step_ticks": dict(b._step_ticks),
+                "gen_tick": self._gen_tick,
+                "window": None if self.window is None else (list(self.window._ticks), list(self.window._snaps)),
+            },
+            protocol=5,
+        )
 
     def load_buffers(self, blob: bytes) -> None:
         d = pickle.loads(blob)  # written by dump_buffers of this run's own checkpoint
@@ -255,8 +278,14 @@ class AnchorCircuit:
         return {"moments": self.moments} if self.moments is not None else {"none": jnp.zeros((), jnp.int32)}
 
     def host_state(self) -> dict:
-        return {"fires": self.fires, "swaps": self.swaps, "rank1_bypass_ticks": self.rank1_bypass_ticks,
-                "warmup_fires": self.warmup_fires, "anchor_rows": self.anchor_rows, "fast_rows": self.fast_rows}
+        return {
+            "fires": self.fires,
+            "swaps": self.swaps,
+            "rank1_bypass_ticks": self.rank1_bypass_ticks,
+            "warmup_fires": self.warmup_fires,
+            "anchor_rows": self.anchor_rows,
+            "fast_rows": self.fast_rows,
+        }
 
     def load(self, device_state, host_state, ctx=None, buffers: bytes | None = None):
         """Resume: moments, counters, the merger state handed back through ctx, and the host buffers."""

@@ -12,6 +12,7 @@ several nats); w_IS compares this pass's own log-probs with the sampler's, min(e
 a healthy run, never the fast circuit's codec ratio. A fire is one forward and one backward; nothing is
 re-sampled or re-scored.
 """
+
 from __future__ import annotations
 
 import jax
@@ -28,20 +29,20 @@ def anchor_loss(model_cfg, grpo_cfg, max_new_tokens: int, params, batch, hook=No
     """(loss scalar, (metrics, hook aux)) of the dense anchor pass on `batch` (tokens, attention_mask,
     response_mask, advantages; ref_logp_dense, the reference log-probs with codecs off, when kl_coef > 0;
     sampler_logp when TIS is on). A hook here only observes (the anchor-owned low-rank basis sketches the activations, unchanged)."""
-    logits, aux = forward_with_aux(model_cfg, params, batch["tokens"], batch["attention_mask"], hook=hook,
-                                   hook_layers=hook_layers)
-    logp = token_logprobs(logits, batch["tokens"])                                     # [B, T] fp32
+    logits, aux = forward_with_aux(
+        model_cfg, params, batch["tokens"], batch["attention_mask"], hook=hook, hook_layers=hook_layers
+    )
+    logp = token_logprobs(logits, batch["tokens"])  # [B, T] fp32
     mask = batch["response_mask"].astype(jnp.float32)
     count = jnp.maximum(jnp.sum(mask), 1.0)
-    adv = jax.lax.stop_gradient(batch["advantages"].astype(jnp.float32))[:, None]      # [B, 1]
-    ratio = jnp.exp(logp - jax.lax.stop_gradient(logp))                                # ≡ 1, carries ∇log π
+    adv = jax.lax.stop_gradient(batch["advantages"].astype(jnp.float32))[:, None]  # [B, 1]
+    ratio = jnp.exp(logp - jax.lax.stop_gradient(logp))  # ≡ 1, carries ∇log π
     pg = -adv * ratio
     tis = {}
     if grpo_cfg.tis != "off":
         if "sampler_logp" not in batch:
             raise ValueError(f"grpo.tis={grpo_cfg.tis!r} but the replayed batch has no sampler_logp")
-        w, tis = tis_weights(jax.lax.stop_gradient(logp), batch["sampler_logp"], mask, grpo_cfg.tis,
-                             grpo_cfg.tis_cap)
+        w, tis = tis_weights(jax.lax.stop_gradient(logp), batch["sampler_logp"], mask, grpo_cfg.tis, grpo_cfg.tis_cap)
         pg = pg * w
     agg = dict(norm_len=max_new_tokens)
     pg_loss = agg_loss(pg, mask, grpo_cfg.loss_agg, **agg)
@@ -57,10 +58,14 @@ def anchor_loss(model_cfg, grpo_cfg, max_new_tokens: int, params, batch, hook=No
     ent = token_entropy(logits if grpo_cfg.entropy_coeff != 0 else jax.lax.stop_gradient(logits))
     if grpo_cfg.entropy_coeff != 0:
         loss = loss - grpo_cfg.entropy_coeff * agg_loss(ent, mask, grpo_cfg.loss_agg, **agg)
-    metrics = {"anchor/pg_loss": pg_loss, "anchor/kl_loss": kl_loss,
-               "anchor/ratio_mean": jnp.sum(ratio * mask) / count,
-               "anchor/entropy": jnp.sum(ent * mask) / count, "anchor/loss": loss,
-               **{f"anchor/{k}": v for k, v in tis.items()}}
+    metrics = {
+        "anchor/pg_loss": pg_loss,
+        "anchor/kl_loss": kl_loss,
+        "anchor/ratio_mean": jnp.sum(ratio * mask) / count,
+        "anchor/entropy": jnp.sum(ent * mask) / count,
+        "anchor/loss": loss,
+        **{f"anchor/{k}": v for k, v in tis.items()},
+    }
     return loss, (metrics, aux)
 
 
@@ -71,9 +76,11 @@ def make_anchor_grad(model_cfg, grpo_cfg, max_new_tokens: int, sketcher=None):
     def fn(params, batch, sketch_state=None):
         hook, layers = (None, ()) if sketcher is None else sketcher(sketch_state, batch["attention_mask"])
         (_, (metrics, aux)), grads = jax.value_and_grad(
-            lambda p: anchor_loss(model_cfg, grpo_cfg, max_new_tokens, p, batch, hook, layers), has_aux=True)(params)
-        metrics["anchor/grad_norm"] = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32)))
-                                                   for g in jax.tree.leaves(grads)))
+            lambda p: anchor_loss(model_cfg, grpo_cfg, max_new_tokens, p, batch, hook, layers), has_aux=True
+        )(params)
+        metrics["anchor/grad_norm"] = jnp.sqrt(
+            sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
+        )
         return grads, metrics, aux
 
     return fn

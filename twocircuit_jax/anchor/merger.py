@@ -8,6 +8,7 @@ counts `merge` calls since the last fire tick, which equals ticks at the default
 M, δ and the per-target state are dicts keyed by the '/'-joined parameter path of each *target* leaf, so
 `target_scope='decoder'` holds no memory for embeddings or norms; non-target leaves of G pass through untouched.
 """
+
 from __future__ import annotations
 
 import re
@@ -62,11 +63,11 @@ def _norm(x):
 
 # ------------------------------------------------------------------------------------------------------ state
 class MergerState(NamedTuple):
-    m: Dict[str, jax.Array]      # {target path: fp32 [leaf shape]} EMA of anchor gradients, 0 before any fire
+    m: Dict[str, jax.Array]  # {target path: fp32 [leaf shape]} EMA of anchor gradients, 0 before any fire
     delta: Dict[str, jax.Array]  # {target path: fp32 [leaf shape]} delayed_ef δ = M − G(fire tick); {} otherwise
-    fired: jax.Array             # int32 [] number of fires folded into M (M exists iff > 0)
-    omega: jax.Array             # fp32 [] learned gate ω of signed_gate (ω₀ = 0)
-    age: jax.Array               # int32 [] merge calls since the last fire tick (0 on the fire tick)
+    fired: jax.Array  # int32 [] number of fires folded into M (M exists iff > 0)
+    omega: jax.Array  # fp32 [] learned gate ω of signed_gate (ω₀ = 0)
+    age: jax.Array  # int32 [] merge calls since the last fire tick (0 on the fire tick)
     cold_m_fallbacks: jax.Array  # int32 [] target tensors that fell back to G because ‖M‖ <= 1e-12
 
 
@@ -76,8 +77,14 @@ def init_merger(params, cfg=None) -> MergerState:
     mode = getattr(cfg, "merger", "signed_ema")
     zeros = {k: jnp.zeros(jnp.shape(x), jnp.float32) for k, x in select_targets(params, scope).items()}
     delta = dict(zeros) if mode == "delayed_ef" else {}
-    return MergerState(m=zeros, delta=delta, fired=jnp.zeros((), jnp.int32), omega=jnp.zeros((), jnp.float32),
-                       age=jnp.zeros((), jnp.int32), cold_m_fallbacks=jnp.zeros((), jnp.int32))
+    return MergerState(
+        m=zeros,
+        delta=delta,
+        fired=jnp.zeros((), jnp.int32),
+        omega=jnp.zeros((), jnp.float32),
+        age=jnp.zeros((), jnp.int32),
+        cold_m_fallbacks=jnp.zeros((), jnp.int32),
+    )
 
 
 def _anchor_targets(state: MergerState, g_anchor) -> Dict[str, jax.Array]:

@@ -11,6 +11,7 @@ fp32 copy of a large bf16 tensor or of the W−1 displacement rows is ever mater
 The sign ambiguity of u cancels in s·v. Everything is computed before anything is returned, and a non-finite
 value anywhere raises `FloatingPointError`, so a bad window cannot reach M or Q.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence, Tuple
@@ -89,8 +90,9 @@ def _forecast_leaf(flats, shape, t, t_target, strength, out_dtype):
     return out.reshape(shape), float(lam1 / pos), float(r2)
 
 
-def rank1_forecast(snapshots: Sequence[Any], ticks: Sequence[int], target_tick: int, strength: float = 1.0,
-                   out_dtype=None) -> Tuple[Any, Dict[str, float]]:
+def rank1_forecast(
+    snapshots: Sequence[Any], ticks: Sequence[int], target_tick: int, strength: float = 1.0, out_dtype=None
+) -> Tuple[Any, Dict[str, float]]:
     """Forecast params at `target_tick` from W ≥ 2 snapshot pytrees at strictly increasing `ticks`.
 
     Floating leaves are forecast (returned in `out_dtype`, default the newest snapshot's dtype); other leaves
@@ -113,8 +115,9 @@ def rank1_forecast(snapshots: Sequence[Any], ticks: Sequence[int], target_tick: 
         if not np.all(np.isfinite(newest.astype(np.float32))):
             raise FloatingPointError("rank-1 projection: non-finite newest snapshot")
         dtype = newest.dtype if out_dtype is None else np.dtype(out_dtype)
-        fc, evr, r2 = _forecast_leaf([_flat(p) for p in parts], newest.shape, t, float(target_tick),
-                                     float(strength), dtype)
+        fc, evr, r2 = _forecast_leaf(
+            [_flat(p) for p in parts], newest.shape, t, float(target_tick), float(strength), dtype
+        )
         if fc is None:
             zero += 1
             out.append(parts[-1])
@@ -122,9 +125,13 @@ def rank1_forecast(snapshots: Sequence[Any], ticks: Sequence[int], target_tick: 
             out.append(fc)
             evrs.append(evr)
             r2s.append(r2)
-    metrics = {"rank1/evr": float(np.mean(evrs)) if evrs else 0.0, "rank1/r2": float(np.mean(r2s)) if r2s else 0.0,
-               "rank1/horizon": float(target_tick - ticks[-1]), "rank1/window_span": float(ticks[-1] - ticks[0]),
-               "rank1/zero_motion": float(zero)}
+    metrics = {
+        "rank1/evr": float(np.mean(evrs)) if evrs else 0.0,
+        "rank1/r2": float(np.mean(r2s)) if r2s else 0.0,
+        "rank1/horizon": float(target_tick - ticks[-1]),
+        "rank1/window_span": float(ticks[-1] - ticks[0]),
+        "rank1/zero_motion": float(zero),
+    }
     return jax.tree_util.tree_unflatten(treedef, out), metrics
 
 

@@ -8,6 +8,7 @@ a tick's batch is retained iff τ ≡ −K (mod cadence), so at most ⌊K/cadenc
 τ replays the batch of tick τ−K with the snapshot of that batch's step (before τ−K exists: the oldest retained).
 Snapshot arrays are stored read-only and the canary is re-checked bitwise on every load.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
@@ -28,14 +29,14 @@ class ReplayInvariantError(AssertionError):
 
 
 class Replay(NamedTuple):
-    batch: Any             # the retained batch, as handed to on_tick
-    params: Any            # host numpy pytree in the sampler dtype (read-only arrays)
-    snapshot_step: int     # global step whose first-tick weights generated the batch
-    snapshot_tick: int     # first tick of that step
-    batch_tick: int        # tick the batch was trained on by the fast circuit
-    data_delay: int        # τ − batch_tick (= K after warm-up)
+    batch: Any  # the retained batch, as handed to on_tick
+    params: Any  # host numpy pytree in the sampler dtype (read-only arrays)
+    snapshot_step: int  # global step whose first-tick weights generated the batch
+    snapshot_tick: int  # first tick of that step
+    batch_tick: int  # tick the batch was trained on by the fast circuit
+    data_delay: int  # τ − batch_tick (= K after warm-up)
     weight_staleness: int  # τ − snapshot_tick (K … K + ticks_per_step − 1 after warm-up)
-    warm: bool             # τ − K ≥ 1, so the delay assertions applied
+    warm: bool  # τ − K ≥ 1, so the delay assertions applied
 
 
 def _to_dtype(name):
@@ -48,18 +49,23 @@ def _is_float(x) -> bool:
 
 def host_snapshot(params, dtype) -> Any:
     """Copy params to host numpy, floating leaves cast to the sampler dtype; arrays are made read-only."""
+
     def one(x):
         a = np.asarray(jax.device_get(x))
         a = np.array(a.astype(dtype) if _is_float(a) else a, copy=True)
         a.setflags(write=False)
         return a
+
     return jax.tree_util.tree_map(one, params)
 
 
 def canary(params) -> Tuple[Tuple[str, bytes], ...]:
     """fp32 norm and element sum (as raw bytes) of the 2-D+ tensors sorting first and last by path name."""
-    flat = sorted((path_str(p), np.asarray(x)) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
-                  if np.ndim(x) >= 2 and _is_float(np.asarray(x)))
+    flat = sorted(
+        (path_str(p), np.asarray(x))
+        for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+        if np.ndim(x) >= 2 and _is_float(np.asarray(x))
+    )
     if not flat:
         return ()
     picks = [flat[0]] if len(flat) == 1 else [flat[0], flat[-1]]
@@ -81,8 +87,7 @@ class _Snapshot(NamedTuple):
 class ReplayBuffer:
     """Retained batches and the snapshots they reference, bounded by ⌊K/cadence⌋ + 1 batches."""
 
-    def __init__(self, cadence: int, delay: int, sampler_dtype: str = "bfloat16",
-                 ticks_per_step: Optional[int] = None):
+    def __init__(self, cadence: int, delay: int, sampler_dtype: str = "bfloat16", ticks_per_step: Optional[int] = None):
         if cadence < 1 or delay < 0:
             raise ValueError(f"need cadence >= 1 and delay >= 0, got cadence={cadence}, delay={delay}")
         self.cadence, self.delay, self.dtype = int(cadence), int(delay), _to_dtype(sampler_dtype)
@@ -92,7 +97,7 @@ class ReplayBuffer:
         self._batches: List[Tuple[int, int, Any]] = []  # (tick, step, batch), oldest first
         self._tau: Optional[int] = None
         self._step: Optional[int] = None
-        self._step_ticks: Dict[int, int] = {}           # ticks seen per step, to infer ticks_per_step
+        self._step_ticks: Dict[int, int] = {}  # ticks seen per step, to infer ticks_per_step
 
     # ------------------------------------------------------------------------------------------ recording
     def due(self, tau: int) -> bool:
@@ -148,8 +153,10 @@ class ReplayBuffer:
             if out.data_delay != self.delay:
                 raise ReplayInvariantError(f"data delay {out.data_delay} != K={self.delay} at tick {tau}")
             if not self.delay <= out.weight_staleness <= self.delay + tps - 1:
-                raise ReplayInvariantError(f"weight staleness {out.weight_staleness} outside "
-                                           f"[{self.delay}, {self.delay + tps - 1}] at tick {tau}")
+                raise ReplayInvariantError(
+                    f"weight staleness {out.weight_staleness} outside "
+                    f"[{self.delay}, {self.delay + tps - 1}] at tick {tau}"
+                )
         self._batches = [b for b in self._batches if b[0] > want]
         self._prune()
         return out

@@ -9,6 +9,7 @@ Jitting: `mode` must be static (`jax.jit(swap_optimizer_moments, static_argnames
 and the anchor's `fired` count may be traced, so the no-op-before-first-fire case needs no recompile. Every
 update is elementwise in the shape of the existing moment, so the result keeps the input shardings.
 """
+
 from __future__ import annotations
 
 from typing import Dict, NamedTuple
@@ -26,7 +27,7 @@ SWAP_MODES = ("anchor_moments", "zero")
 class AnchorMoments(NamedTuple):
     m: Dict[str, jax.Array]  # {target path: fp32 [leaf shape]} first moment of G_anchor
     v: Dict[str, jax.Array]  # {target path: fp32 [leaf shape]} second moment of G_anchor
-    fired: jax.Array         # int32 [] anchor fires folded in; the swap is the identity while 0
+    fired: jax.Array  # int32 [] anchor fires folded in; the swap is the identity while 0
 
 
 def init_anchor_moments(params, target_scope: str = "all") -> AnchorMoments:
@@ -42,9 +43,11 @@ def update_anchor_moments(mom: AnchorMoments, g_anchor, beta1=0.8, beta2=0.95) -
         raise KeyError(f"anchor gradient lacks moment targets {missing[:4]}")
     b1, b2 = jnp.float32(beta1), jnp.float32(beta2)
     g = {k: jnp.asarray(flat[k], jnp.float32) for k in mom.m}
-    return AnchorMoments(m={k: b1 * mom.m[k] + (1 - b1) * g[k] for k in mom.m},
-                         v={k: b2 * mom.v[k] + (1 - b2) * jnp.square(g[k]) for k in mom.m},
-                         fired=mom.fired + 1)
+    return AnchorMoments(
+        m={k: b1 * mom.m[k] + (1 - b1) * g[k] for k in mom.m},
+        v={k: b2 * mom.v[k] + (1 - b2) * jnp.square(g[k]) for k in mom.m},
+        fired=mom.fired + 1,
+    )
 
 
 def _is_adam(x) -> bool:
@@ -87,8 +90,9 @@ def _swap_adam(st: optax.ScaleByAdamState, mom: AnchorMoments, kappa, scale_matc
     return st._replace(mu=mu_t, nu=nu_t)
 
 
-def swap_optimizer_moments(opt_state, anchor_moments: AnchorMoments, *, alpha=1.0, scale_match=True,
-                           mode: str = "anchor_moments"):
+def swap_optimizer_moments(
+    opt_state, anchor_moments: AnchorMoments, *, alpha=1.0, scale_match=True, mode: str = "anchor_moments"
+):
     """(opt_state′, metrics): μ ← (1−κ)μ + κρm_a, ν ← (1−κ)ν + κ·max(ρ²v_a, 0) per target, κ = alpha,
     ρ = ‖μ‖₂/(‖m_a‖₂ + 1e-12) over the whole tensor (1 without scale_match). mode='zero' blends toward zero
     moments instead (κ=1 zeroes both). Identity while the anchor has never fired."""
@@ -106,8 +110,10 @@ def swap_optimizer_moments(opt_state, anchor_moments: AnchorMoments, *, alpha=1.
 
     new_state = jax.tree_util.tree_map(visit, opt_state, is_leaf=_is_adam)
     if not found:
-        raise ValueError("no optax ScaleByAdamState (mu, nu, count) found in the optimizer state; "
-                         "the swap needs an Adam-family optimizer such as optax.adamw")
+        raise ValueError(
+            "no optax ScaleByAdamState (mu, nu, count) found in the optimizer state; "
+            "the swap needs an Adam-family optimizer such as optax.adamw"
+        )
     rho_mean = (sum(rhos) / len(rhos)) if rhos else jnp.ones((), jnp.float32)
     metrics = {"swap/rho": jnp.asarray(rho_mean, jnp.float32), "swap/applied": applied.astype(jnp.float32)}
     return new_state, metrics

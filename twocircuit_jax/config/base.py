@@ -5,6 +5,7 @@ A config section is a frozen dataclass. Fields may be int, float, bool, str, `Li
 `type:` key (see `register`). Each class may define `check(self)` for cross-field rules; it raises `ConfigError`
 through `self.fail(...)`-style helpers below. Field metadata may carry `doc` (and `symbol`, the paper symbol).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -135,7 +136,9 @@ def from_dict(cls, data, path: str = ""):
         choices = _REGISTRY[cls]
         name = data.pop("type", getattr(cls, "default_type", None))
         if name not in choices:
-            raise ConfigError(f"{path}.type" if path else "type", f"got {name!r}; allowed: {', '.join(sorted(choices))}")
+            raise ConfigError(
+                f"{path}.type" if path else "type", f"got {name!r}; allowed: {', '.join(sorted(choices))}"
+            )
         cls = choices[name]
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}

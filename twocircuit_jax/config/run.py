@@ -1,4 +1,5 @@
 """The root config of a run, and loading it from YAML with overrides."""
+
 from __future__ import annotations
 
 import copy
@@ -10,15 +11,25 @@ import yaml
 
 from twocircuit_jax.config.base import ConfigError, from_dict, require, to_dict
 from twocircuit_jax.config.sections import (
-    AnchorConfig, FastConfig, GRPOConfig, MeshConfig, ModelConfig, OptimConfig, SamplerConfig, SFTConfig,
-    TaskConfig, TrainConfig,
+    AnchorConfig,
+    FastConfig,
+    GRPOConfig,
+    MeshConfig,
+    ModelConfig,
+    OptimConfig,
+    SamplerConfig,
+    SFTConfig,
+    TaskConfig,
+    TrainConfig,
 )
 
 
 @dataclass(frozen=True)
 class RunConfig:
     name: str = "run"
-    base_model: str = field(default="", metadata={"doc": "checkpoint dir (orbax or HF) to start from; '' = random init"})
+    base_model: str = field(
+        default="", metadata={"doc": "checkpoint dir (orbax or HF) to start from; '' = random init"}
+    )
     tokenizer: str = field(default="char", metadata={"doc": "'char' (built in) or a local HF tokenizer dir"})
     model: ModelConfig = ModelConfig()
     mesh: MeshConfig = MeshConfig()
@@ -35,21 +46,33 @@ class RunConfig:
         """Cross-section rules (SPEC §4 config checks, §3 validation)."""
         f, a = self.fast, self.anchor
         if f.codec != "none" or not self.base_model:  # a checkpoint's layer count is known only once loaded
-            require(f.pp_size <= self.model.num_layers, "fast.pp_size",
-                    f"got {f.pp_size}; must not exceed model.num_layers={self.model.num_layers}")
+            require(
+                f.pp_size <= self.model.num_layers,
+                "fast.pp_size",
+                f"got {f.pp_size}; must not exceed model.num_layers={self.model.num_layers}",
+            )
         if f.p_by_boundary:
-            require(len(f.p_by_boundary) == f.pp_size - 1, "fast.p_by_boundary",
-                    f"got {len(f.p_by_boundary)} values; need pp_size - 1 = {f.pp_size - 1}")
+            require(
+                len(f.p_by_boundary) == f.pp_size - 1,
+                "fast.p_by_boundary",
+                f"got {len(f.p_by_boundary)} values; need pp_size - 1 = {f.pp_size - 1}",
+            )
         if f.codec == "lowrank":
-            require(f.rank < self.model.hidden_size, "fast.rank",
-                    f"got {f.rank}; must be below model.hidden_size={self.model.hidden_size}")
+            require(
+                f.rank < self.model.hidden_size,
+                "fast.rank",
+                f"got {f.rank}; must be below model.hidden_size={self.model.hidden_size}",
+            )
         if f.codec == "sr_quant" and f.subset_k:
             require(f.subset_k <= self.model.hidden_size, "fast.subset_k", "must not exceed model.hidden_size")
         if a.owns_q is True:
             require(f.codec == "lowrank", "anchor.owns_q", "owns_q: true needs fast.codec: lowrank")
         if a.warmup_mode == "q_only":
-            require(f.codec == "lowrank" and self.anchor_owns_q, "anchor.warmup_mode",
-                    "q_only needs fast.codec: lowrank with an anchor-owned basis")
+            require(
+                f.codec == "lowrank" and self.anchor_owns_q,
+                "anchor.warmup_mode",
+                "q_only needs fast.codec: lowrank with an anchor-owned basis",
+            )
         ticks_per_step = self.train.train_batch // self.train.mini_batch
         require(ticks_per_step >= 1, "train.mini_batch", "must not exceed train.batch")
 
@@ -122,7 +145,9 @@ def _merge(a: dict, b: dict) -> dict:
     return out
 
 
-def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, data: Optional[dict] = None) -> RunConfig:
+def load_config(
+    path: Optional[str] = None, overrides: Optional[list[str]] = None, data: Optional[dict] = None
+) -> RunConfig:
     """Load a RunConfig from YAML (or a dict), apply `--set` overrides, validate. Errors name the file and field."""
     source = path or "<config>"
     try:

@@ -1,10 +1,11 @@
 """Config sections of one run. Keys follow ../shared/SPEC.md's public interface; metadata names the paper symbol."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from twocircuit_jax.config.base import ConfigError, doc, register, require
+from twocircuit_jax.config.base import doc, register, require
 
 
 @dataclass(frozen=True)
@@ -31,10 +32,21 @@ class ModelConfig:
     pad_token_id: int = 0
 
     def check(self):
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+        ):
             require(getattr(self, name) >= 1, name, f"got {getattr(self, name)}; must be >= 1")
-        require(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
-                f"got {self.num_kv_heads}; must divide num_heads={self.num_heads}")
+        require(
+            self.num_heads % self.num_kv_heads == 0,
+            "num_kv_heads",
+            f"got {self.num_kv_heads}; must divide num_heads={self.num_heads}",
+        )
         require(self.rope_theta > 0, "rope_theta", f"got {self.rope_theta}; must be > 0")
 
 
@@ -112,14 +124,17 @@ class GRPOConfig:
 
     std_normalize: bool = field(default=True, metadata=doc("divide advantages by group std"))
     adv_std: Literal["unbiased", "population"] = field(
-        default="unbiased", metadata=doc("group std of the advantage: ddof=1 (verl's GRPO) or ddof=0 (TRL)", "σ_g"))
+        default="unbiased", metadata=doc("group std of the advantage: ddof=1 (verl's GRPO) or ddof=0 (TRL)", "σ_g")
+    )
     clip_low: float = field(default=0.2, metadata=doc("lower PPO clip", "ε_low"))
     clip_high: float = field(default=0.28, metadata=doc("upper PPO clip", "ε_high"))
     dual_clip: float = field(default=3.0, metadata=doc("dual-clip bound for A<0; 0 disables", "c"))
     kl_coef: float = field(default=0.001, metadata=doc("reference KL coefficient", "β"))
     kl_estimator: Literal["k1", "k3", "low_var_kl"] = "low_var_kl"
     entropy_coeff: float = 0.0
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
     tis: Literal["off", "token", "sequence"] = "off"
     tis_cap: float = field(default=2.0, metadata=doc("truncated IS cap", "C"))
     overlong_mode: Literal["zero", "mask", "soft"] = "zero"
@@ -145,8 +160,12 @@ class FastConfig:
     seed: int = 0
     codec_old_logprob: bool = True
     codec_reference: bool = True
-    use_kernel: bool = field(default=False, metadata=doc("Pallas kernel instead of the jnp reference; error if it cannot run"))
-    kernel_interpret: bool = field(default=False, metadata=doc("run the Pallas kernels in interpret mode (CPU tests; slow)"))
+    use_kernel: bool = field(
+        default=False, metadata=doc("Pallas kernel instead of the jnp reference; error if it cannot run")
+    )
+    kernel_interpret: bool = field(
+        default=False, metadata=doc("run the Pallas kernels in interpret mode (CPU tests; slow)")
+    )
     # PRF mask
     p: float = field(default=0.95, metadata=doc("masked fraction", "p"))
     exact_k: bool = True
@@ -198,7 +217,9 @@ class AnchorConfig:
     batch_scope: Literal["ppo_minibatch", "rollout_batch"] = "ppo_minibatch"
     beta_anc: float = field(default=0.5, metadata=doc("EMA factor of the anchor gradient", "β_anc"))
     target_scope: Literal["all", "decoder"] = "all"
-    owns_q: Literal["auto", True, False] = field(default="auto", metadata=doc("who owns the low-rank basis; auto = anchor iff lowrank"))
+    owns_q: Literal["auto", True, False] = field(
+        default="auto", metadata=doc("who owns the low-rank basis; auto = anchor iff lowrank")
+    )
     merger: Literal["signed_ema", "signed_gate", "delayed_ef", "blend", "none"] = "signed_ema"
     alpha: float = field(default=0.25, metadata=doc("signed_ema weight on the fast gradient", "α"))
     merger_cadence: int = 1
@@ -238,8 +259,11 @@ class AnchorConfig:
         if self.projection and self.enabled:
             require(self.replay_paired_batch, "projection", "projection needs replay_paired_batch: true")
             require(self.merger != "none", "projection", "projection needs a merger (anchor.merger != none)")
-            require(self.cadence % self.merger_cadence == 0, "cadence",
-                    f"got {self.cadence}; must be divisible by merger_cadence={self.merger_cadence}")
+            require(
+                self.cadence % self.merger_cadence == 0,
+                "cadence",
+                f"got {self.cadence}; must be divisible by merger_cadence={self.merger_cadence}",
+            )
         if self.swap_cadence > 0:
             require(self.enabled, "swap_cadence", "the optimizer-state swap needs anchor.enabled: true")
 
@@ -262,8 +286,11 @@ class TrainConfig:
     def check(self):
         require(self.steps >= 0, "steps", f"got {self.steps}; must be >= 0")
         require(self.train_batch >= 1, "train_batch", f"got {self.train_batch}; must be >= 1")
-        require(1 <= self.mini_batch <= self.train_batch and self.train_batch % self.mini_batch == 0, "mini_batch",
-                f"got {self.mini_batch}; must divide train_batch={self.train_batch}")
+        require(
+            1 <= self.mini_batch <= self.train_batch and self.train_batch % self.mini_batch == 0,
+            "mini_batch",
+            f"got {self.mini_batch}; must divide train_batch={self.train_batch}",
+        )
         require(self.eval_every >= 0, "eval_every", f"got {self.eval_every}; must be >= 0 (0 = only at the ends)")
         require(self.checkpoint_every >= 0, "checkpoint_every", f"got {self.checkpoint_every}; must be >= 0")
 

@@ -4,6 +4,7 @@ L decoder blocks are split into `pp_size` contiguous stages, the first `L mod pp
 a boundary is the last block of every stage except the final one, so there are pp_size - 1 boundaries.
     L=28, pp=8 -> (3, 7, 11, 15, 18, 21, 24);   L=16, pp=8 -> (1, 3, 5, 7, 9, 11, 13);   pp=1 -> ()
 """
+
 from __future__ import annotations
 
 

@@ -6,6 +6,7 @@ nothing at run time and can be logged as `comm/bytes_compressed`, `comm/bytes_de
 (`comm/elements_*` too). Activation traffic counts the gradient-bearing forward only; activations are 16-bit on
 the wire (`act_bytes`), bases fp32.
 """
+
 from __future__ import annotations
 
 import math
@@ -14,27 +15,62 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from twocircuit_jax.fast.leaf_plan import flat_leaves, plan_leaves
 from twocircuit_jax.fast.mask import keep_count
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e5m2fnuz": 1,
-                "f8e4m3fnuz": 1, "f8e4m3b11fnuz": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5}
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "f8e4m3": 1,
+    "f8e5m2fnuz": 1,
+    "f8e4m3fnuz": 1,
+    "f8e4m3b11fnuz": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "s4": 0.5,
+    "u4": 0.5,
+}
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 ERROR_NORM_BYTES = 4  # powersgd packs one fp32 scalar (‖e‖²) into its uncompressed mean
 
 
 def _result(compressed: float, dense: float, el_c: float, el_d: float) -> dict:
-    return {"comm/bytes_compressed": float(compressed), "comm/bytes_dense": float(dense),
-            "comm/bytes_ratio": float(compressed) / float(dense) if dense else 1.0,
-            "comm/elements_compressed": float(el_c), "comm/elements_dense": float(el_d)}
+    return {
+        "comm/bytes_compressed": float(compressed),
+        "comm/bytes_dense": float(dense),
+        "comm/bytes_ratio": float(compressed) / float(dense) if dense else 1.0,
+        "comm/elements_compressed": float(el_c),
+        "comm/elements_dense": float(el_d),
+    }
 
 
 # The mask's own k (half up, at least 1): the bytes counted are the channels the mask keeps, by construction.
 exact_k = keep_count
 
 
-def activation_bytes(cfg, *, tokens: int, hidden: int, boundaries: Sequence[int], act_bytes: int = 2,
-                     codec: Optional[str] = None, basis_bytes: int = 4) -> dict:
+def activation_bytes(
+    cfg,
+    *,
+    tokens: int,
+    hidden: int,
+    boundaries: Sequence[int],
+    act_bytes: int = 2,
+    codec: Optional[str] = None,
+    basis_bytes: int = 4,
+) -> dict:
     """Per-step boundary traffic of the codec (cfg.codec unless `codec` given) for `tokens` tokens (N).
 
     prf_mask: (1−p)·H values/token (exact_k: k values), no index bytes (the receiver regenerates the mask);
@@ -74,7 +110,6 @@ def grad_allreduce_bytes(params_like, cfg, *, powersgd: Optional[bool] = None) -
     leaf L·(n+m)·r·4 (P sum + Q mean), plus every other leaf in fp32 and the 4-byte error-norm scalar that our
     packed mean carries. The powersgd=False case with the powersgd packing is `plain`: all leaves fp32 + 4.
     """
-    from twocircuit_jax.fast.powersgd import flat_leaves, plan_leaves
     leaves = flat_leaves(params_like)
     dense = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves.values())
     el_d = sum(int(np.prod(x.shape)) for x in leaves.values())
@@ -89,7 +124,6 @@ def grad_allreduce_bytes(params_like, cfg, *, powersgd: Optional[bool] = None) -
 
 def powersgd_plain_bytes(params_like) -> float:
     """Bytes of powersgd_reduce's warm-up (plain mean) branch: every leaf in fp32 plus the error-norm scalar."""
-    from twocircuit_jax.fast.powersgd import flat_leaves
     return float(sum(int(np.prod(x.shape)) for x in flat_leaves(params_like).values()) * 4 + ERROR_NORM_BYTES)
 
 
@@ -147,7 +181,7 @@ def collective_bytes_from_hlo(hlo_text: str) -> dict:
             continue
         name, shape, op, rest = m.groups()
         defs[name.lstrip("%")] = shape
-        base = op[:-len("-start")] if op.endswith("-start") else op
+        base = op[: -len("-start")] if op.endswith("-start") else op
         if base in COLLECTIVE_KINDS:
             ops.append((base, _operand_list(rest)))
     out = {k: 0.0 for k in COLLECTIVE_KINDS}

@@ -11,17 +11,15 @@ Contract with train/loop.py and train/grpo_step.py (all array state is a pytree 
 The basis changes only in end_step (or `activate_basis`, which refuses to run mid-step), so no forward inside a
 step sees a new basis (SPEC §2 step 5).
 """
+
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from twocircuit_jax.config.base import ConfigError
-from twocircuit_jax.fast import bytes as fbytes
-from twocircuit_jax.fast import lowrank as lr
-from twocircuit_jax.fast import powersgd as psgd
+from twocircuit_jax.fast import bytes as fbytes, lowrank as lr, powersgd as psgd
 from twocircuit_jax.fast.boundaries import boundary_layers
 from twocircuit_jax.fast.mask import make_mask_hook
 from twocircuit_jax.fast.sr_quant import make_quant_hook
@@ -62,19 +60,24 @@ class FastCircuit:
             raise ConfigError("fast.rank", f"got {f.rank}; must be below model.hidden_size={model_cfg.hidden_size}")
         self.dp = dp_size(mesh)
         if f.grad_codec == "powersgd" and (mesh.shape["fsdp"] != 1 or mesh.shape["tensor"] != 1):
-            raise ConfigError("fast.grad_codec", "powersgd needs replicated parameters: set mesh.fsdp=1 and "
-                                                 f"mesh.tensor=1 (got fsdp={mesh.shape['fsdp']}, "
-                                                 f"tensor={mesh.shape['tensor']})")
+            raise ConfigError(
+                "fast.grad_codec",
+                "powersgd needs replicated parameters: set mesh.fsdp=1 and "
+                f"mesh.tensor=1 (got fsdp={mesh.shape['fsdp']}, "
+                f"tensor={mesh.shape['tensor']})",
+            )
         t = run_cfg.train
         # Tokens one replica sends per tick across a boundary: its share of the mini-batch's padded [B, T] (what a
         # pipeline link would carry), so activation and gradient bytes are both per replica. Train forwards per
         # step: ticks_per_step * ppo_epochs (SPEC §3.6: the gradient-bearing forward only).
-        self.tokens_per_tick = t.mini_batch * run_cfg.sampler.n * (t.max_prompt_len + run_cfg.sampler.sampling.max_new_tokens)
+        self.tokens_per_tick = (
+            t.mini_batch * run_cfg.sampler.n * (t.max_prompt_len + run_cfg.sampler.sampling.max_new_tokens)
+        )
         self.ticks_per_step = run_cfg.ticks_per_step * t.ppo_epochs
         self.applications = {TRAIN: 0, OLD: 0, REF: 0}  # host counters: codec forwards executed, per tag
         self._mid_step = False
         self._params_like = None
-        self._bootstrap_jit = None
+        self._bootstrap_jit = self._absorb_jit = None
 
     def _check_kernel(self):
         f = self.fcfg
@@ -85,9 +88,12 @@ class FastCircuit:
         if f.codec == "none" and f.grad_codec == "none":
             raise ConfigError("fast.use_kernel", "no codec is on, so there is no kernel to use")
         if jax.default_backend() == "cpu" and not self.interpret:
-            raise ConfigError("fast.use_kernel", "the Pallas kernels cannot be compiled on the CPU backend; set "
-                                                 "fast.use_kernel=false (jnp reference) or fast.kernel_interpret=true "
-                                                 "(interpret mode, tests only); there is no silent fallback")
+            raise ConfigError(
+                "fast.use_kernel",
+                "the Pallas kernels cannot be compiled on the CPU backend; set "
+                "fast.use_kernel=false (jnp reference) or fast.kernel_interpret=true "
+                "(interpret mode, tests only); there is no silent fallback",
+            )
 
     # --- state ------------------------------------------------------------------------------------------------
     def init_state(self, params_like=None) -> dict:
@@ -103,12 +109,14 @@ class FastCircuit:
             like = params_like if params_like is not None else self._params_shapes()
             g = psgd.init_powersgd(self.fcfg, like, self.dp)
             specs = psgd.state_specs(g, BATCH_AXES)
-            st["powersgd"] = jax.device_put(g, jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
-                                                            is_leaf=lambda x: isinstance(x, P)))
+            st["powersgd"] = jax.device_put(
+                g, jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+            )
         return st
 
     def _params_shapes(self):
         from twocircuit_jax.model.qwen2 import init_params  # shapes only: eval_shape allocates nothing
+
         return jax.eval_shape(lambda: init_params(self.model_cfg, jax.random.key(0)))
 
     # --- the boundary hook ------------------------------------------------------------------------------------
@@ -124,36 +132,62 @@ class FastCircuit:
     def hook(self, codec_state, tag, step, sample_ids, positions, attention_mask):
         """(hook_fn, hook_layers) for one forward. A dense-path tag is a hard error (SPEC §3.1)."""
         if tag == DENSE or not self.applies(tag):
-            raise ValueError(f"fast circuit: no codec may act on the {tag!r} path (fast.codec={self.fcfg.codec}, "
-                             f"codec_old_logprob={self.fcfg.codec_old_logprob}, "
-                             f"codec_reference={self.fcfg.codec_reference})")
+            raise ValueError(
+                f"fast circuit: no codec may act on the {tag!r} path (fast.codec={self.fcfg.codec}, "
+                f"codec_old_logprob={self.fcfg.codec_old_logprob}, "
+                f"codec_reference={self.fcfg.codec_reference})"
+            )
         f, b = self.fcfg, self.boundaries
         if f.codec == "lowrank":
-            fn = lr.make_lowrank_hook(codec_state["lowrank"], b, sketch=(tag == TRAIN and self.owns_basis),
-                                      attention_mask=attention_mask, cfg=f, interpret=self.interpret,
-                                      mesh=self.mesh)
+            fn = lr.make_lowrank_hook(
+                codec_state["lowrank"],
+                b,
+                sketch=(tag == TRAIN and self.owns_basis),
+                attention_mask=attention_mask,
+                cfg=f,
+                interpret=self.interpret,
+                mesh=self.mesh,
+            )
             return fn, b
         if f.codec == "prf_mask":
-            inner = make_mask_hook(f, b, step, sample_ids, positions, attention_mask, interpret=self.interpret,
-                                   mesh=self.mesh)
+            inner = make_mask_hook(
+                f, b, step, sample_ids, positions, attention_mask, interpret=self.interpret, mesh=self.mesh
+            )
         else:
             inner = make_quant_hook(f, b, step, sample_ids, positions, attention_mask)
 
         def fn(layer, h):
             out, aux = inner(layer, h)
             aux = dict(aux)
-            aux["recon_rel_err"] = aux.pop("quant_rel_err", None) if "quant_rel_err" in aux \
-                else _rel_err(h, out, attention_mask)
+            aux["recon_rel_err"] = (
+                aux.pop("quant_rel_err", None) if "quant_rel_err" in aux else _rel_err(h, out, attention_mask)
+            )
             return out, aux
 
         return fn, b
 
     def sketch_hook(self, codec_state, attention_mask):
-        """For the anchor's dense pass with an anchor-owned basis: activations pass unchanged, the aux carries
-        the sketch Mᵀ(M·Q_start) per boundary (feed it to `lowrank.accumulate_sketch`, then `stage_basis`)."""
-        fn = lr.make_lowrank_hook(codec_state["lowrank"], self.boundaries, sketch=True,
-                                  attention_mask=attention_mask, encode=False)
+        """A dense pass that only sketches: activations pass unchanged, the aux carries the sketch Mᵀ(M·Q_start)
+        per boundary (`absorb_sketch` folds it into the basis)."""
+        return self.basis_sketcher(codec_state["lowrank"], attention_mask)
+
+    def basis_sketcher(self, basis_state, attention_mask):
+        """`sketch_hook` on the low-rank basis state alone: what an external dense pass (the anchor's fire) needs."""
+        fn = lr.make_lowrank_hook(
+            basis_state, self.boundaries, sketch=True, attention_mask=attention_mask, encode=False
+        )
         return fn, self.boundaries
+
+    def absorb_sketch(self, codec_state, sketch):
+        """Fold a dense pass's sketch (summed over the global batch) into the basis: one power-iteration step,
+        staged; `activate` publishes it after the step's last tick. One small jitted program."""
+        if self._absorb_jit is None:
+            self._absorb_jit = dispatch.jit(
+                lambda low, aux: lr.refresh_basis(lr.accumulate_sketch(low, aux), self.fcfg, axis_name=None)
+            )
+        st = dict(codec_state)
+        st["lowrank"] = self._absorb_jit(st["lowrank"], sketch)
+        return st
 
     def bootstrap(self, codec_state, params, batch):
         """`fast.bootstrap` with the low-rank codec (either owner): before the first compressed forward, one discarded
@@ -168,8 +202,14 @@ class FastCircuit:
 
             def sketch(params, batch, st):
                 hook, layers = self.sketch_hook(st, batch["attention_mask"])
-                _, aux = forward_with_aux(self.model_cfg, jax.lax.stop_gradient(params), batch["tokens"],
-                                          batch["attention_mask"], hook=hook, hook_layers=layers)
+                _, aux = forward_with_aux(
+                    self.model_cfg,
+                    jax.lax.stop_gradient(params),
+                    batch["tokens"],
+                    batch["attention_mask"],
+                    hook=hook,
+                    hook_layers=layers,
+                )
                 return aux
 
             self._bootstrap_jit = dispatch.jit(sketch)
@@ -197,7 +237,7 @@ class FastCircuit:
             return {}
         self.applications[tag] = self.applications.get(tag, 0) + 1
         m = self.summarize(aux_by_layer)
-        return {f"codec/{tag}/{k[len('codec/'):]}": float(v) for k, v in m.items() if k.count("/") == 1}
+        return {f"codec/{tag}/{k[len('codec/') :]}": float(v) for k, v in m.items() if k.count("/") == 1}
 
     # --- per tick and per step --------------------------------------------------------------------------------
     def after_tick(self, codec_state, aux, new_grad_state=None):
@@ -221,8 +261,10 @@ class FastCircuit:
     def activate_basis(self, codec_state):
         """Staged -> active. Refuses inside a step: every forward of a step must see the same basis."""
         if self._mid_step:
-            raise RuntimeError("lowrank: a staged basis may become active only after the step's last mini-batch "
-                               "(SPEC §2 step 5); call end_step")
+            raise RuntimeError(
+                "lowrank: a staged basis may become active only after the step's last mini-batch "
+                "(SPEC §2 step 5); call end_step"
+            )
         st = dict(codec_state)
         st["lowrank"] = lr.activate_staged(st["lowrank"])
         return st
@@ -253,15 +295,22 @@ class FastCircuit:
         ticks = self.ticks_per_step
         parts = []
         if self.boundaries:
-            a = fbytes.activation_bytes(self.fcfg, tokens=self.tokens_per_tick // self.dp, hidden=self.model_cfg.hidden_size,
-                                        boundaries=self.boundaries)
+            a = fbytes.activation_bytes(
+                self.fcfg,
+                tokens=self.tokens_per_tick // self.dp,
+                hidden=self.model_cfg.hidden_size,
+                boundaries=self.boundaries,
+            )
             parts.append({k: v * ticks for k, v in a.items()})
         if self.dp > 1:
             like = self._params_like if self._params_like is not None else self._params_shapes()
             self._params_like = like
             g = fbytes.grad_allreduce_bytes(like, self.fcfg)
-            if self.fcfg.grad_codec == "powersgd" and codec_state is not None and \
-                    int(codec_state["powersgd"].step) <= self.fcfg.start_after:
+            if (
+                self.fcfg.grad_codec == "powersgd"
+                and codec_state is not None
+                and int(codec_state["powersgd"].step) <= self.fcfg.start_after
+            ):
                 # the last tick of this step still took the plain-mean branch (warm-up)
                 g = dict(g, **{"comm/bytes_compressed": fbytes.powersgd_plain_bytes(like)})
             parts.append({k: v * ticks for k, v in g.items()})
@@ -276,4 +325,5 @@ class FastCircuit:
         if self.fcfg.grad_codec != "powersgd":
             return None
         from twocircuit_jax.fast.grad_fn import make_powersgd_grad_fn
+
         return make_powersgd_grad_fn(self.fcfg, self.mesh, interpret=self.interpret)

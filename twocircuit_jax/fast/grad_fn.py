@@ -12,6 +12,7 @@ response lengths differ across replicas (the normal case in GRPO). A mean of per
 replica's tokens by 1/its own count and bias the gradient from the first tick on. Cost: two scalar psums.
 Requires fsdp = tensor = 1 (parameters replicated), checked by FastCircuit.
 """
+
 from __future__ import annotations
 
 import jax
@@ -34,8 +35,13 @@ def _reduce_metrics(metrics, axes):
     for k, v in metrics.items():
         if k == "codec/aux":
             out[k] = jax.tree_util.tree_map_with_path(
-                lambda p, x: jax.lax.psum(x, axes) if _key_name(p[-1]) in _SUMMED
-                else jax.lax.pmean(jnp.asarray(x, jnp.float32), axes), v)
+                lambda p, x: (
+                    jax.lax.psum(x, axes)
+                    if _key_name(p[-1]) in _SUMMED
+                    else jax.lax.pmean(jnp.asarray(x, jnp.float32), axes)
+                ),
+                v,
+            )
         else:
             out[k] = jax.lax.pmean(jnp.asarray(v, jnp.float32), axes)
     return out
@@ -65,8 +71,9 @@ def make_powersgd_grad_fn(fcfg, mesh, *, interpret: bool = False, axes=BATCH_AXE
             def body(params, batch, ctx):
                 batch = dict(batch, **global_normalisers(batch["response_mask"], axes))
                 (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, ctx)
-                mean, new_state, pm = psgd.powersgd_reduce(grads, ctx["codec"]["powersgd"], fcfg, axes,
-                                                           interpret=interpret)
+                mean, new_state, pm = psgd.powersgd_reduce(
+                    grads, ctx["codec"]["powersgd"], fcfg, axes, interpret=interpret
+                )
                 metrics = _reduce_metrics(dict(metrics), axes)
                 metrics.update(pm)
                 return mean, jax.lax.pmean(loss, axes), metrics, new_state
@@ -75,8 +82,8 @@ def make_powersgd_grad_fn(fcfg, mesh, *, interpret: bool = False, axes=BATCH_AXE
             rep_params = jax.tree.map(lambda _: P(), params)
             out_specs = (P(), P(), P(), sspec)
             mean, loss, metrics, new_state = jax.shard_map(
-                body, mesh=mesh, in_specs=(rep_params, batch_spec, ctx_spec), out_specs=out_specs,
-                check_vma=False)(params, batch, ctx)
+                body, mesh=mesh, in_specs=(rep_params, batch_spec, ctx_spec), out_specs=out_specs, check_vma=False
+            )(params, batch, ctx)
             metrics = dict(metrics)
             metrics[NEW_STATE] = new_state
             return mean, loss, metrics
@@ -84,4 +91,3 @@ def make_powersgd_grad_fn(fcfg, mesh, *, interpret: bool = False, axes=BATCH_AXE
         return fn
 
     return factory
-

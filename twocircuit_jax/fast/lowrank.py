@@ -12,6 +12,7 @@ Basis life cycle, all pure (optax shape, no module state):
   activate_staged(state)                        after the step's last mini-batch (SPEC §2 step 5)
 No forward inside a step sees a new basis: `Q` changes only in `activate_staged`.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Optional, Sequence
@@ -20,21 +21,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.lowrank import check_can_run, lowrank_reference, project_reconstruct
+from pallas_kernels.sharding import shard_rows
 from twocircuit_jax.fast.orth import orth
 
 F32 = jnp.float32
 
 
 class LowRankState(NamedTuple):
-    Q: dict            # boundary layer (int) -> [H, r] f32, the active basis (codec uses it)
-    Q_next: dict       # boundary -> [H, r] f32, the staged basis (meaningful while `staged`)
-    Q_start: dict      # boundary -> [H, r] f32, power-iteration start the sketch multiplies (warm: newest Q)
-    Q_init: dict       # boundary -> [H, r] f32, Q₀ from the host seed (re-seed target when warm_start=false)
-    sketch: dict       # boundary -> [H, r] f32, running V = Σ Mᵀ(M·Q_start) since the last refresh
-    sketch_tokens: jax.Array       # [] f32, real tokens summed into `sketch` (per boundary, same for all)
-    staged: jax.Array              # [] bool, a staged basis awaits activation
-    q_updates: jax.Array           # [] int32, refreshes that staged a basis
-    q_activations: jax.Array       # [] int32, staged bases made active
+    Q: dict  # boundary layer (int) -> [H, r] f32, the active basis (codec uses it)
+    Q_next: dict  # boundary -> [H, r] f32, the staged basis (meaningful while `staged`)
+    Q_start: dict  # boundary -> [H, r] f32, power-iteration start the sketch multiplies (warm: newest Q)
+    Q_init: dict  # boundary -> [H, r] f32, Q₀ from the host seed (re-seed target when warm_start=false)
+    sketch: dict  # boundary -> [H, r] f32, running V = Σ Mᵀ(M·Q_start) since the last refresh
+    sketch_tokens: jax.Array  # [] f32, real tokens summed into `sketch` (per boundary, same for all)
+    staged: jax.Array  # [] bool, a staged basis awaits activation
+    q_updates: jax.Array  # [] int32, refreshes that staged a basis
+    q_activations: jax.Array  # [] int32, staged bases made active
     q_stage_overwrites: jax.Array  # [] int32, stages that replaced an unactivated stage
 
 
@@ -61,23 +64,38 @@ def init_lowrank(cfg, hidden: int, boundaries: Sequence[int]) -> LowRankState:
     Q0 = {int(b): initial_basis(cfg.seed, b, hidden, cfg.rank, cfg.reortho_eps) for b in boundaries}
     zeros = {b: jnp.zeros_like(q) for b, q in Q0.items()}
     i0 = jnp.zeros((), jnp.int32)
-    return LowRankState(Q=Q0, Q_next=dict(Q0), Q_start=dict(Q0), Q_init=dict(Q0), sketch=zeros,
-                        sketch_tokens=jnp.zeros((), F32), staged=jnp.zeros((), bool),
-                        q_updates=i0, q_activations=i0, q_stage_overwrites=i0)
+    return LowRankState(
+        Q=Q0,
+        Q_next=dict(Q0),
+        Q_start=dict(Q0),
+        Q_init=dict(Q0),
+        sketch=zeros,
+        sketch_tokens=jnp.zeros((), F32),
+        staged=jnp.zeros((), bool),
+        q_updates=i0,
+        q_activations=i0,
+        q_stage_overwrites=i0,
+    )
 
 
 def _codec(h2d, Q, use_kernel: bool, interpret: bool, mesh=None):
     if use_kernel:
-        from pallas_kernels.lowrank import project_reconstruct
-        from pallas_kernels.sharding import shard_rows
         return shard_rows(lambda m, q: project_reconstruct(m, q, interpret=interpret), mesh, n_row_args=1)(h2d, Q)
-    from pallas_kernels.lowrank import lowrank_reference
     return lowrank_reference(h2d, Q)[1]
 
 
-def make_lowrank_hook(state: LowRankState, boundaries: Sequence[int], sketch: bool, *,
-                      attention_mask: Optional[jax.Array] = None, encode: bool = True,
-                      use_kernel: bool = False, interpret: bool = False, cfg=None, mesh=None):
+def make_lowrank_hook(
+    state: LowRankState,
+    boundaries: Sequence[int],
+    sketch: bool,
+    *,
+    attention_mask: Optional[jax.Array] = None,
+    encode: bool = True,
+    use_kernel: bool = False,
+    interpret: bool = False,
+    cfg=None,
+    mesh=None,
+):
     """Boundary hook `hook(layer, h [B, T, H]) -> (h_new, aux)`.
 
     encode=True: h_new = M̂ (the codec view); encode=False: h passes unchanged (the anchor's dense forward that
@@ -94,7 +112,6 @@ def make_lowrank_hook(state: LowRankState, boundaries: Sequence[int], sketch: bo
     if missing:
         raise ValueError(f"lowrank hook: no basis for boundaries {sorted(missing)}; state has {sorted(state.Q)}")
     if use_kernel:
-        from pallas_kernels.lowrank import check_can_run
         check_can_run(interpret, "lowrank codec (fast.use_kernel=true)")
 
     def hook(layer, h):
@@ -109,8 +126,8 @@ def make_lowrank_hook(state: LowRankState, boundaries: Sequence[int], sketch: bo
         M = jax.lax.stop_gradient(h).astype(F32)
         w = jnp.ones((B, T), F32) if attention_mask is None else attention_mask.astype(F32)
         Mw = M * w[..., None]
-        diff = (Mw - jax.lax.stop_gradient(Mh).astype(F32) * w[..., None])
-        err = jnp.sqrt(jnp.sum(diff ** 2)) / jnp.maximum(jnp.sqrt(jnp.sum(Mw ** 2)), 1e-30)
+        diff = Mw - jax.lax.stop_gradient(Mh).astype(F32) * w[..., None]
+        err = jnp.sqrt(jnp.sum(diff**2)) / jnp.maximum(jnp.sqrt(jnp.sum(Mw**2)), 1e-30)
         if sketch:
             M2 = Mw.reshape(B * T, H)
             S = M2.T @ (M2 @ jax.lax.stop_gradient(state.Q_start[layer]))
@@ -135,9 +152,12 @@ def accumulate_sketch(state: LowRankState, aux_by_layer: dict) -> LowRankState:
 
 def stage(state: LowRankState, Q_new: dict) -> LowRankState:
     """Stage a new basis; it becomes active only in `activate_staged`. Replacing an unactivated stage is counted."""
-    return state._replace(Q_next={b: Q_new[b] for b in state.Q}, staged=jnp.ones((), bool),
-                          q_updates=state.q_updates + 1,
-                          q_stage_overwrites=state.q_stage_overwrites + state.staged.astype(jnp.int32))
+    return state._replace(
+        Q_next={b: Q_new[b] for b in state.Q},
+        staged=jnp.ones((), bool),
+        q_updates=state.q_updates + 1,
+        q_stage_overwrites=state.q_stage_overwrites + state.staged.astype(jnp.int32),
+    )
 
 
 def activate_staged(state: LowRankState) -> LowRankState:
@@ -162,9 +182,11 @@ def refresh_basis(state: LowRankState, cfg, axis_name: Optional[str] = None) -> 
         V, tokens = jax.lax.psum((V, tokens), axis_name)
     Q_new = {b: orth(V[b], cfg.reortho_eps, frame_key(cfg.seed, b)) for b in layers}
     nxt = stage(state, Q_new)
-    nxt = nxt._replace(sketch={b: jnp.zeros_like(v) for b, v in state.sketch.items()},
-                       sketch_tokens=jnp.zeros((), F32),
-                       Q_start=dict(Q_new) if cfg.warm_start else dict(state.Q_init))
+    nxt = nxt._replace(
+        sketch={b: jnp.zeros_like(v) for b, v in state.sketch.items()},
+        sketch_tokens=jnp.zeros((), F32),
+        Q_start=dict(Q_new) if cfg.warm_start else dict(state.Q_init),
+    )
     have = tokens > 0
     return jax.tree.map(lambda new, old: jnp.where(have, new, old), nxt, state)
 
@@ -182,9 +204,12 @@ def basis_cond(Q: jax.Array) -> jax.Array:
 
 def lowrank_metrics(state: LowRankState, aux_by_layer: Optional[dict] = None) -> dict:
     """Codec health: worst basis condition over boundaries, counters, mean reconstruction error if aux given."""
-    m = {"codec/basis_cond": jnp.max(jnp.stack([basis_cond(state.Q[b]) for b in sorted(state.Q)])),
-         "codec/q_updates": state.q_updates, "codec/q_activations": state.q_activations,
-         "codec/q_stage_overwrites": state.q_stage_overwrites}
+    m = {
+        "codec/basis_cond": jnp.max(jnp.stack([basis_cond(state.Q[b]) for b in sorted(state.Q)])),
+        "codec/q_updates": state.q_updates,
+        "codec/q_activations": state.q_activations,
+        "codec/q_stage_overwrites": state.q_stage_overwrites,
+    }
     if aux_by_layer:
         m["codec/recon_rel_err"] = jnp.mean(jnp.stack([aux_by_layer[b]["recon_rel_err"] for b in sorted(aux_by_layer)]))
     return m

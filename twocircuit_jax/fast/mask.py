@@ -1,12 +1,13 @@
 """The `prf_mask` codec (SPEC §3.2): h~ = g * (h ⊙ m) at each pipeline boundary.
 
 m[b, t, j] comes from the stateless PRF key (seed, boundary layer, step key, sample_id[b], position[b, t], j)
-of `fast/prf.py`. Nothing else enters the key (no path tag, no tick, no mesh coordinate), so the old-log-prob,
+of `pallas_kernels/prf.py`. Nothing else enters the key (no path tag, no tick, no mesh coordinate), so the old-log-prob,
 train and reference forwards, every mini-batch, any padding and `jax.checkpoint` recomputation regenerate the
 same bits. The backward message is grad * g * m through ordinary autodiff (no straight-through estimator).
 
 Shape: an (empty) `MaskState` plus pure functions; `make_mask_hook` closes over the traced per-batch context.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,7 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from twocircuit_jax.fast import prf
+from pallas_kernels import prf
+from pallas_kernels.prf_mask import MaskRows, prf_mask_kernel
+from pallas_kernels.sharding import shard_rows
 
 RESCALE_MODES = ("none", "constant", "rms_match")
 RMS_EPS = 1e-8
@@ -36,8 +39,10 @@ def _validate(cfg, boundaries):
     if cfg.prf_impl not in prf.IMPLS:
         raise ValueError(f"fast.prf_impl: got {cfg.prf_impl!r}; allowed {', '.join(prf.IMPLS)}")
     if cfg.p_by_boundary and len(cfg.p_by_boundary) != len(boundaries):
-        raise ValueError(f"fast.p_by_boundary: got {len(cfg.p_by_boundary)} values for {len(boundaries)} "
-                         f"boundaries {tuple(boundaries)}; give one p per boundary or none")
+        raise ValueError(
+            f"fast.p_by_boundary: got {len(cfg.p_by_boundary)} values for {len(boundaries)} "
+            f"boundaries {tuple(boundaries)}; give one p per boundary or none"
+        )
 
 
 def layer_p(cfg, boundaries, layer: int) -> float:
@@ -132,23 +137,22 @@ def _apply_reference(cfg, p, layer, step, sample_ids, positions, h):
 
 
 def _apply_kernel(cfg, p, layer, step, sample_ids, positions, h, interpret, mesh=None):
-    from pallas_kernels.prf_mask import MaskRows, prf_mask_kernel  # kernels are optional at import time
-    from pallas_kernels.sharding import shard_rows
-
     if cfg.prf_impl == "threefry":
-        raise ValueError("fast.use_kernel: the Pallas mask kernel hashes with u32pair; prf_impl 'threefry' "
-                         "is not available there (allowed with the kernel: u32pair, x64)")
+        raise ValueError(
+            "fast.use_kernel: the Pallas mask kernel hashes with u32pair; prf_impl 'threefry' "
+            "is not available there (allowed with the kernel: u32pair, x64)"
+        )
     b, t, width = h.shape
     key, odd = step_key(cfg, step)
-    rk = prf.row_key(prf.prefix_key(cfg.seed, layer, key), jnp.asarray(sample_ids, jnp.int32),
-                     jnp.asarray(positions, jnp.int32))
+    rk = prf.row_key(
+        prf.prefix_key(cfg.seed, layer, key), jnp.asarray(sample_ids, jnp.int32), jnp.asarray(positions, jnp.int32)
+    )
     u = flipped_u(cfg, layer, step, sample_ids, positions, width) if cfg.exact_k else None
     thr, thr_j = thresholds(cfg, p, u, (b, t))
     gain = constant_gain(p) if cfg.rescale_mode == "constant" else 1.0
     col = lambda x, dt=jnp.uint32: jnp.broadcast_to(jnp.asarray(x, dt), (b, t)).reshape(b * t, 1)
     flip = jnp.where(odd, prf.u32(0xFFFFFFFF), prf.u32(0)).astype(jnp.uint32)
-    rows = MaskRows(col(rk.hi), col(rk.lo), col(thr.hi), col(thr.lo), col(thr_j), col(flip),
-                    col(gain, jnp.float32))
+    rows = MaskRows(col(rk.hi), col(rk.lo), col(thr.hi), col(thr.lo), col(thr_j), col(flip), col(gain, jnp.float32))
     kernel = shard_rows(lambda x, r: prf_mask_kernel(x, r, interpret=interpret), mesh, n_row_args=2)
     out = kernel(h.reshape(b * t, width), rows).reshape(b, t, width)
     if cfg.rescale_mode == "rms_match":
@@ -157,8 +161,7 @@ def _apply_kernel(cfg, p, layer, step, sample_ids, positions, h, interpret, mesh
     return out
 
 
-def make_mask_hook(cfg, boundaries, step, sample_ids, positions, attention_mask=None, *, interpret=False,
-                   mesh=None):
+def make_mask_hook(cfg, boundaries, step, sample_ids, positions, attention_mask=None, *, interpret=False, mesh=None):
     """Build hook(layer, h [B, T, H]) -> (h~, {"mask_ratio": 1 - mean(m) over real tokens}).
 
     step: global step gs (int or traced int32 scalar); sample_ids [B] int32 global rows; positions [B, T] int32

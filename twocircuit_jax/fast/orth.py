@@ -12,6 +12,7 @@ and every column is degenerate when V == 0. SPEC writes the threshold as `|R_ii|
 by the largest input column norm so the repair is scale-invariant: sketches (ΣMᵀMQ ~ 1e6) and LM gradients
 (P ~ 1e-8) must be judged alike. Documented departure; eps keeps its meaning of "relative loss of rank".
 """
+
 from __future__ import annotations
 
 import jax

@@ -14,14 +14,19 @@ State layout: Q is replicated; the error memory e is per replica. Globally e has
 multiplied by the replica count (replica i owns rows [i·n0, (i+1)·n0)), so shard_map with
 `state_specs(state, axis)` (P(axis) on e) hands every replica an e of the leaf's own shape.
 """
+
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from pallas_kernels.lowrank import check_can_run
+from pallas_kernels.powersgd import ef_project
+from twocircuit_jax.fast.bytes import grad_allreduce_bytes, powersgd_plain_bytes
+from twocircuit_jax.fast.leaf_plan import LeafPlan, flat_leaves, plan_leaves  # noqa: F401  (LeafPlan: re-export)
 from twocircuit_jax.fast.orth import orth
 
 F32 = jnp.float32
@@ -29,45 +34,9 @@ _SALT = 0x50575344  # "PWSD": keeps the Q₀ and refill keys apart from other us
 
 
 class PowerSGDState(NamedTuple):
-    Q: dict          # leaf path -> [m, r] or [L, m, r] f32, replicated warm-start basis
-    e: dict          # leaf path -> [R·n, m] or [R·L, n, m] f32 error memory, R replicas stacked on axis 0
+    Q: dict  # leaf path -> [m, r] or [L, m, r] f32, replicated warm-start basis
+    e: dict  # leaf path -> [R·n, m] or [R·L, n, m] f32 error memory, R replicas stacked on axis 0
     step: jax.Array  # [] int32 reduces done (plain-mean warm-up ones included)
-
-
-class LeafPlan(NamedTuple):
-    path: str
-    shape: tuple
-    compress: bool
-    layers: int   # L of a stacked leaf, 1 for a matrix, 0 when not compressed
-    n: int
-    m: int
-
-
-def _path_str(kp) -> str:
-    return jax.tree_util.keystr(kp, simple=True, separator="/")
-
-
-def flat_leaves(tree) -> dict:
-    """{path: leaf}; the sorted path order is the collective order."""
-    return {_path_str(kp): x for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def plan_leaves(cfg, params_like) -> list[LeafPlan]:
-    """Sorted per-leaf decision: compress iff 2-D/stacked and (n+m)·r·min_compression_rate < n·m."""
-    out = []
-    for path, x in sorted(flat_leaves(params_like).items()):
-        shape = tuple(x.shape)
-        is_embed = ("embed" in path) or ("lm_head" in path)
-        if len(shape) >= 2 and not (is_embed and not cfg.compress_embeddings):
-            n, m = shape[-2], shape[-1]
-            L = 1
-            for d in shape[:-2]:
-                L *= d
-            if (n + m) * cfg.grad_rank * cfg.min_compression_rate < n * m:
-                out.append(LeafPlan(path, shape, True, L, n, m))
-                continue
-        out.append(LeafPlan(path, shape, False, 0, 0, 0))
-    return out
 
 
 def _fresh_q(cfg, idx: int, p: LeafPlan, step) -> jax.Array:
@@ -88,8 +57,9 @@ def init_powersgd(cfg, params_like, n_replicas: int = 1) -> PowerSGDState:
 
 def state_specs(state: PowerSGDState, axis_name: str) -> PowerSGDState:
     """shard_map specs: Q and step replicated, e split over the replica axis."""
-    return PowerSGDState(Q={k: PartitionSpec() for k in state.Q}, e={k: PartitionSpec(axis_name) for k in state.e},
-                         step=PartitionSpec())
+    return PowerSGDState(
+        Q={k: PartitionSpec() for k in state.Q}, e={k: PartitionSpec(axis_name) for k in state.e}, step=PartitionSpec()
+    )
 
 
 def _pack(xs):
@@ -99,7 +69,7 @@ def _pack(xs):
 def _unpack(vec, likes):
     out, o = [], 0
     for x in likes:
-        out.append(vec[o:o + x.size].reshape(x.shape))
+        out.append(vec[o : o + x.size].reshape(x.shape))
         o += x.size
     return out
 
@@ -115,7 +85,6 @@ def _orth_batched(P, eps, key):
 def _project(g, e, Q, cfg, interpret):
     """P = (g + e)·Q in fp32, through the Pallas kernel when cfg.use_kernel."""
     if cfg.use_kernel:
-        from pallas_kernels.powersgd import ef_project
         if g.ndim > 3:  # the kernel takes [n, m] or [L, n, m]
             lead = g.shape[:-2]
             g, e, Q = (a.reshape((-1,) + a.shape[-2:]) for a in (g, e, Q))
@@ -134,7 +103,6 @@ def powersgd_reduce(grads, state: PowerSGDState, cfg, axis_name: str, *, skip=Fa
     powersgd/skipped, powersgd/bytes_compressed, powersgd/bytes_dense (per replica, logical, SPEC §3.6).
     """
     if cfg.use_kernel:
-        from pallas_kernels.lowrank import check_can_run
         check_can_run(interpret, "powersgd (fast.use_kernel=true)")
     leaves = flat_leaves(grads)
     plan = plan_leaves(cfg, grads)
@@ -176,18 +144,23 @@ def powersgd_reduce(grads, state: PowerSGDState, cfg, axis_name: str, *, skip=Fa
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in out.values()]))
     skipped = jnp.logical_or(jnp.asarray(skip), ~finite)
     keep = lambda new, old: jnp.where(skipped, old, new)  # noqa: E731
-    new_state = PowerSGDState(Q=jax.tree.map(keep, new_Q, state.Q), e=jax.tree.map(keep, new_e, state.e),
-                              step=state.step + 1)
+    new_state = PowerSGDState(
+        Q=jax.tree.map(keep, new_Q, state.Q), e=jax.tree.map(keep, new_e, state.e), step=state.step + 1
+    )
     dtypes = {p.path: leaves[p.path].dtype for p in plan}
-    mean = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(grads),
-                                        [out[p].astype(dtypes[p]) for p in sorted(out, key=_order(grads))])
-    from twocircuit_jax.fast.bytes import grad_allreduce_bytes, powersgd_plain_bytes
+    mean = jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(grads), [out[p].astype(dtypes[p]) for p in sorted(out, key=_order(grads))]
+    )
     b_comp = grad_allreduce_bytes(grads, cfg, powersgd=True)
-    metrics = {"powersgd/error_norm": jnp.sqrt(e2m), "powersgd/compressed": is_comp.astype(F32),
-               "powersgd/skipped": skipped.astype(F32),
-               "powersgd/bytes_compressed": jnp.where(is_comp, b_comp["comm/bytes_compressed"],
-                                                      powersgd_plain_bytes(grads)).astype(F32),
-               "powersgd/bytes_dense": jnp.asarray(b_comp["comm/bytes_dense"], F32)}
+    metrics = {
+        "powersgd/error_norm": jnp.sqrt(e2m),
+        "powersgd/compressed": is_comp.astype(F32),
+        "powersgd/skipped": skipped.astype(F32),
+        "powersgd/bytes_compressed": jnp.where(
+            is_comp, b_comp["comm/bytes_compressed"], powersgd_plain_bytes(grads)
+        ).astype(F32),
+        "powersgd/bytes_dense": jnp.asarray(b_comp["comm/bytes_dense"], F32),
+    }
     return mean, new_state, metrics
 
 
@@ -208,7 +181,7 @@ def powersgd_reference(replica_grads: list, state: PowerSGDState, cfg, *, skip: 
 
     def e_of(p, i):
         n0 = p.shape[0]
-        return state.e[p.path][i * n0:(i + 1) * n0]
+        return state.e[p.path][i * n0 : (i + 1) * n0]
 
     e2 = sum(float(jnp.sum(state.e[p.path] ** 2)) for p in comp) / R
     mean_plain = {p.path: sum(f[p.path].astype(F32) for f in flats) / R for p in plan}
@@ -231,8 +204,12 @@ def powersgd_reference(replica_grads: list, state: PowerSGDState, cfg, *, skip: 
     if skipped:
         new_Q, new_e = state.Q, state.e
     leaves = flats[0]
-    mean = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(replica_grads[0]),
-                                        [out[p].astype(leaves[p].dtype) for p in leaves])
-    metrics = {"powersgd/error_norm": e2 ** 0.5, "powersgd/compressed": float(compressed),
-               "powersgd/skipped": float(skipped)}
+    mean = jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(replica_grads[0]), [out[p].astype(leaves[p].dtype) for p in leaves]
+    )
+    metrics = {
+        "powersgd/error_norm": e2**0.5,
+        "powersgd/compressed": float(compressed),
+        "powersgd/skipped": float(skipped),
+    }
     return mean, PowerSGDState(Q=dict(new_Q), e=dict(new_e), step=state.step + 1), metrics

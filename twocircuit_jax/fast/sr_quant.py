@@ -8,6 +8,7 @@ regenerates its uniforms from (step, sample_ids, positions), so no [B, T, H] res
 `rounding: rn` rounds to the nearest level (deterministic, biased baseline). `subset_k > 0` keeps only an exact-k
 channel subset (chosen by the mask's u, never by value), quantizes it and rescales by H/k; other channels are 0.
 """
+
 from __future__ import annotations
 
 import functools
@@ -16,8 +17,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import prf
 from twocircuit_jax.fast import mask as mask_lib
-from twocircuit_jax.fast import prf
 
 ROUNDINGS = ("sr", "rn")
 FORWARD, BACKWARD = 0, 1
@@ -127,8 +128,7 @@ def make_quant_hook(cfg, boundaries, step, sample_ids, positions, attention_mask
         if layer not in boundaries:
             raise ValueError(f"sr_quant: layer {layer} is not a boundary; boundaries are {boundaries}")
         out = sr_quant(cfg, layer, step, sample_ids, positions, h)
-        w = jnp.ones(h.shape[:-1], jnp.float32) if attention_mask is None \
-            else jnp.asarray(attention_mask, jnp.float32)
+        w = jnp.ones(h.shape[:-1], jnp.float32) if attention_mask is None else jnp.asarray(attention_mask, jnp.float32)
         h32 = jax.lax.stop_gradient(h).astype(jnp.float32)
         err = jnp.sum(jnp.sum(jnp.square(jax.lax.stop_gradient(out).astype(jnp.float32) - h32), -1) * w)
         ref = jnp.sum(jnp.sum(jnp.square(h32), -1) * w)

@@ -11,6 +11,7 @@ Choices, stated once:
 - a group whose rewards are all equal (std ≈ 0), or a group of one sample, carries no preference signal: its
   advantages are exactly 0 (not a ±ulp residue of `r - mean`), so it contributes nothing to the policy gradient.
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -33,8 +34,8 @@ def group_advantages(rewards, n: int, std_normalize: bool = True, eps: float = 1
         raise ValueError(f"rewards must be 1-D [P*n], got shape {rewards.shape}")
     if n < 1 or rewards.shape[0] % n != 0:
         raise ValueError(f"rewards length {rewards.shape[0]} is not a multiple of the group size n={n}")
-    groups = rewards.reshape(-1, n)                                       # [P, n]
-    mean = groups.mean(axis=1, keepdims=True)                             # [P, 1]
+    groups = rewards.reshape(-1, n)  # [P, n]
+    mean = groups.mean(axis=1, keepdims=True)  # [P, 1]
     centred = groups - mean
     if n > 1:
         std = jnp.sqrt(jnp.sum(centred * centred, axis=1, keepdims=True) / (n - ddof))

@@ -4,6 +4,7 @@ Conventions (docs/architecture.md): `logp[b, t] = log p(tokens[b, t] | tokens[b,
 per-token quantity is aligned the same way and everything entering a loss or a metric is multiplied by
 `response_mask`. All arithmetic is float32 whatever the logits dtype.
 """
+
 from __future__ import annotations
 
 import jax
@@ -29,10 +30,10 @@ def token_logprobs(logits, tokens):
     """
     if logits.ndim != 3 or tokens.shape != logits.shape[:2]:
         raise ValueError(f"expected logits [B, T, V] and tokens [B, T]; got {logits.shape} and {tokens.shape}")
-    pred = logits[:, :-1].astype(jnp.float32)                               # [B, T-1, V]
-    nxt = tokens[:, 1:].astype(jnp.int32)                                   # [B, T-1]
-    picked = jnp.take_along_axis(pred, nxt[..., None], axis=-1)[..., 0]     # [B, T-1]
-    lse = jax.nn.logsumexp(pred, axis=-1)                                   # [B, T-1]
+    pred = logits[:, :-1].astype(jnp.float32)  # [B, T-1, V]
+    nxt = tokens[:, 1:].astype(jnp.int32)  # [B, T-1]
+    picked = jnp.take_along_axis(pred, nxt[..., None], axis=-1)[..., 0]  # [B, T-1]
+    lse = jax.nn.logsumexp(pred, axis=-1)  # [B, T-1]
     return _shift_right(picked - lse)
 
 
@@ -41,7 +42,7 @@ def token_entropy(logits):
     pred = logits[:, :-1].astype(jnp.float32)
     lse = jax.nn.logsumexp(pred, axis=-1, keepdims=True)
     p = jnp.exp(pred - lse)
-    ent = lse[..., 0] - jnp.sum(p * pred, axis=-1)                          # H = lse - E_p[logit]
+    ent = lse[..., 0] - jnp.sum(p * pred, axis=-1)  # H = lse - E_p[logit]
     return _shift_right(ent)
 
 
@@ -76,8 +77,8 @@ def agg_loss(loss_mat, mask, mode: str, token_count=None, seq_count=None, norm_l
         return jnp.sum(masked) / _positive(denom)
     if mode not in AGG_MODES:
         raise ValueError(f"unknown loss_agg {mode!r}; allowed {AGG_MODES}")
-    tok_per_seq = jnp.sum(mask, axis=-1)                                    # [B]
-    seq_sum = jnp.sum(masked, axis=-1)                                      # [B]
+    tok_per_seq = jnp.sum(mask, axis=-1)  # [B]
+    seq_sum = jnp.sum(masked, axis=-1)  # [B]
     if mode == "seq-mean-token-sum":
         per_seq = seq_sum
     elif mode == "seq-mean-token-mean":
@@ -98,8 +99,20 @@ def _masked_mean(x, mask, count):
     return jnp.sum(x * mask) / count
 
 
-def grpo_loss(logp, old_logp, ref_logp, advantages, response_mask, weights, cfg, token_count=None, *,
-              entropy=None, seq_count=None, norm_len=None):
+def grpo_loss(
+    logp,
+    old_logp,
+    ref_logp,
+    advantages,
+    response_mask,
+    weights,
+    cfg,
+    token_count=None,
+    *,
+    entropy=None,
+    seq_count=None,
+    norm_len=None,
+):
     """Clipped GRPO objective. Returns (loss scalar, metrics dict of scalars).
 
     logp [B, T]: trainer log-probs (the differentiated input); old_logp, ref_logp [B, T]: stop-gradient inputs
@@ -116,7 +129,7 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, response_mask, weights, cfg,
     any_tok = jnp.any(mask > 0)
     logp = logp.astype(jnp.float32)
     old_logp = jax.lax.stop_gradient(old_logp.astype(jnp.float32))
-    adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))[:, None]   # [B, 1]
+    adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))[:, None]  # [B, 1]
 
     # Off-mask positions get log-ratio 0 so padding can never produce inf/NaN that leaks through `* mask`.
     log_ratio = jnp.where(mask > 0, logp - old_logp, 0.0)
@@ -150,14 +163,14 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, response_mask, weights, cfg,
     if ref_logp is None:
         if cfg.kl_coef != 0:
             raise ValueError(f"grpo.kl_coef={cfg.kl_coef} needs ref_logp; got None")
-        metrics["loss/kl"] = jnp.zeros((), jnp.float32)   # stable key set; `kl/ref` is absent (not measured)
+        metrics["loss/kl"] = jnp.zeros((), jnp.float32)  # stable key set; `kl/ref` is absent (not measured)
     else:
         ref = jax.lax.stop_gradient(ref_logp.astype(jnp.float32))
         kl_mat = kl_penalty(logp, jnp.where(mask > 0, ref, logp), cfg.kl_estimator)
         kl_loss = agg_loss(kl_mat, mask, cfg.loss_agg, **agg)
         metrics["kl/ref"] = _masked_mean(kl_mat, mask, count)
         metrics["loss/kl"] = kl_loss
-        if cfg.kl_coef != 0:                      # kl_coef 0: logged only, the loss graph is untouched
+        if cfg.kl_coef != 0:  # kl_coef 0: logged only, the loss graph is untouched
             loss = loss + cfg.kl_coef * kl_loss
 
     if entropy is not None:

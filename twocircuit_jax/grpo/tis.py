@@ -10,6 +10,7 @@ Metrics: `tis/weight_mean`, `tis/weight_max`, `tis/weight_min`, `tis/clip_frac` 
 and `tis/ess` = (Σw)²/(N·Σw²) of the weights in use (SPEC §5: always log ESS). They are taken over response
 tokens in `token` mode and over sequences with at least one response token in `sequence` mode.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,8 +55,13 @@ def tis_weights(old_logp, sampler_logp, mask, mode: str = "off", cap: float = 2.
         raise ValueError(f"tis cap must be > 0, got {cap}")
     if mode == "off":
         one, zero = jnp.ones((), jnp.float32), jnp.zeros((), jnp.float32)
-        metrics = {"tis/weight_mean": one, "tis/weight_max": one, "tis/weight_min": one,
-                   "tis/clip_frac": zero, "tis/ess": one}
+        metrics = {
+            "tis/weight_mean": one,
+            "tis/weight_max": one,
+            "tis/weight_min": one,
+            "tis/clip_frac": zero,
+            "tis/ess": one,
+        }
         return jnp.ones(old_logp.shape, jnp.float32), metrics
 
     valid = mask > 0
@@ -63,12 +69,12 @@ def tis_weights(old_logp, sampler_logp, mask, mode: str = "off", cap: float = 2.
     delta = jax.lax.stop_gradient(delta)
     if mode == "token":
         w, over = _capped_exp(delta, cap)
-        w = jnp.where(valid, w, 1.0)                                          # 1 off-mask (delta 0 there too)
+        w = jnp.where(valid, w, 1.0)  # 1 off-mask (delta 0 there too)
         metrics = _stats(w, valid)
         metrics["tis/clip_frac"] = jnp.sum(over & valid) / jnp.maximum(jnp.sum(valid), 1)
     else:
-        seq_valid = jnp.any(valid, axis=-1)                                  # [B]
-        w_seq, over = _capped_exp(jnp.sum(delta, axis=-1), cap)              # [B]
+        seq_valid = jnp.any(valid, axis=-1)  # [B]
+        w_seq, over = _capped_exp(jnp.sum(delta, axis=-1), cap)  # [B]
         w_seq = jnp.where(seq_valid, w_seq, 1.0)
         metrics = _stats(w_seq, seq_valid)
         metrics["tis/clip_frac"] = jnp.sum(over & seq_valid) / jnp.maximum(jnp.sum(seq_valid), 1)

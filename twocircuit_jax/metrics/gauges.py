@@ -3,6 +3,7 @@
 Entropy works on device arrays (jnp, jit-safe); length statistics run on the host over the rollout's python
 lists (numpy), since lengths are known there before any device work.
 """
+
 from __future__ import annotations
 
 import math
@@ -43,8 +44,12 @@ def length_stats(lengths: Sequence[int], truncated: Sequence[bool], limit: int) 
     if trunc.shape != lens.shape:
         raise ValueError(f"length_stats: {lens.size} lengths but {trunc.size} truncated flags")
     mean = float(lens.mean())
-    return {"length/mean": mean, "length/max": float(lens.max()), "length/limit_share": mean / limit,
-            "length/truncated_frac": float(trunc.mean())}
+    return {
+        "length/mean": mean,
+        "length/max": float(lens.max()),
+        "length/limit_share": mean / limit,
+        "length/truncated_frac": float(trunc.mean()),
+    }
 
 
 def length_slope(history: Sequence[float], window: int = 10) -> float:

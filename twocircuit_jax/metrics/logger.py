@@ -9,6 +9,7 @@ Resume: `MetricsLogger(run_dir, total, resume_from_step=k)` drops lines with ste
 resumed run rewrites them without duplicates; TensorBoard gets `purge_step=k+1`, which makes it discard the old
 run's events from step k+1 on.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,7 +56,7 @@ def _truncate_jsonl(path: Path, last_step: int) -> list[dict]:
         for line in path.read_text().splitlines():
             try:
                 rec = json.loads(line)
-            except json.JSONDecodeError:        # a line torn by a crash
+            except json.JSONDecodeError:  # a line torn by a crash
                 continue
             if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= last_step:
                 kept.append(rec)
@@ -85,8 +86,13 @@ class MetricsLogger:
         self._file = open(self.path, "a", encoding="utf-8")
         purge = None if resume_from_step is None else int(resume_from_step) + 1
         self._tb = SummaryWriter(logdir=str(self.run_dir), purge_step=purge)
-        self._bar = tqdm(total=total_steps, initial=min(start, total_steps), disable=not show_progress,
-                         unit="step", dynamic_ncols=True)
+        self._bar = tqdm(
+            total=total_steps,
+            initial=min(start, total_steps),
+            disable=not show_progress,
+            unit="step",
+            dynamic_ncols=True,
+        )
         self._bar.set_description("grpo")
         self._refresh_postfix()
 

@@ -12,6 +12,7 @@ Sequence-level quantities (chi2_seq, ppl) average over rows that have at least o
 follow verl's rollout-correction metrics: per-row exp(−mean ℓ), averaged over rows; `log_ppl_diff` is the row mean
 of (mean ℓ_s − mean ℓ_old) = log ppl_train − log ppl_roll.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -72,8 +73,9 @@ def _stats(lo, ls, m, log_w):
     return {k: jnp.where(n > 0, v, NAN).astype(jnp.float32) for k, v in out.items()}
 
 
-def mismatch_metrics(logp_old, logp_sampler, mask, truncated=None, weights: Optional[jnp.ndarray] = None,
-                     prefix: str = PREFIX) -> dict:
+def mismatch_metrics(
+    logp_old, logp_sampler, mask, truncated=None, weights: Optional[jnp.ndarray] = None, prefix: str = PREFIX
+) -> dict:
     """`mismatch/*` scalars from trainer (`logp_old`) and sampler log-probs, [B, T] each.
 
     weights: the importance weights in use for `mismatch/ess` ([B, T] or [B, 1], e.g. TIS-capped); default ρ.

@@ -4,6 +4,7 @@ Reads each run's `metrics.jsonl` and `config.yaml` only, so it works on finished
 copies from another machine. A sweep folder (subfolders that are runs) is expanded into its arms. matplotlib is
 imported lazily, and only its object API (no pyplot, no global backend), so importing this module is cheap.
 """
+
 from __future__ import annotations
 
 import base64
@@ -51,8 +52,11 @@ class Run:
         self.strength: float | None = fast.get(key) if key else None
         grad = fast.get("grad_codec") or "none"
         # e.g. "lowrank r=8"; a gradient codec is appended ("+powersgd"): a different compression, a different row
-        self.codec_label = self.codec + (f" {short}={self.strength:g}" if self.strength is not None else "") + (
-            f" +{grad}" if grad != "none" else "")
+        self.codec_label = (
+            self.codec
+            + (f" {short}={self.strength:g}" if self.strength is not None else "")
+            + (f" +{grad}" if grad != "none" else "")
+        )
         self.is_dense = self.codec == "none" and not self.anchor and grad == "none"
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
@@ -69,10 +73,16 @@ class Run:
     def summary(self) -> dict:
         """The run's headline numbers (None where not logged)."""
         steps, acc = self.series(ACC)
-        return {"name": self.name, "codec": self.codec_label, "anchor": self.anchor,
-                "base_accuracy": acc[steps.index(0)] if 0 in steps else None,
-                "final_accuracy": acc[-1] if acc else None, "max_accuracy": max(acc) if acc else None,
-                "gap_last10": self.last(GAP, 10), "grad_cos": self.last(GRAD_COS)}
+        return {
+            "name": self.name,
+            "codec": self.codec_label,
+            "anchor": self.anchor,
+            "base_accuracy": acc[steps.index(0)] if 0 in steps else None,
+            "final_accuracy": acc[-1] if acc else None,
+            "max_accuracy": max(acc) if acc else None,
+            "gap_last10": self.last(GAP, 10),
+            "grad_cos": self.last(GRAD_COS),
+        }
 
 
 def load_run(path: str, name: str | None = None) -> Run:
@@ -151,13 +161,31 @@ def map_cells(runs: list[Run]) -> list[dict]:
     cells = []
     for (label, codec, strength, anchor, hidden), rs in groups.items():
         acc, dacc = _mean([r.last(ACC) for r in rs]), _mean(dense.get(hidden, []))
-        cells.append({"codec": codec, "strength": strength, "label": label, "anchor": anchor, "hidden": hidden,
-                      "accuracy": acc, "dense_accuracy": dacc,
-                      "gap": acc - dacc if acc is not None and dacc is not None else None,
-                      "prob_gap_last10": _mean([r.last(GAP, 10) for r in rs]),
-                      "grad_cos": _mean([r.last(GRAD_COS) for r in rs]), "runs": [r.name for r in rs]})
-    cells.sort(key=lambda c: (CODEC_ORDER.index(c["codec"]), c["strength"] is None, c["strength"] or 0, c["label"],
-                              c["hidden"] or 0, c["anchor"]))
+        cells.append(
+            {
+                "codec": codec,
+                "strength": strength,
+                "label": label,
+                "anchor": anchor,
+                "hidden": hidden,
+                "accuracy": acc,
+                "dense_accuracy": dacc,
+                "gap": acc - dacc if acc is not None and dacc is not None else None,
+                "prob_gap_last10": _mean([r.last(GAP, 10) for r in rs]),
+                "grad_cos": _mean([r.last(GRAD_COS) for r in rs]),
+                "runs": [r.name for r in rs],
+            }
+        )
+    cells.sort(
+        key=lambda c: (
+            CODEC_ORDER.index(c["codec"]),
+            c["strength"] is None,
+            c["strength"] or 0,
+            c["label"],
+            c["hidden"] or 0,
+            c["anchor"],
+        )
+    )
     return cells
 
 
@@ -172,15 +200,23 @@ def _map_md(cells: list[dict]) -> str:
     head = ["codec", "anchor", "hidden", "accuracy", "dense", "gap", "prob_gap (last 10)", "grad_cos"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in cells:
-        vals = [c["label"], "on" if c["anchor"] else "off", c["hidden"], c["accuracy"], c["dense_accuracy"],
-                c["gap"], c["prob_gap_last10"], c["grad_cos"]]
+        vals = [
+            c["label"],
+            "on" if c["anchor"] else "off",
+            c["hidden"],
+            c["accuracy"],
+            c["dense_accuracy"],
+            c["gap"],
+            c["prob_gap_last10"],
+            c["grad_cos"],
+        ]
         lines.append("| " + " | ".join(_fmt(v) for v in vals) + " |")
     return "\n".join(lines) + "\n"
 
 
 def _moving_avg(v: list[float], w: int = 10) -> list[float]:
     """Trailing mean over up to w points (shorter at the start)."""
-    return [sum(v[max(0, i - w + 1): i + 1]) / (i + 1 - max(0, i - w + 1)) for i in range(len(v))]
+    return [sum(v[max(0, i - w + 1) : i + 1]) / (i + 1 - max(0, i - w + 1)) for i in range(len(v))]
 
 
 def _draw_map(fig, cells: list[dict]) -> None:
@@ -200,8 +236,9 @@ def _draw_map(fig, cells: list[dict]) -> None:
     ax = fig.add_subplot()
     im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, norm=Normalize(-(m or 1e-3), m or 1e-3), aspect="auto")
     ax.set_yticks(range(len(rows)), rows)
-    ax.set_xticks(range(len(cols)), [(f"H{h} " if len(hiddens) > 1 else "") + f"anchor {'on' if a else 'off'}"
-                                     for h, a in cols])
+    ax.set_xticks(
+        range(len(cols)), [(f"H{h} " if len(hiddens) > 1 else "") + f"anchor {'on' if a else 'off'}" for h, a in cols]
+    )
     for (i, j), g in np.ndenumerate(grid):
         if np.isfinite(g):
             ax.text(j, i, f"{g:+.3f}", ha="center", va="center", color="white" if abs(g) > 0.6 * m else "black")
@@ -266,8 +303,7 @@ def plot_runs(runs: list[Run], out_dir: str) -> list[str]:
         for i, r in enumerate(runs):
             fires = [s for s, v in zip(*r.series("anchor/fire")) if v > 0.5]
             if fires:
-                a2.plot(fires, [0.02 + 0.03 * i] * len(fires), "|", color=color[r.name], markersize=7,
-                        transform=ticks)
+                a2.plot(fires, [0.02 + 0.03 * i] * len(fires), "|", color=color[r.name], markersize=7, transform=ticks)
         save(fig, "accuracy_reward.png", "Held-out accuracy and reward")
     if want("Sampler-trainer mismatch", GAP, "mismatch/prob_corr"):
         fig, (a1, a2) = panels(2)
@@ -285,8 +321,9 @@ def plot_runs(runs: list[Run], out_dir: str) -> list[str]:
         save(fig, "fidelity.png", "Gradient fidelity")
     if any(r.is_dense for r in runs) and any(r.codec in CODEC_ORDER for r in runs):
         cells = map_cells(runs)
-        fig = Figure(figsize=(3.0 + 1.6 * 2 * len({c["hidden"] for c in cells}), 1.2 + 0.5 * len(cells)),
-                     layout="constrained")
+        fig = Figure(
+            figsize=(3.0 + 1.6 * 2 * len({c["hidden"] for c in cells}), 1.2 + 0.5 * len(cells)), layout="constrained"
+        )
         _draw_map(fig, cells)
         save(fig, "map.png", "Fidelity map (final accuracy minus dense, same hidden size)")
         for fname, text in (("map.json", json.dumps(cells, indent=1)), ("map.md", _map_md(cells))):
@@ -304,8 +341,10 @@ def _write_html(runs: list[Run], sections: list[tuple], path: str) -> str:
     e = html.escape
     head = ["run", "codec", "anchor", "base acc (step 0)", "final acc", "max acc", "gap (last 10)", "grad_cos"]
     trs = "".join("<tr>" + "".join(f"<td>{e(_fmt(v))}</td>" for v in r.summary().values()) + "</tr>\n" for r in runs)
-    body = [f"<h1>twocircuit runs ({len(runs)})</h1>", "<table><tr>" + "".join(f"<th>{h}</th>" for h in head)
-            + f"</tr>\n{trs}</table>"]
+    body = [
+        f"<h1>twocircuit runs ({len(runs)})</h1>",
+        "<table><tr>" + "".join(f"<th>{h}</th>" for h in head) + f"</tr>\n{trs}</table>",
+    ]
     for title, png, note in sections:
         body.append(f"<h2>{e(title)}</h2>")
         if png:
@@ -314,9 +353,13 @@ def _write_html(runs: list[Run], sections: list[tuple], path: str) -> str:
             body.append(f'<img alt="{e(os.path.basename(png))}" src="data:image/png;base64,{data}">')
         else:
             body.append(f"<p><em>skipped: {e(note)}</em></p>")
-    style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
-             "padding:3px 8px;text-align:right}td:first-child{text-align:left}img{max-width:100%}")
+    style = (
+        "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
+        "padding:3px 8px;text-align:right}td:first-child{text-align:left}img{max-width:100%}"
+    )
     with open(path, "w") as fh:
-        fh.write(f"<!doctype html><html><head><meta charset='utf-8'><title>twocircuit plot</title><style>{style}"
-                 f"</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+        fh.write(
+            f"<!doctype html><html><head><meta charset='utf-8'><title>twocircuit plot</title><style>{style}"
+            f"</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
+        )
     return path

@@ -11,6 +11,7 @@ Both run every `train.probe_every` GRPO steps and cost extra passes, never a cha
 A fast circuit can learn only as far as its gradient points where the dense one does: `fidelity/grad_cos` near 0
 means the updates are noise to the dense policy the sampler runs, whatever the codec-view loss says.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -23,9 +24,18 @@ from twocircuit_jax.grpo.tis import tis_weights
 from twocircuit_jax.model.qwen2 import default_positions, forward_with_aux
 
 # Parameter groups of the fidelity gauge, by the first matching path fragment (docs/architecture.md's pytree).
-GROUPS = (("embed", "embed"), ("lm_head", "lm_head"), ("_norm", "norm"),
-          ("q_proj", "attn"), ("k_proj", "attn"), ("v_proj", "attn"), ("o_proj", "attn"),
-          ("gate_proj", "mlp"), ("up_proj", "mlp"), ("down_proj", "mlp"))
+GROUPS = (
+    ("embed", "embed"),
+    ("lm_head", "lm_head"),
+    ("_norm", "norm"),
+    ("q_proj", "attn"),
+    ("k_proj", "attn"),
+    ("v_proj", "attn"),
+    ("o_proj", "attn"),
+    ("gate_proj", "mlp"),
+    ("up_proj", "mlp"),
+    ("down_proj", "mlp"),
+)
 
 
 def dense_probe_metrics(lp_dense, ref_dense, old_logp, ref_codec, sampler_logp, mask, estimator) -> dict:
@@ -67,8 +77,15 @@ def grad_cosines(applied, dense, prefix: str = "fidelity/grad_cos") -> dict:
     return out
 
 
-def make_fidelity_fn(model_cfg, grpo_cfg, max_new_tokens: int, codec, compute: Callable,
-                     grad_transform: Optional[Callable], make_dense_loss: Callable):
+def make_fidelity_fn(
+    model_cfg,
+    grpo_cfg,
+    max_new_tokens: int,
+    codec,
+    compute: Callable,
+    grad_transform: Optional[Callable],
+    make_dense_loss: Callable,
+):
     """fn(params, ref_params, batch, ctx) -> {fidelity/*: scalar}.
 
     `compute(params, batch, ctx) -> (grads, loss, metrics)` is the train step's own gradient (the circuit's grad_fn,
@@ -85,18 +102,26 @@ def make_fidelity_fn(model_cfg, grpo_cfg, max_new_tokens: int, codec, compute: C
     def boundary_errors(params, batch, ctx):
         if codec is None or not codec.applies("train"):
             return {}
-        hook, layers = codec.hook(ctx["codec"], "train", ctx["step"], batch["sample_id"],
-                                  default_positions(batch["attention_mask"]), batch["attention_mask"])
+        hook, layers = codec.hook(
+            ctx["codec"],
+            "train",
+            ctx["step"],
+            batch["sample_id"],
+            default_positions(batch["attention_mask"]),
+            batch["attention_mask"],
+        )
 
         def seen(layer, h):  # what the receiver of boundary `layer` rebuilds, in the codec view
             out, _ = hook(layer, h)
             return out, out
 
         p = jax.lax.stop_gradient(params)
-        _, codec_h = forward_with_aux(model_cfg, p, batch["tokens"], batch["attention_mask"], hook=seen,
-                                      hook_layers=layers)
-        _, dense_h = forward_with_aux(model_cfg, p, batch["tokens"], batch["attention_mask"],
-                                      hook=lambda layer, h: (h, h), hook_layers=layers)
+        _, codec_h = forward_with_aux(
+            model_cfg, p, batch["tokens"], batch["attention_mask"], hook=seen, hook_layers=layers
+        )
+        _, dense_h = forward_with_aux(
+            model_cfg, p, batch["tokens"], batch["attention_mask"], hook=lambda layer, h: (h, h), hook_layers=layers
+        )
         w = batch["attention_mask"].astype(jnp.float32)[..., None]
         out = {}
         for b in layers:
@@ -115,8 +140,9 @@ def make_fidelity_fn(model_cfg, grpo_cfg, max_new_tokens: int, codec, compute: C
         if "ref_logp" in batch:
             dense_batch["ref_logp"] = dense_logp(ref_params, batch)
         if "is_weight" in batch:
-            dense_batch["is_weight"] = tis_weights(lp, batch["sampler_logp"], batch["response_mask"], grpo_cfg.tis,
-                                                   grpo_cfg.tis_cap)[0]
+            dense_batch["is_weight"] = tis_weights(
+                lp, batch["sampler_logp"], batch["response_mask"], grpo_cfg.tis, grpo_cfg.tis_cap
+            )[0]
         g_dense = jax.grad(lambda p: dense_loss(p, dense_batch, ctx)[0])(params)
         out = grad_cosines(g_post, g_dense)
         # Without the anchor nothing rewrites G and the two are equal; logged anyway so runs compare key for key.

@@ -1,11 +1,12 @@
 """Hugging Face checkpoints in and out: config.json + *.safetensors (one file or several with an index)."""
+
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import tempfile
 import shutil
+import tempfile
 
 import jax.numpy as jnp
 import numpy as np
@@ -15,12 +16,20 @@ from twocircuit_jax.config.sections import ModelConfig
 
 SUPPORTED = ("qwen2", "qwen3")
 _PROJ = {  # our name -> (HF module path, transpose)
-    "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-    "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+    "q_proj": "self_attn.q_proj",
+    "k_proj": "self_attn.k_proj",
+    "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj",
+    "gate_proj": "mlp.gate_proj",
+    "up_proj": "mlp.up_proj",
     "down_proj": "mlp.down_proj",
 }
-_NORMS = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm",
-          "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
+_NORMS = {
+    "input_norm": "input_layernorm",
+    "post_norm": "post_attention_layernorm",
+    "q_norm": "self_attn.q_norm",
+    "k_norm": "self_attn.k_norm",
+}
 
 
 class CheckpointError(ValueError):
@@ -35,15 +44,22 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
         H, nh = hf["hidden_size"], hf["num_attention_heads"]
         eos = hf.get("eos_token_id", 2)
         data = dict(
-            vocab_size=hf["vocab_size"], hidden_size=H, num_layers=hf["num_hidden_layers"], num_heads=nh,
-            num_kv_heads=hf.get("num_key_value_heads", nh), head_dim=hf.get("head_dim") or H // nh,
+            vocab_size=hf["vocab_size"],
+            hidden_size=H,
+            num_layers=hf["num_hidden_layers"],
+            num_heads=nh,
+            num_kv_heads=hf.get("num_key_value_heads", nh),
+            head_dim=hf.get("head_dim") or H // nh,
             intermediate_size=hf["intermediate_size"],
             rope_theta=float(hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=(mt == "qwen2") or bool(hf.get("attention_bias", False)), qk_norm=(mt == "qwen3"),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=(mt == "qwen2") or bool(hf.get("attention_bias", False)),
+            qk_norm=(mt == "qwen3"),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             eos_token_id=eos[0] if isinstance(eos, list) else (eos if eos is not None else 2),
-            pad_token_id=hf.get("pad_token_id") or 0, bos_token_id=hf.get("bos_token_id"),
+            pad_token_id=hf.get("pad_token_id") or 0,
+            bos_token_id=hf.get("bos_token_id"),
         )
     except KeyError as e:
         raise CheckpointError(f"{source}: missing field {e.args[0]!r}") from None
@@ -56,20 +72,36 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
 def config_to_hf(cfg: ModelConfig) -> dict:
     mt = "qwen3" if cfg.qk_norm else "qwen2"
     return {
-        "architectures": ["Qwen3ForCausalLM" if cfg.qk_norm else "Qwen2ForCausalLM"], "model_type": mt,
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "intermediate_size": cfg.intermediate_size, "hidden_act": "silu", "rope_theta": cfg.rope_theta,
-        "rms_norm_eps": cfg.rms_norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": cfg.qkv_bias, "max_position_embeddings": cfg.max_position_embeddings,
-        "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id, "bos_token_id": cfg.bos_token_id,
-        "torch_dtype": cfg.param_dtype, "use_sliding_window": False, "use_cache": True,
+        "architectures": ["Qwen3ForCausalLM" if cfg.qk_norm else "Qwen2ForCausalLM"],
+        "model_type": mt,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "hidden_act": "silu",
+        "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": cfg.qkv_bias,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "eos_token_id": cfg.eos_token_id,
+        "pad_token_id": cfg.pad_token_id,
+        "bos_token_id": cfg.bos_token_id,
+        "torch_dtype": cfg.param_dtype,
+        "use_sliding_window": False,
+        "use_cache": True,
     }
 
 
 def to_hf_state_dict(cfg: ModelConfig, params) -> dict:
     """Our pytree -> {HF tensor name: numpy array} (kernels transposed to [out, in]); dtype kept."""
-    out = {"model.embed_tokens.weight": np.asarray(params["embed"]), "model.norm.weight": np.asarray(params["final_norm"])}
+    out = {
+        "model.embed_tokens.weight": np.asarray(params["embed"]),
+        "model.norm.weight": np.asarray(params["final_norm"]),
+    }
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = np.asarray(params["lm_head"]).T
     lay = params["layers"]
@@ -103,14 +135,18 @@ def from_hf_state_dict(cfg: ModelConfig, tensors: dict, source: str = "checkpoin
         if ours in ("q_norm", "k_norm") and not cfg.qk_norm:
             continue
         layers[ours] = jnp.stack([jnp.asarray(get(f"model.layers.{i}.{hf}.weight")) for i in range(L)])
-    params = {"embed": jnp.asarray(get("model.embed_tokens.weight")), "layers": layers,
-              "final_norm": jnp.asarray(get("model.norm.weight"))}
+    params = {
+        "embed": jnp.asarray(get("model.embed_tokens.weight")),
+        "layers": layers,
+        "final_norm": jnp.asarray(get("model.norm.weight")),
+    }
     if not cfg.tie_embeddings:
         params["lm_head"] = jnp.asarray(get("lm_head.weight")).T
     expect = (cfg.vocab_size, cfg.hidden_size)
     if tuple(params["embed"].shape) != expect:
-        raise CheckpointError(f"{source}: model.embed_tokens.weight has shape {tuple(params['embed'].shape)}; "
-                              f"config.json says {expect}")
+        raise CheckpointError(
+            f"{source}: model.embed_tokens.weight has shape {tuple(params['embed'].shape)}; config.json says {expect}"
+        )
     return params
 
 

@@ -6,6 +6,7 @@ and logits run in fp32 whatever the compute dtype; matmuls run in `compute_dtype
 Positions count from each row's first real token (`attention_mask.cumsum - 1`), so left padding does not change a
 row's logits. The same code path serves training (no cache) and the sampler (KV cache, `decode_step`).
 """
+
 from __future__ import annotations
 
 from typing import Callable, NamedTuple, Optional, Sequence
@@ -109,8 +110,16 @@ def _embed(cfg, params, tokens):
     return jnp.take(params["embed"], tokens, axis=0).astype(dtype_of(cfg.compute_dtype))
 
 
-def forward_with_aux(cfg: ModelConfig, params, tokens, attention_mask=None, *, positions=None,
-                     hook: Optional[Hook] = None, hook_layers: Sequence[int] = ()):
+def forward_with_aux(
+    cfg: ModelConfig,
+    params,
+    tokens,
+    attention_mask=None,
+    *,
+    positions=None,
+    hook: Optional[Hook] = None,
+    hook_layers: Sequence[int] = (),
+):
     """Logits [B, T, V] (fp32) and {layer: aux} from `hook` applied to the hidden state leaving `hook_layers`."""
     B, T = tokens.shape
     if attention_mask is None:
@@ -132,8 +141,9 @@ def forward_with_aux(cfg: ModelConfig, params, tokens, attention_mask=None, *, p
 
 def forward(cfg: ModelConfig, params, tokens, attention_mask=None, *, positions=None, hook=None, hook_layers=()):
     """Logits [B, T, V] in fp32."""
-    return forward_with_aux(cfg, params, tokens, attention_mask, positions=positions, hook=hook,
-                            hook_layers=hook_layers)[0]
+    return forward_with_aux(
+        cfg, params, tokens, attention_mask, positions=positions, hook=hook, hook_layers=hook_layers
+    )[0]
 
 
 class KVCache(NamedTuple):
@@ -147,8 +157,13 @@ class KVCache(NamedTuple):
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
     shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
     dt = dtype_of(cfg.compute_dtype)
-    return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.zeros((batch, max_len), bool),
-                   jnp.zeros((), jnp.int32), jnp.zeros((batch,), jnp.int32))
+    return KVCache(
+        jnp.zeros(shape, dt),
+        jnp.zeros(shape, dt),
+        jnp.zeros((batch, max_len), bool),
+        jnp.zeros((), jnp.int32),
+        jnp.zeros((batch,), jnp.int32),
+    )
 
 
 def decode_step(cfg: ModelConfig, params, cache: KVCache, tokens, token_mask):
@@ -173,8 +188,9 @@ def decode_step(cfg: ModelConfig, params, cache: KVCache, tokens, token_mask):
         x, (kc, vc) = _layer(cfg, layer_params(params, i), x, cos, sin, bias, (cache.k[i], cache.v[i]), slot)
         ks.append(kc)
         vs.append(vc)
-    new = KVCache(jnp.stack(ks), jnp.stack(vs), valid, slot + Tq,
-                  cache.next_pos + jnp.sum(token_mask.astype(jnp.int32), axis=1))
+    new = KVCache(
+        jnp.stack(ks), jnp.stack(vs), valid, slot + Tq, cache.next_pos + jnp.sum(token_mask.astype(jnp.int32), axis=1)
+    )
     return _head(cfg, params, x), new
 
 
@@ -195,9 +211,14 @@ def init_params(cfg: ModelConfig, key, std: float = 0.02):
         return p
 
     layers = {
-        "input_norm": jnp.ones((L, H), dt), "post_norm": jnp.ones((L, H), dt),
-        "q_proj": proj(H, nq, cfg.qkv_bias), "k_proj": proj(H, nkv, cfg.qkv_bias), "v_proj": proj(H, nkv, cfg.qkv_bias),
-        "o_proj": proj(nq, H, False), "gate_proj": proj(H, F, False), "up_proj": proj(H, F, False),
+        "input_norm": jnp.ones((L, H), dt),
+        "post_norm": jnp.ones((L, H), dt),
+        "q_proj": proj(H, nq, cfg.qkv_bias),
+        "k_proj": proj(H, nkv, cfg.qkv_bias),
+        "v_proj": proj(H, nkv, cfg.qkv_bias),
+        "o_proj": proj(nq, H, False),
+        "gate_proj": proj(H, F, False),
+        "up_proj": proj(H, F, False),
         "down_proj": proj(F, H, False),
     }
     if cfg.qk_norm:

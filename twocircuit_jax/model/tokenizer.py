@@ -7,6 +7,7 @@ other specials), `eos_id`, `pad_id`, `bos_id`, `vocab_size`, `save(dir)`.
 The char vocabulary is fixed (not learned), so the in-memory tokenizer and a saved folder agree by construction:
 ids 0..3 are `<pad> <bos> <eos> <unk>`, 4 is newline, 5.. are printable ASCII (space .. `~`); 100 ids in all.
 """
+
 from __future__ import annotations
 
 import json
@@ -116,9 +117,13 @@ def load_tokenizer(spec: Optional[str]) -> Tokenizer:
     path = Path(os.path.expanduser(str(spec)))
     if not path.is_dir():
         raise FileNotFoundError(f"tokenizer: {spec!r} is neither 'char' nor an existing local folder")
-    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")):
-        raise FileNotFoundError(f"tokenizer: folder {path} has no tokenizer files (expected tokenizer.json and "
-                                f"tokenizer_config.json, e.g. from build_char_tokenizer or a Hugging Face model)")
+    if not any(
+        (path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    ):
+        raise FileNotFoundError(
+            f"tokenizer: folder {path} has no tokenizer files (expected tokenizer.json and "
+            f"tokenizer_config.json, e.g. from build_char_tokenizer or a Hugging Face model)"
+        )
     from transformers import AutoTokenizer
 
     try:

@@ -13,6 +13,7 @@ call; there the host and the "devices" share the same cores, so little overlap i
 nothing to the call and dispatch stays asynchronous. Every attribute of the underlying jitted function (`lower`,
 `trace`, `_cache_size`, ...) is reachable through the wrapper.
 """
+
 from __future__ import annotations
 
 import functools

@@ -4,6 +4,7 @@ Axes: `data` (pure data parallel: replicated params), `fsdp` (params and optimiz
 `tensor` (matrix columns/rows split). A dimension that does not divide by its mesh axes stays replicated on them:
 the tiny test models have vocab and hidden sizes that the 8-device mesh does not divide.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,9 +41,12 @@ def mesh_shape(cfg: MeshConfig, n_devices: int) -> dict:
                 raise ConfigError(f"mesh.{k}", f"-1 cannot fill: {n_devices} devices do not divide by {known}")
             sizes[k] = n_devices // known
     if math.prod(sizes.values()) != n_devices:
-        raise ConfigError("mesh", f"data*fsdp*tensor = {sizes['data']}*{sizes['fsdp']}*{sizes['tensor']} = "
-                                  f"{math.prod(sizes.values())}, but there are {n_devices} devices; sizes must multiply "
-                                  f"to the device count (use -1 on one axis to take the rest)")
+        raise ConfigError(
+            "mesh",
+            f"data*fsdp*tensor = {sizes['data']}*{sizes['fsdp']}*{sizes['tensor']} = "
+            f"{math.prod(sizes.values())}, but there are {n_devices} devices; sizes must multiply "
+            f"to the device count (use -1 on one axis to take the rest)",
+        )
     return sizes
 
 
@@ -81,7 +85,8 @@ def param_spec(path: str, shape: tuple, mesh: Mesh) -> P:
 def param_shardings(params, mesh: Mesh):
     """NamedSharding per leaf of a param-shaped pytree (arrays or ShapeDtypeStructs)."""
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: NamedSharding(mesh, param_spec(path_str(p), tuple(x.shape), mesh)), params)
+        lambda p, x: NamedSharding(mesh, param_spec(path_str(p), tuple(x.shape), mesh)), params
+    )
 
 
 def like_param_shardings(tree, params, mesh: Mesh):

@@ -1,4 +1,5 @@
 """The one small interface every rollout engine implements (embedded JAX sampler, vLLM process)."""
+
 from __future__ import annotations
 
 from typing import NamedTuple, Protocol

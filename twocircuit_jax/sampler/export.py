@@ -12,6 +12,7 @@ versions stay on disk (a 0.5B fp32 export is ~2 GiB; a long run would otherwise 
 Restoring (`load_export`) returns numpy arrays in host memory, never device arrays: the sampler process needs no
 accelerator and must not grab one from the trainer.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -6,9 +6,8 @@ under the distribution actually sampled from (temperature, top-k, top-p applied 
 with no truncation that is the model's own distribution, so it matches a teacher-forced forward. Greedy decoding
 (temperature 0) reports the untempered log-prob of the argmax token.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
@@ -39,8 +38,9 @@ def process_logits(logits, temperature, top_k, top_p):
 
 
 @dispatch.jit(static_argnames=("cfg", "max_new_tokens"))
-def generate_tokens(cfg: ModelConfig, params, prompt, prompt_mask, key, temperature, top_k, top_p, *,
-                    max_new_tokens: int):
+def generate_tokens(
+    cfg: ModelConfig, params, prompt, prompt_mask, key, temperature, top_k, top_p, *, max_new_tokens: int
+):
     """prompt [B, P] left-padded. Returns tokens [B, N], logps [B, N], lengths [B], truncated [B]."""
     B, P = prompt.shape
     cache = init_cache(cfg, B, P + max_new_tokens)
@@ -88,8 +88,8 @@ class JaxSampler:
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty")
-            tok[i, P - len(p):] = p
-            mask[i, P - len(p):] = 1
+            tok[i, P - len(p) :] = p
+            mask[i, P - len(p) :] = 1
         return tok, mask
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int) -> Rollout:
@@ -97,9 +97,17 @@ class JaxSampler:
             raise RuntimeError("JaxSampler has no weights; call update_weights first")
         rows = [p for p in prompts for _ in range(n)]
         tok, mask = self._pad(rows)
-        out = generate_tokens(self.cfg, self.params, jnp.asarray(tok), jnp.asarray(mask), jax.random.key(seed),
-                              jnp.float32(sampling.temperature), jnp.int32(sampling.top_k),
-                              jnp.float32(sampling.top_p), max_new_tokens=sampling.max_new_tokens)
+        out = generate_tokens(
+            self.cfg,
+            self.params,
+            jnp.asarray(tok),
+            jnp.asarray(mask),
+            jax.random.key(seed),
+            jnp.float32(sampling.temperature),
+            jnp.int32(sampling.top_k),
+            jnp.float32(sampling.top_p),
+            max_new_tokens=sampling.max_new_tokens,
+        )
         toks, lps, lengths, trunc = jax.device_get(out)  # host sync: the loop scores text on the host
         tokens = [toks[i, : lengths[i]].tolist() for i in range(len(rows))]
         logps = [lps[i, : lengths[i]].astype(np.float64).tolist() for i in range(len(rows))]

@@ -5,6 +5,7 @@ then stops the group), waits for `READY host:port`, restarts it when it dies and
 it on close(), interpreter exit, SIGTERM, or (server side) when the trainer process disappears. Every request loop
 is bounded by `max_retries` and by timeouts from SamplerConfig.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -57,9 +58,21 @@ def untie_for_vllm(model_config, params):
 
 
 class VLLMSampler:
-    def __init__(self, config: SamplerConfig, model_dir: str, export_root: str = "", model_config=None, *,
-                 dtype: str = "auto", kv_cache_bytes: int = 0, max_model_len=None, keep_versions: int = 3,
-                 command=None, env=None, log_path: str = ""):
+    def __init__(
+        self,
+        config: SamplerConfig,
+        model_dir: str,
+        export_root: str = "",
+        model_config=None,
+        *,
+        dtype: str = "auto",
+        kv_cache_bytes: int = 0,
+        max_model_len=None,
+        keep_versions: int = 3,
+        command=None,
+        env=None,
+        log_path: str = "",
+    ):
         """`model_dir`: HF folder the engine starts from (config.json + safetensors; its weights are version 0).
         `export_root`: where update_weights() writes versions (default config.export_dir, else a temp folder).
         `model_config`: ModelConfig of the exports (default: read from model_dir/config.json).
@@ -75,8 +88,14 @@ class VLLMSampler:
         self.model_config = model_config
         self.keep_versions = keep_versions
         self._cmd = list(command or [sys.executable, "-m", "twocircuit_jax.sampler.vllm_server"])
-        self._extra = ["--dtype", dtype, "--gpu-memory-utilization", str(config.gpu_memory_utilization),
-                       "--kv-cache-bytes", str(kv_cache_bytes)]
+        self._extra = [
+            "--dtype",
+            dtype,
+            "--gpu-memory-utilization",
+            str(config.gpu_memory_utilization),
+            "--kv-cache-bytes",
+            str(kv_cache_bytes),
+        ]
         if max_model_len:
             self._extra += ["--max-model-len", str(max_model_len)]
         self._env = dict(os.environ if env is None else env)
@@ -89,33 +108,58 @@ class VLLMSampler:
         self._lock = threading.RLock()
         _LIVE.add(self)
         if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) in (
-                signal.SIG_DFL, None):
+            signal.SIG_DFL,
+            None,
+        ):
             signal.signal(signal.SIGTERM, _on_sigterm)
         self._start()
 
     # ---------------------------------------------------------------- process lifecycle
     def _start(self) -> None:
         os.makedirs(self.export_root, exist_ok=True)
-        argv = self._cmd + ["--model-dir", self.model_dir, "--export-root", self.export_root,
-                            "--host", self.config.host, "--port", str(self.config.port),
-                            "--parent-pid", str(os.getpid())] + self._extra
+        argv = (
+            self._cmd
+            + [
+                "--model-dir",
+                self.model_dir,
+                "--export-root",
+                self.export_root,
+                "--host",
+                self.config.host,
+                "--port",
+                str(self.config.port),
+                "--parent-pid",
+                str(os.getpid()),
+            ]
+            + self._extra
+        )
         self._log_offset = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=self._env, start_new_session=True)
+            self.proc = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self._env,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + self.config.startup_timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise SamplerError(f"sampler process exited with code {self.proc.returncode} during startup; "
-                                   f"log {self.log_path}:\n{self._log_tail()}")
+                raise SamplerError(
+                    f"sampler process exited with code {self.proc.returncode} during startup; "
+                    f"log {self.log_path}:\n{self._log_tail()}"
+                )
             m = re.search(r"^READY (\S+):(\d+)$", self._log_text(), re.M)
             if m:
                 self.address = (m.group(1), int(m.group(2)))
                 break
             if time.monotonic() > deadline:
                 self._kill()
-                raise SamplerError(f"sampler not ready after {self.config.startup_timeout_s:.0f}s "
-                                   f"(sampler.startup_timeout_s); log {self.log_path}:\n{self._log_tail()}")
+                raise SamplerError(
+                    f"sampler not ready after {self.config.startup_timeout_s:.0f}s "
+                    f"(sampler.startup_timeout_s); log {self.log_path}:\n{self._log_tail()}"
+                )
             time.sleep(0.2)
         status, body = self._request("GET", "/health", None, timeout=10.0)
         if status != 200 or not body.get("ok"):
@@ -171,8 +215,12 @@ class VLLMSampler:
     def _request(self, method: str, path: str, payload, timeout: float):
         conn = http.client.HTTPConnection(*self.address, timeout=timeout)
         try:
-            conn.request(method, path, body=None if payload is None else json.dumps(payload),
-                         headers={"Content-Type": "application/json"})
+            conn.request(
+                method,
+                path,
+                body=None if payload is None else json.dumps(payload),
+                headers={"Content-Type": "application/json"},
+            )
             resp = conn.getresponse()
             return resp.status, json.loads(resp.read())
         finally:
@@ -182,8 +230,10 @@ class VLLMSampler:
         """Make the server serve export `version`; SamplerError (server keeps its old version) if it cannot."""
         status, body = self._request("POST", "/load", {"version": int(version)}, self.config.request_timeout_s)
         if status != 200:
-            raise SamplerError(f"sampler could not load weight version {version} (still serving "
-                               f"{body.get('version')}): {body.get('error')}")
+            raise SamplerError(
+                f"sampler could not load weight version {version} (still serving "
+                f"{body.get('version')}): {body.get('error')}"
+            )
         self.last_load = body  # carries the server's restore_s / reload_s timings
         return int(body["version"])
 
@@ -202,9 +252,16 @@ class VLLMSampler:
     def generate(self, prompts, n: int, sampling: SamplingConfig, seed: int) -> Rollout:
         rows = len(prompts) * n
         min_version = -1 if self.latest is None else self.latest - self.config.max_staleness
-        payload = {"prompts": [list(map(int, p)) for p in prompts], "n": int(n), "temperature": sampling.temperature,
-                   "top_p": sampling.top_p, "top_k": sampling.top_k, "max_new_tokens": sampling.max_new_tokens,
-                   "seed": int(seed), "min_version": min_version}
+        payload = {
+            "prompts": [list(map(int, p)) for p in prompts],
+            "n": int(n),
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "max_new_tokens": sampling.max_new_tokens,
+            "seed": int(seed),
+            "min_version": min_version,
+        }
 
         def once():
             status, body = self._request("POST", "/generate", payload, self.config.request_timeout_s)
@@ -233,9 +290,11 @@ class VLLMSampler:
                     last = e
                     if self.alive() and not self._healthy():
                         self._kill()  # hung or half-loaded: the next attempt starts a fresh process
-        raise SamplerError(f"sampler {what} failed after {1 + self.config.max_retries} attempts "
-                           f"(sampler.max_retries={self.config.max_retries}); last error: "
-                           f"{type(last).__name__}: {last}; log {self.log_path}")
+        raise SamplerError(
+            f"sampler {what} failed after {1 + self.config.max_retries} attempts "
+            f"(sampler.max_retries={self.config.max_retries}); last error: "
+            f"{type(last).__name__}: {last}; log {self.log_path}"
+        )
 
     def _healthy(self) -> bool:
         try:

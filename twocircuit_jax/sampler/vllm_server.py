@@ -15,6 +15,7 @@ top-p/top-k truncation (SPEC §1), whatever sampling parameters the request uses
 (VLLM_ENABLE_V1_MULTIPROCESSING=0): no engine-core child to orphan, and reload tensors pass by reference.
 Prints `READY host:port` once the engine is up and the socket is serving.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -91,9 +92,17 @@ class Engine:
         kw = dict(kv_cache_memory_bytes=args.kv_cache_bytes) if args.kv_cache_bytes else {}
         # skip_tokenizer_init: the protocol is token ids both ways, so the engine needs no tokenizer; EOS therefore
         # comes from config.json and is passed as a stop token id.
-        self.llm = LLM(model=args.model_dir, skip_tokenizer_init=True, dtype=args.dtype, seed=args.seed,
-                       max_model_len=args.max_model_len, logprobs_mode="raw_logprobs", enforce_eager=True,
-                       gpu_memory_utilization=args.gpu_memory_utilization, **kw)
+        self.llm = LLM(
+            model=args.model_dir,
+            skip_tokenizer_init=True,
+            dtype=args.dtype,
+            seed=args.seed,
+            max_model_len=args.max_model_len,
+            logprobs_mode="raw_logprobs",
+            enforce_eager=True,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            **kw,
+        )
         self.version = args.initial_version
         self.healthy = True
         self.lock = threading.Lock()
@@ -115,14 +124,25 @@ class Engine:
         if n < 1 or max_new < 1:
             raise RequestError(f"n and max_new_tokens must be >= 1 (got {n}, {max_new})")
         # One seed per prompt: a shared seed would give every prompt the same noise stream (correlated samples).
-        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_new,
-                                 logprobs=0, stop_token_ids=self.eos,
-                                 seed=None if seed is None else (int(seed) * 1_000_003 + i) % (2**31 - 1))
-                  for i in range(len(prompts))]
+        params = [
+            SamplingParams(
+                n=n,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                max_tokens=max_new,
+                logprobs=0,
+                stop_token_ids=self.eos,
+                seed=None if seed is None else (int(seed) * 1_000_003 + i) % (2**31 - 1),
+            )
+            for i in range(len(prompts))
+        ]
         with self.lock:
             if self.version < min_version:
-                return 409, {"error": f"serving version {self.version} < min_version {min_version}",
-                             "version": self.version}
+                return 409, {
+                    "error": f"serving version {self.version} < min_version {min_version}",
+                    "version": self.version,
+                }
             version = self.version
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         rows = []
@@ -130,8 +150,13 @@ class Engine:
             for c in sorted(o.outputs, key=lambda c: c.index):
                 toks = [int(t) for t in c.token_ids]
                 lps = [float(d[t].logprob) for d, t in zip(c.logprobs or [], toks)]
-                rows.append({"tokens": toks, "logprobs": lps,
-                             "finish_reason": "length" if c.finish_reason == "length" else str(c.finish_reason)})
+                rows.append(
+                    {
+                        "tokens": toks,
+                        "logprobs": lps,
+                        "finish_reason": "length" if c.finish_reason == "length" else str(c.finish_reason),
+                    }
+                )
         return 200, {"rows": rows, "version": version}
 
     def load(self, req: dict) -> tuple[int, dict]:
@@ -151,16 +176,19 @@ class Engine:
         except ExportError as e:
             return 422, {"error": str(e), "version": self.version}
         except Exception as e:  # noqa: BLE001 - config/param tree that does not fit the mapping
-            return 422, {"error": f"{path}: cannot map export onto Hugging Face names ({type(e).__name__}: {e})",
-                         "version": self.version}
+            return 422, {
+                "error": f"{path}: cannot map export onto Hugging Face names ({type(e).__name__}: {e})",
+                "version": self.version,
+            }
         problem = self._mismatch(tensors)
         if problem:
             return 422, {"error": f"{path}: export does not fit the served model: {problem}", "version": self.version}
         t1 = time.perf_counter()
         with self.lock:
             try:
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [
-                    (k, _to_torch(v)) for k, v in tensors.items()]})
+                self.llm.collective_rpc(
+                    "reload_weights", kwargs={"weights_iterator": [(k, _to_torch(v)) for k, v in tensors.items()]}
+                )
                 self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
             except BaseException:
                 self.healthy = False  # weights may be half-swapped: report unhealthy so the client restarts us
@@ -252,8 +280,12 @@ def serve(args) -> int:
     try:
         httpd = ThreadingHTTPServer((args.host, args.port), None)
     except OSError as e:
-        print(f"error: cannot listen on {args.host}:{args.port}: port {args.port} is already in use or not "
-              f"available ({e.strerror})", file=sys.stderr, flush=True)
+        print(
+            f"error: cannot listen on {args.host}:{args.port}: port {args.port} is already in use or not "
+            f"available ({e.strerror})",
+            file=sys.stderr,
+            flush=True,
+        )
         return 2
     if args.parent_pid:
         threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
@@ -278,12 +310,28 @@ def serve_from_config(run_config, model_dir: str = "", export_root: str = "") ->
     model_dir = model_dir or run_config.base_model
     export_root = export_root or sc.export_dir
     if not model_dir or not os.path.isfile(os.path.join(model_dir, "config.json")):
-        raise FileNotFoundError(f"serve-sampler needs a Hugging Face model folder (config.json + safetensors); "
-                                f"got {model_dir!r} (set --model-dir or base_model; `twocircuit export-hf` makes one)")
+        raise FileNotFoundError(
+            f"serve-sampler needs a Hugging Face model folder (config.json + safetensors); "
+            f"got {model_dir!r} (set --model-dir or base_model; `twocircuit export-hf` makes one)"
+        )
     if not export_root:
         raise FileNotFoundError("serve-sampler needs an export folder: set --export-root or sampler.export_dir")
-    return main(["--model-dir", model_dir, "--export-root", export_root, "--host", sc.host, "--port", str(sc.port),
-                 "--gpu-memory-utilization", str(sc.gpu_memory_utilization), "--dtype", run_config.model.param_dtype])
+    return main(
+        [
+            "--model-dir",
+            model_dir,
+            "--export-root",
+            export_root,
+            "--host",
+            sc.host,
+            "--port",
+            str(sc.port),
+            "--gpu-memory-utilization",
+            str(sc.gpu_memory_utilization),
+            "--dtype",
+            run_config.model.param_dtype,
+        ]
+    )
 
 
 def main(argv=None) -> int:

@@ -1,4 +1,5 @@
 """Verifiable-reward tasks (reasoning-gym, MATH files) and reward shaping."""
+
 from __future__ import annotations
 
 from twocircuit_jax.tasks.base import DataError, Problem, ScoreResult, Task
@@ -16,8 +17,10 @@ def make_task(task_cfg) -> Task:
         from twocircuit_jax.tasks.math_files_task import MathFilesTask
 
         return MathFilesTask(task_cfg)
-    raise ValueError(f"task: no task implementation for config {type(task_cfg).__name__}; "
-                     f"allowed task.type: reasoning_gym, math_files")
+    raise ValueError(
+        f"task: no task implementation for config {type(task_cfg).__name__}; "
+        f"allowed task.type: reasoning_gym, math_files"
+    )
 
 
 __all__ = ["DataError", "Problem", "ScoreResult", "Task", "make_task"]

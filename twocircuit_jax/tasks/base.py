@@ -3,6 +3,7 @@
 A task is plain python on the host (no jax): the GRPO loop renders `prompt(problem)`, samples completions,
 decodes them to text and calls `score(problem, text)`; reward shaping lives in `tasks/rewards.py`.
 """
+
 from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional, Protocol, Sequence, runtime_checkable

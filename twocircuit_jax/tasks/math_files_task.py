@@ -4,6 +4,7 @@ math-verify against the reference answer (the `answer_key` field, else the last 
 Malformed input raises `DataError` naming the file, the line (JSONL) or row (Parquet), and the field.
 No `eval_files` means no held-out split: `eval_problems()` is empty.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,7 +27,7 @@ def last_boxed(text: str) -> Optional[str]:
         return None
     i = start + (len("\\boxed") if text.startswith("\\boxed", start) else len("\\fbox"))
     if i < len(text) and text[i] == " ":  # `\boxed 5`: up to the next space or `$`
-        rest = text[i + 1:]
+        rest = text[i + 1 :]
         end = min([k for k in (rest.find(" "), rest.find("$")) if k >= 0], default=len(rest))
         return rest[:end].strip() or None
     if i >= len(text) or text[i] != "{":
@@ -42,7 +43,7 @@ def last_boxed(text: str) -> Optional[str]:
         elif c == "}":
             depth -= 1
             if depth == 0:
-                return text[i + 1:j].strip()
+                return text[i + 1 : j].strip()
         j += 1
     return None
 
@@ -99,11 +100,19 @@ def load_problems(files, cfg, split: str) -> list[Problem]:
             if answer is None:
                 answer = last_boxed(solution) if solution else None
             if answer is None:
-                raise DataError(f"{where}: no reference answer: field {cfg.answer_key!r} is missing and field "
-                                f"{cfg.solution_key!r} has no \\boxed{{...}}")
-            out.append(Problem(id=where.replace(":line ", ":").replace(":row ", ":"), question=question,
-                               answer=answer, solution=solution if solution else f"\\boxed{{{answer}}}",
-                               meta={"source": str(path), "split": split}))
+                raise DataError(
+                    f"{where}: no reference answer: field {cfg.answer_key!r} is missing and field "
+                    f"{cfg.solution_key!r} has no \\boxed{{...}}"
+                )
+            out.append(
+                Problem(
+                    id=where.replace(":line ", ":").replace(":row ", ":"),
+                    question=question,
+                    answer=answer,
+                    solution=solution if solution else f"\\boxed{{{answer}}}",
+                    meta={"source": str(path), "split": split},
+                )
+            )
     return out
 
 

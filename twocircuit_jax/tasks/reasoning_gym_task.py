@@ -15,6 +15,7 @@ Options. `task.options` override `DEMO_OPTIONS[dataset]` key by key: one-digit o
 a space a ~100k-parameter char model can partly learn in minutes on CPU (2-term facts are memorisable; held-out
 problems are mostly 3-term ones, which need composition). Give any key explicitly to change it.
 """
+
 from __future__ import annotations
 
 import re
@@ -26,8 +27,15 @@ from twocircuit_jax.tasks.base import Problem, ScoreResult, cut_answer, dedupe_a
 SEED_STRIDE = 1_000_003  # > any split size we generate, so seed ranges never overlap
 
 DEMO_OPTIONS = {
-    "basic_arithmetic": dict(min_terms=2, max_terms=3, min_digits=1, max_digits=1, operators=["+", "-"],
-                             allow_parentheses=False, allow_negation=False),
+    "basic_arithmetic": dict(
+        min_terms=2,
+        max_terms=3,
+        min_digits=1,
+        max_digits=1,
+        operators=["+", "-"],
+        allow_parentheses=False,
+        allow_negation=False,
+    ),
     "chain_sum": dict(min_terms=2, max_terms=3, min_digits=1, max_digits=1),
 }
 
@@ -72,11 +80,20 @@ class ReasoningGymTask:
         out = []
         for i in range(size):
             entry = ds[i]
-            out.append(Problem(
-                id=f"{self.cfg.dataset}/{split}/{start + i}", question=_compact(entry), answer=str(entry["answer"]),
-                solution=str(entry["answer"]),
-                meta={"entry": entry, "full_question": entry["question"], "split": split,
-                      "dataset_index": len(self._datasets[split]) - 1}))
+            out.append(
+                Problem(
+                    id=f"{self.cfg.dataset}/{split}/{start + i}",
+                    question=_compact(entry),
+                    answer=str(entry["answer"]),
+                    solution=str(entry["answer"]),
+                    meta={
+                        "entry": entry,
+                        "full_question": entry["question"],
+                        "split": split,
+                        "dataset_index": len(self._datasets[split]) - 1,
+                    },
+                )
+            )
         return out
 
     def train_problems(self) -> list[Problem]:
@@ -96,15 +113,21 @@ class ReasoningGymTask:
                         kept.append(p)
                 start += want
             if not kept:
-                raise ConfigError("task.options", f"every held-out {self.cfg.dataset} problem also occurs in train "
-                                  f"(options {self.options}); widen the problem space or lower task.train_size")
+                raise ConfigError(
+                    "task.options",
+                    f"every held-out {self.cfg.dataset} problem also occurs in train "
+                    f"(options {self.options}); widen the problem space or lower task.train_size",
+                )
             self._eval = kept
         return self._eval
 
     # --- prompting and scoring --------------------------------------------------------------------------------
     def prompt(self, problem: Problem) -> str:
-        return render_template(self.cfg.prompt_template, question=problem.question,
-                               full_question=problem.meta.get("full_question", problem.question))
+        return render_template(
+            self.cfg.prompt_template,
+            question=problem.question,
+            full_question=problem.meta.get("full_question", problem.question),
+        )
 
     def reference_completion(self, problem: Problem) -> str:
         return problem.solution + self.cfg.answer_suffix

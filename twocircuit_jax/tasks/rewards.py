@@ -8,6 +8,7 @@ Order for one sample: score (a raising scorer gives 0 and is counted) -> an unpa
         limit (DAPO's soft overlong punishment); truncated samples sit at the limit and get -1 added.
 `length` counts generated tokens (EOS included); `limit` is sampling.max_new_tokens.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Sequence
@@ -57,16 +58,25 @@ def shape(score: ScoreResult, length: int, truncated: bool, limit: int, grpo) ->
     raise ValueError(f"grpo.overlong_mode: got {mode!r}; allowed 'zero', 'mask', 'soft'")
 
 
-def score_batch(task: Task, problems: Sequence[Problem], completions: Sequence[str], lengths: Sequence[int],
-                truncated: Sequence[bool], limit: int, grpo):
+def score_batch(
+    task: Task,
+    problems: Sequence[Problem],
+    completions: Sequence[str],
+    lengths: Sequence[int],
+    truncated: Sequence[bool],
+    limit: int,
+    grpo,
+):
     """Rewards for a batch of rows (row i answers problems[i]).
 
     Returns (rewards [B] float32, loss_mask [B] float32, raw [B] float32 verifier scores, metrics dict).
     """
     n = len(problems)
     if not (len(completions) == len(lengths) == len(truncated) == n):
-        raise ValueError(f"score_batch: lengths differ: problems {n}, completions {len(completions)}, "
-                         f"lengths {len(lengths)}, truncated {len(truncated)}")
+        raise ValueError(
+            f"score_batch: lengths differ: problems {n}, completions {len(completions)}, "
+            f"lengths {len(lengths)}, truncated {len(truncated)}"
+        )
     rewards, mask, raw = (np.zeros(n, np.float32) for _ in range(3))
     errors = unparsed = 0
     first_error = None

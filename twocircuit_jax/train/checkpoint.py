@@ -17,6 +17,7 @@ disk (orbax's device-to-host copy plus the write), so call it between steps, not
 Multi-process: orbax writes the arrays cooperatively; the directory renames and deletions are done by process 0 and
 followed by a barrier.
 """
+
 from __future__ import annotations
 
 import json
@@ -95,7 +96,7 @@ class CheckpointManager:
         self._clean()
         final = self._write(state, dict(meta), {"step": int(step)}, _step_dir(int(step)), blobs)
         if self._primary:
-            for old in self.steps()[:-self.keep_last]:
+            for old in self.steps()[: -self.keep_last]:
                 shutil.rmtree(self.root / _step_dir(old), ignore_errors=True)
         self._sync("ckpt_retention")
         return final
@@ -148,8 +149,8 @@ class CheckpointManager:
                     if "/" in fname or fname.startswith("."):
                         raise ValueError(f"checkpoint blob name {fname!r}: a plain file name is required")
                     (tmp / "blobs" / fname).write_bytes(data)
-            (tmp / _MARKER).write_text(json.dumps(marker))      # written last: its presence means complete
-            if final.exists():                                   # same step again (resume), or the old best
+            (tmp / _MARKER).write_text(json.dumps(marker))  # written last: its presence means complete
+            if final.exists():  # same step again (resume), or the old best
                 trash = self.root / f".tmp-old-{name}-{uuid.uuid4().hex[:8]}"
                 os.rename(final, trash)
                 os.rename(tmp, final)

@@ -1,4 +1,5 @@
 """Held-out evaluation with the dense sampler (greedy by default), in fixed-size chunks (one compile)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -9,8 +10,9 @@ from twocircuit_jax.train.rollout import encode_prompts
 
 
 class Evaluator:
-    def __init__(self, task, tokenizer, problems, prompt_len: int, max_new: int, *, greedy: bool = True,
-                 chunk: int = 64):
+    def __init__(
+        self, task, tokenizer, problems, prompt_len: int, max_new: int, *, greedy: bool = True, chunk: int = 64
+    ):
         self.task, self.tokenizer, self.problems = task, tokenizer, list(problems)
         self.prompts = encode_prompts(tokenizer, task, self.problems, prompt_len)
         self.chunk = max(1, min(chunk, len(self.problems)))
@@ -31,6 +33,10 @@ class Evaluator:
                 lengths.append(len(out.tokens[j]))
                 truncated.append(out.truncated[j])
         # Accuracy counts full-credit answers only: some verifiers give partial credit to a parsable wrong answer.
-        return {"eval/accuracy": float(np.mean(np.asarray(scores) >= 1.0 - 1e-9)),
-                "eval/score_mean": float(np.mean(scores)), "eval/n": len(scores),
-                "eval/length_mean": float(np.mean(lengths)), "eval/truncated_frac": float(np.mean(truncated))}
+        return {
+            "eval/accuracy": float(np.mean(np.asarray(scores) >= 1.0 - 1e-9)),
+            "eval/score_mean": float(np.mean(scores)),
+            "eval/n": len(scores),
+            "eval/length_mean": float(np.mean(lengths)),
+            "eval/truncated_frac": float(np.mean(truncated)),
+        }

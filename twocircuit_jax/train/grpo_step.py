@@ -4,9 +4,8 @@ The fast circuit enters only through `codec` (an object with `applies(tag)`, `ho
 `summarize(aux)`; see fast/circuit.py). With `codec=None` no hook is installed at all, so the dense trainer is the
 plain GRPO step bit for bit. Path tags (SPEC §3.1): `train`, `old_logprob`, `ref_logprob`, `dense`.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
@@ -20,10 +19,17 @@ TRAIN, OLD, REF, DENSE = "train", "old_logprob", "ref_logprob", "dense"
 def _policy_pass(model_cfg, params, batch, ctx, codec, tag):
     hook, layers = None, ()
     if codec is not None and codec.applies(tag):
-        hook, layers = codec.hook(ctx["codec"], tag, ctx["step"], batch["sample_id"],
-                                  default_positions(batch["attention_mask"]), batch["attention_mask"])
-    logits, aux = forward_with_aux(model_cfg, params, batch["tokens"], batch["attention_mask"], hook=hook,
-                                   hook_layers=layers)
+        hook, layers = codec.hook(
+            ctx["codec"],
+            tag,
+            ctx["step"],
+            batch["sample_id"],
+            default_positions(batch["attention_mask"]),
+            batch["attention_mask"],
+        )
+    logits, aux = forward_with_aux(
+        model_cfg, params, batch["tokens"], batch["attention_mask"], hook=hook, hook_layers=layers
+    )
     return logits, aux
 
 
@@ -58,9 +64,19 @@ def make_grpo_loss(model_cfg, grpo_cfg, max_new_tokens: int, codec=None):
         old = batch["old_logp"]
         if ctx.get("first_minibatch") is not None:
             old = jnp.where(ctx["first_minibatch"], jax.lax.stop_gradient(logp), old)
-        loss, metrics = grpo_loss(logp, old, ref, batch["advantages"], batch["response_mask"],
-                                  batch.get("is_weight"), grpo_cfg, token_count=batch.get("token_count"),
-                                  seq_count=batch.get("seq_count"), entropy=ent, norm_len=max_new_tokens)
+        loss, metrics = grpo_loss(
+            logp,
+            old,
+            ref,
+            batch["advantages"],
+            batch["response_mask"],
+            batch.get("is_weight"),
+            grpo_cfg,
+            token_count=batch.get("token_count"),
+            seq_count=batch.get("seq_count"),
+            entropy=ent,
+            norm_len=max_new_tokens,
+        )
         if codec is not None and aux:
             metrics.update(codec.summarize(aux))
             metrics["codec/aux"] = aux  # raw per-boundary outputs (e.g. low-rank sketches) for the loop

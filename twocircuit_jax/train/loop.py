@@ -5,9 +5,9 @@ random choice is a function of (train.seed, gs), so a resumed run repeats an uni
 The fast circuit plugs in as `codec` (fast/circuit.py), the anchor as `anchor` (anchor/circuit.py); both absent
 means the dense trainer.
 """
+
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import time
@@ -31,9 +31,14 @@ from twocircuit_jax.train.checkpoint import CheckpointManager
 from twocircuit_jax.train.evaluate import Evaluator
 from twocircuit_jax.train.grpo_step import DENSE, OLD, REF, make_grpo_loss, make_logp_fn
 from twocircuit_jax.train.setup import check_vocab, load_model, load_run_tokenizer, make_sampler
-from twocircuit_jax.train.step import default_grad_fn, init_state, learning_rate, make_optimizer, make_train_step
-from twocircuit_jax.train.step import state_shardings
-
+from twocircuit_jax.train.step import (
+    default_grad_fn,
+    init_state,
+    learning_rate,
+    make_optimizer,
+    make_train_step,
+    state_shardings,
+)
 
 ANCHOR_BLOB = "anchor_buffers.pkl"
 
@@ -56,8 +61,11 @@ class GRPOTrainer:
         self.mesh = pmesh.make_mesh(cfg.mesh)
         dp = pmesh.dp_size(self.mesh)
         if (t.mini_batch * s.n) % dp:
-            raise ConfigError("train.mini_batch", f"mini_batch*sampler.n = {t.mini_batch * s.n} rows must divide by "
-                                                  f"the data-parallel size {dp} (mesh.data*mesh.fsdp)")
+            raise ConfigError(
+                "train.mini_batch",
+                f"mini_batch*sampler.n = {t.mini_batch * s.n} rows must divide by "
+                f"the data-parallel size {dp} (mesh.data*mesh.fsdp)",
+            )
         self.max_new = s.sampling.max_new_tokens
         # Rollouts sample the unmodified policy (SPEC §1): temperature 1, no truncation.
         self.rollout_sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=self.max_new)
@@ -79,11 +87,13 @@ class GRPOTrainer:
             self._restore()
         self.sampler = make_sampler(cfg, self.model_cfg, self.state.params, self.tokenizer, run_dir)
         self.sampler.update_weights(self.state.params, self.start_step)
-        self.evaluator = Evaluator(self.task, self.tokenizer, self.eval_problems, t.max_prompt_len, self.max_new,
-                                   greedy=t.eval_greedy)
+        self.evaluator = Evaluator(
+            self.task, self.tokenizer, self.eval_problems, t.max_prompt_len, self.max_new, greedy=t.eval_greedy
+        )
         save_config(cfg, os.path.join(run_dir, "config.yaml"))
-        self.logger = MetricsLogger(run_dir, t.steps, show_progress=show_progress,
-                                    resume_from_step=self.start_step if resume else None)
+        self.logger = MetricsLogger(
+            run_dir, t.steps, show_progress=show_progress, resume_from_step=self.start_step if resume else None
+        )
 
     # --- construction -----------------------------------------------------------------------------------------
     def _build_circuits(self):
@@ -96,7 +106,8 @@ class GRPOTrainer:
         if self.cfg.anchor.enabled:
             from twocircuit_jax.anchor.circuit import AnchorCircuit
 
-            self.anchor = AnchorCircuit(self.cfg, self.model_cfg, self.state.params, codec=self.codec)
+            sketcher = self.codec.basis_sketcher if (self.codec and self.cfg.anchor_owns_q) else None
+            self.anchor = AnchorCircuit(self.cfg, self.model_cfg, self.state.params, sketcher=sketcher)
             self.ctx.update(self.anchor.init_ctx())  # merger keys exist from tick 1: the step compiles once
 
     def _compile(self):
@@ -105,20 +116,32 @@ class GRPOTrainer:
         loss_fn = make_grpo_loss(self.model_cfg, cfg.grpo, self.max_new, codec)
         grad_fn = self.codec.grad_fn(self.state_sh.params) if self.codec else None
         grad_transform = self.anchor.grad_transform if self.anchor else None
-        step = make_train_step(loss_fn, self.optimizer, grad_fn=grad_fn, grad_transform=grad_transform,
-                               skip_nonfinite=cfg.train.skip_nonfinite)
+        step = make_train_step(
+            loss_fn,
+            self.optimizer,
+            grad_fn=grad_fn,
+            grad_transform=grad_transform,
+            skip_nonfinite=cfg.train.skip_nonfinite,
+        )
         self.fidelity = None
         if cfg.train.probe_every:  # the fidelity gauge: the applied gradient against the dense step's, same batch
-            fid = make_fidelity_fn(self.model_cfg, cfg.grpo, self.max_new, codec,
-                                   (grad_fn or default_grad_fn)(loss_fn), grad_transform,
-                                   lambda: make_grpo_loss(self.model_cfg, cfg.grpo, self.max_new, None))
+            fid = make_fidelity_fn(
+                self.model_cfg,
+                cfg.grpo,
+                self.max_new,
+                codec,
+                (grad_fn or default_grad_fn)(loss_fn),
+                grad_transform,
+                lambda: make_grpo_loss(self.model_cfg, cfg.grpo, self.max_new, None),
+            )
             self.fidelity = dispatch.jit(fid)
         rep = pmesh.replicated(mesh)
         # PowerSGD's error memory is split over dp and leaves the step in metrics: free shardings keep it in place
         # (forcing `rep` would all-gather it every tick).
         ctx_sh = None if grad_fn is not None else rep
-        self.train_step = dispatch.jit(step, in_shardings=(self.state_sh, None, ctx_sh),
-                                  out_shardings=(self.state_sh, ctx_sh), donate_argnums=(0,))
+        self.train_step = dispatch.jit(
+            step, in_shardings=(self.state_sh, None, ctx_sh), out_shardings=(self.state_sh, ctx_sh), donate_argnums=(0,)
+        )
         self.logp_old = dispatch.jit(make_logp_fn(self.model_cfg, codec, OLD))
         self.logp_ref = dispatch.jit(make_logp_fn(self.model_cfg, codec, REF))
         self.logp_dense = dispatch.jit(make_logp_fn(self.model_cfg, None, DENSE))  # the probe: codecs off everywhere
@@ -148,8 +171,7 @@ class GRPOTrainer:
         state, meta = self.ckpt.restore(step, self._ckpt_state())
         self.state, self.ctx = state["train"], state["ctx"]
         if self.anchor:
-            self.anchor.load(state.get("anchor"), meta.get("anchor"), self.ctx,
-                             self.ckpt.read_blob(step, ANCHOR_BLOB))
+            self.anchor.load(state.get("anchor"), meta.get("anchor"), self.ctx, self.ckpt.read_blob(step, ANCHOR_BLOB))
         self.start_step, self.history = int(meta["step"]), meta["history"]
         if self.codec:
             self.codec.applications.update(meta.get("codec_applications", {}))
@@ -161,7 +183,7 @@ class GRPOTrainer:
         per_epoch = max(1, len(self.train_problems) // t.train_batch)
         epoch, k = divmod(gs - 1, per_epoch)
         perm = np.random.default_rng(step_seed(t.seed, epoch, salt=17)).permutation(len(self.train_problems))
-        return [self.train_problems[i] for i in perm[k * t.train_batch:(k + 1) * t.train_batch]]
+        return [self.train_problems[i] for i in perm[k * t.train_batch : (k + 1) * t.train_batch]]
 
     def _rollout(self, gs, problems):
         s, t = self.cfg.sampler, self.cfg.train
@@ -170,8 +192,10 @@ class GRPOTrainer:
         out = self.sampler.generate(prompts, s.n, self.rollout_sampling, seed=step_seed(t.seed, gs))
         gen_s = time.perf_counter() - t0
         if self.state_version - out.weight_version > s.max_staleness:
-            raise RuntimeError(f"sampler answered with weight version {out.weight_version}; the trainer is at "
-                               f"{self.state_version} and sampler.max_staleness is {s.max_staleness}")
+            raise RuntimeError(
+                f"sampler answered with weight version {out.weight_version}; the trainer is at "
+                f"{self.state_version} and sampler.max_staleness is {s.max_staleness}"
+            )
         return prompts, out, gen_s
 
     def grpo_step(self, gs: int) -> dict:
@@ -179,8 +203,9 @@ class GRPOTrainer:
         t_start = time.perf_counter()
         problems = self._problems_for(gs)
         prompts, out, gen_s = self._rollout(gs, problems)
-        rewards, loss_mask, adv, metrics, _ = ro.score_and_advantages(self.task, self.tokenizer, problems, out, n,
-                                                                       self.max_new, cfg.grpo)
+        rewards, loss_mask, adv, metrics, _ = ro.score_and_advantages(
+            self.task, self.tokenizer, problems, out, n, self.max_new, cfg.grpo
+        )
         batch = ro.pack_batch(prompts, out, n, t.max_prompt_len, self.max_new, self.tokenizer.pad_id)
         full_mask = jnp.asarray(batch["response_mask"])  # every sampled token: the diagnostics see them all
         batch["response_mask"] = batch["response_mask"] * loss_mask[:, None]  # the loss may exclude some rows
@@ -197,14 +222,16 @@ class GRPOTrainer:
             dev["ref_logp"] = self.logp_ref(self.ref_params, dev, self.ctx)[0]
             if self.anchor:  # the anchor's KL is in the dense view: one more reference forward, codecs off
                 codec_ref = self.codec is not None and self.codec.applies(REF)
-                dev["ref_logp_dense"] = self.logp_dense(self.ref_params, dev, self.ctx)[0] if codec_ref \
-                    else dev["ref_logp"]
+                dev["ref_logp_dense"] = (
+                    self.logp_dense(self.ref_params, dev, self.ctx)[0] if codec_ref else dev["ref_logp"]
+                )
         if cfg.grpo.tis != "off":
             w, tis_m = tis_weights(old_logp, dev["sampler_logp"], dev["response_mask"], cfg.grpo.tis, cfg.grpo.tis_cap)
             dev["is_weight"] = w
             metrics.update(tis_m)
-        metrics.update(mismatch_metrics(old_logp, dev["sampler_logp"], full_mask, truncated,
-                                        weights=dev.get("is_weight")))
+        metrics.update(
+            mismatch_metrics(old_logp, dev["sampler_logp"], full_mask, truncated, weights=dev.get("is_weight"))
+        )
         metrics.update(entropy_summary(ent, full_mask))
         if self.codec:
             metrics.update(self.codec.summarize_aux(old_aux, tag=OLD))
@@ -233,8 +260,9 @@ class GRPOTrainer:
         lp = self.logp_dense(self.state.params, dev, self.ctx)[0]
         lr_dense = self.logp_dense(self.ref_params, dev, self.ctx)[0]
         ref_codec = dev["ref_logp"] if "ref_logp" in dev else self.logp_ref(self.ref_params, dev, self.ctx)[0]
-        return dense_probe_metrics(lp, lr_dense, old_logp, ref_codec, dev["sampler_logp"], mask,
-                                   self.cfg.grpo.kl_estimator)
+        return dense_probe_metrics(
+            lp, lr_dense, old_logp, ref_codec, dev["sampler_logp"], mask, self.cfg.grpo.kl_estimator
+        )
 
     def _ticks(self, gs, dev) -> dict:
         cfg, t = self.cfg, self.cfg.train
@@ -247,7 +275,12 @@ class GRPOTrainer:
                 tau = int(self.state.tick) + 1
                 self.ctx["first_minibatch"] = jnp.asarray(j == 0 and epoch == 0)  # ℓ_old from the train forward
                 if self.anchor:
-                    self.ctx, am = self.anchor.before_tick(tau, gs, j == 0 and epoch == 0, mb, self.state, self.ctx)
+                    basis = self.ctx["codec"]["lowrank"] if self.anchor.owns_q else None
+                    self.ctx, am, sketch = self.anchor.before_tick(
+                        tau, gs, j == 0 and epoch == 0, mb, self.state, self.ctx, basis
+                    )
+                    if sketch is not None:  # the anchor's dense sketch refreshes the basis (staged)
+                        self.ctx["codec"] = self.codec.absorb_sketch(self.ctx["codec"], sketch)
                     _merge(accum, am)
                 if probe and j == 0 and epoch == 0:  # before the tick: the weights and M it will use
                     _merge(accum, jax.device_get(self.fidelity(self.state.params, self.ref_params, mb, self.ctx)))

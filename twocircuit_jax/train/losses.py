@@ -1,4 +1,5 @@
 """Supervised next-token loss (the tiny base model's SFT, and the foundation's step tests)."""
+
 from __future__ import annotations
 
 import jax

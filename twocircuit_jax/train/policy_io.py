@@ -4,6 +4,7 @@
 - a native directory (orbax params + meta.json): `import-hf`, the sampler's weight exports;
 - a run checkpoint (`runs/NAME/checkpoints/step_XXXXXXXX` or `.../best`): the GRPO loop.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,10 @@ def load_policy(path: str):
     try:
         mcfg, params = load_export(path)
     except ExportError as e:
-        raise CheckpointError(f"{path}: not a Hugging Face dir (no config.json), a run checkpoint (no COMMITTED) "
-                              f"or a native checkpoint ({e})") from None
+        raise CheckpointError(
+            f"{path}: not a Hugging Face dir (no config.json), a run checkpoint (no COMMITTED) "
+            f"or a native checkpoint ({e})"
+        ) from None
     return from_dict(ModelConfig, mcfg), jax.tree.map(jnp.asarray, params)
 
 

@@ -3,6 +3,7 @@
 Everything here is numpy on the host. Shapes are fixed per run (prompt bucket + max_new_tokens) so the jitted
 functions compile once.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -26,8 +27,9 @@ def encode_prompts(tokenizer, task, problems, prompt_len: int, field: str = "tra
     return out
 
 
-def pack_batch(prompts: Sequence[Sequence[int]], rollout: Rollout, n: int, prompt_len: int, max_new: int,
-               pad_id: int) -> dict:
+def pack_batch(
+    prompts: Sequence[Sequence[int]], rollout: Rollout, n: int, prompt_len: int, max_new: int, pad_id: int
+) -> dict:
     """Rows prompt-major. tokens = [left-padded prompt | response right-padded]."""
     B = len(rollout.tokens)
     T = prompt_len + max_new
@@ -39,13 +41,19 @@ def pack_batch(prompts: Sequence[Sequence[int]], rollout: Rollout, n: int, promp
         p, r, lp = prompts[i // n], rollout.tokens[i], rollout.logprobs[i]
         if len(r) != len(lp) or len(r) > max_new:
             raise ValueError(f"sampler row {i}: {len(r)} tokens, {len(lp)} log-probs, limit {max_new}")
-        tokens[i, prompt_len - len(p): prompt_len] = p
-        attn[i, prompt_len - len(p): prompt_len + len(r)] = 1
-        tokens[i, prompt_len: prompt_len + len(r)] = r
-        resp[i, prompt_len: prompt_len + len(r)] = 1.0
-        slogp[i, prompt_len: prompt_len + len(r)] = lp
-    return {"tokens": tokens, "attention_mask": attn, "response_mask": resp, "sampler_logp": slogp,
-            "sample_id": np.arange(B, dtype=np.int32), "truncated": np.asarray(rollout.truncated, bool)}
+        tokens[i, prompt_len - len(p) : prompt_len] = p
+        attn[i, prompt_len - len(p) : prompt_len + len(r)] = 1
+        tokens[i, prompt_len : prompt_len + len(r)] = r
+        resp[i, prompt_len : prompt_len + len(r)] = 1.0
+        slogp[i, prompt_len : prompt_len + len(r)] = lp
+    return {
+        "tokens": tokens,
+        "attention_mask": attn,
+        "response_mask": resp,
+        "sampler_logp": slogp,
+        "sample_id": np.arange(B, dtype=np.int32),
+        "truncated": np.asarray(rollout.truncated, bool),
+    }
 
 
 def score_and_advantages(task, tokenizer, problems, rollout: Rollout, n: int, max_new: int, grpo_cfg):
@@ -61,12 +69,13 @@ def score_and_advantages(task, tokenizer, problems, rollout: Rollout, n: int, ma
 def advantages(rewards, n: int, grpo_cfg) -> np.ndarray:
     """Group advantages [B] float32 as the GRPO config asks (std_normalize, adv_std)."""
     ddof = 1 if grpo_cfg.adv_std == "unbiased" else 0
-    return np.asarray(group_advantages(np.asarray(rewards, np.float32), n, grpo_cfg.std_normalize, ddof=ddof),
-                      np.float32)
+    return np.asarray(
+        group_advantages(np.asarray(rewards, np.float32), n, grpo_cfg.std_normalize, ddof=ddof), np.float32
+    )
 
 
 def split_minibatches(batch: dict, n_mini: int) -> list[dict]:
     """Contiguous row blocks: each block holds whole prompt groups."""
     B = batch["tokens"].shape[0]
     size = B // n_mini
-    return [{k: v[j * size:(j + 1) * size] for k, v in batch.items()} for j in range(n_mini)]
+    return [{k: v[j * size : (j + 1) * size] for k, v in batch.items()} for j in range(n_mini)]

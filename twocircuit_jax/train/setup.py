@@ -1,4 +1,5 @@
 """Building the pieces of a run from its config: tokenizer, model weights, mesh, sampler."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,15 +30,16 @@ def load_model(run_cfg, seed: int):
         except CheckpointError as e:
             raise ConfigError("base_model", str(e)) from None
     else:
-        from twocircuit_jax.sampler.export import ExportError, load_export
         from twocircuit_jax.config.base import from_dict
         from twocircuit_jax.config.sections import ModelConfig
+        from twocircuit_jax.sampler.export import ExportError, load_export
 
         try:
             mcfg, params = load_export(path)
         except ExportError as e:
-            raise ConfigError("base_model", f"{path}: neither a Hugging Face dir (no config.json) nor a native "
-                                            f"checkpoint ({e})") from None
+            raise ConfigError(
+                "base_model", f"{path}: neither a Hugging Face dir (no config.json) nor a native checkpoint ({e})"
+            ) from None
         cfg = from_dict(ModelConfig, mcfg)
         params = jax.tree.map(jnp.asarray, params)
     # the run's dtypes win over the checkpoint's
@@ -58,8 +60,9 @@ def load_run_tokenizer(run_cfg):
 
 def check_vocab(model_cfg, tokenizer):
     if tokenizer.vocab_size > model_cfg.vocab_size:
-        raise ConfigError("model.vocab_size", f"got {model_cfg.vocab_size}; the tokenizer has "
-                                              f"{tokenizer.vocab_size} tokens")
+        raise ConfigError(
+            "model.vocab_size", f"got {model_cfg.vocab_size}; the tokenizer has {tokenizer.vocab_size} tokens"
+        )
     if model_cfg.eos_token_id != tokenizer.eos_id:
         return dataclasses.replace(model_cfg, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
     return model_cfg
@@ -80,8 +83,15 @@ def make_sampler(run_cfg, model_cfg, params, tokenizer, run_dir: str):
     model_dir = save_hf(model_cfg, params, os.path.join(run_dir, "sampler", "model"))
     export_root = run_cfg.sampler.export_dir or os.path.join(run_dir, "sampler", "exports")
     T = run_cfg.train.max_prompt_len + run_cfg.sampler.sampling.max_new_tokens
-    return VLLMSampler(run_cfg.sampler, model_dir, export_root, model_cfg, dtype=run_cfg.model.param_dtype,
-                       max_model_len=max(T, 32), log_path=os.path.join(run_dir, "sampler", "sampler.log"))
+    return VLLMSampler(
+        run_cfg.sampler,
+        model_dir,
+        export_root,
+        model_cfg,
+        dtype=run_cfg.model.param_dtype,
+        max_model_len=max(T, 32),
+        log_path=os.path.join(run_dir, "sampler", "sampler.log"),
+    )
 
 
 def write_json(path: str, obj) -> None:

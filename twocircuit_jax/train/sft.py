@@ -4,14 +4,13 @@ The embedded default is a tiny character-level Qwen2-shaped model trained from s
 is middling: RL needs both successes and failures inside each group to learn from. The result is written as a
 Hugging Face directory (weights + the char tokenizer), which the GRPO config's `base_model` and vLLM both load.
 """
+
 from __future__ import annotations
 
 import functools
-import os
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -36,9 +35,9 @@ def sft_examples(task, tokenizer, problems, max_len: int):
     for i, (p, prob) in enumerate(zip(prompts, problems)):
         sol = tokenizer.encode(task.reference_completion(prob)) + [tokenizer.eos_id]
         seq = (p + sol)[:max_len]
-        tok[i, :len(seq)] = seq
-        attn[i, :len(seq)] = 1
-        lm[i, len(p):len(seq)] = 1
+        tok[i, : len(seq)] = seq
+        attn[i, : len(seq)] = 1
+        lm[i, len(p) : len(seq)] = 1
     return {"tokens": tok, "attention_mask": attn, "loss_mask": lm}
 
 
@@ -50,19 +49,26 @@ def run_sft(cfg, out_dir: str, log=print) -> dict:
     model_cfg = check_vocab(model_cfg, tokenizer)
     data = sft_examples(task, tokenizer, task.train_problems(), s.max_len)
     mesh = pmesh.make_mesh(cfg.mesh)
-    sched = optax.warmup_cosine_decay_schedule(0.0, s.lr, s.warmup_steps, max(s.steps, s.warmup_steps + 1),
-                                               end_value=s.lr * 0.1)
+    sched = optax.warmup_cosine_decay_schedule(
+        0.0, s.lr, s.warmup_steps, max(s.steps, s.warmup_steps + 1), end_value=s.lr * 0.1
+    )
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.01))
     step = make_train_step(functools.partial(next_token_loss, model_cfg), opt)
     state = init_state(params, opt)
     sh = state_shardings(state, mesh)
     state = jax.device_put(state, sh)
     batch_sh = {k: pmesh.batch_sharding(mesh) for k in data}
-    jitted = dispatch.jit(step, in_shardings=(sh, batch_sh, None), out_shardings=(sh, pmesh.replicated(mesh)),
-                     donate_argnums=(0,))
+    jitted = dispatch.jit(
+        step, in_shardings=(sh, batch_sh, None), out_shardings=(sh, pmesh.replicated(mesh)), donate_argnums=(0,)
+    )
     rng = np.random.default_rng(cfg.train.seed)
-    evaluator = Evaluator(task, tokenizer, task.eval_problems()[: cfg.train.eval_size], cfg.train.max_prompt_len,
-                          cfg.sampler.sampling.max_new_tokens)
+    evaluator = Evaluator(
+        task,
+        tokenizer,
+        task.eval_problems()[: cfg.train.eval_size],
+        cfg.train.max_prompt_len,
+        cfg.sampler.sampling.max_new_tokens,
+    )
     history, t0 = [], time.perf_counter()
     N = len(data["tokens"])
     for i in range(1, s.steps + 1):
@@ -70,10 +76,17 @@ def run_sft(cfg, out_dir: str, log=print) -> dict:
         state, m = jitted(state, {k: v[idx] for k, v in data.items()}, None)
         if i % max(1, s.eval_every) == 0 or i == s.steps:
             acc = evaluator.run(JaxSampler(model_cfg, state.params, prompt_bucket=cfg.train.max_prompt_len))
-            rec = {"step": i, "loss": float(m["loss"]), "token_acc": float(m["sft/token_acc"]),
-                   "eval/accuracy": acc["eval/accuracy"], "time_s": round(time.perf_counter() - t0, 1)}
+            rec = {
+                "step": i,
+                "loss": float(m["loss"]),
+                "token_acc": float(m["sft/token_acc"]),
+                "eval/accuracy": acc["eval/accuracy"],
+                "time_s": round(time.perf_counter() - t0, 1),
+            }
             history.append(rec)
-            log(f"sft step {i}/{s.steps}  loss {rec['loss']:.3f}  token acc {rec['token_acc']:.3f}  "
-                f"held-out acc {rec['eval/accuracy']:.3f}  ({rec['time_s']}s)")
+            log(
+                f"sft step {i}/{s.steps}  loss {rec['loss']:.3f}  token acc {rec['token_acc']:.3f}  "
+                f"held-out acc {rec['eval/accuracy']:.3f}  ({rec['time_s']}s)"
+            )
     save_hf(model_cfg, jax.device_get(state.params), out_dir, tokenizer=tokenizer)
     return {"out": out_dir, "history": history, "eval/accuracy": history[-1]["eval/accuracy"] if history else None}

@@ -8,6 +8,7 @@
   optimizer (optax)                                       clip + AdamW
 A non-finite gradient norm skips the update: params and optimizer state unchanged, `grad/skipped` = 1.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple, Optional
@@ -34,8 +35,16 @@ def make_optimizer(optim_cfg, total_ticks: int = 0) -> optax.GradientTransformat
     parts = []
     if optim_cfg.grad_clip > 0:
         parts.append(optax.clip_by_global_norm(optim_cfg.grad_clip))
-    parts.append(optax.adamw(lr, b1=optim_cfg.b1, b2=optim_cfg.b2, eps=optim_cfg.eps,
-                             weight_decay=optim_cfg.weight_decay, mu_dtype=jnp.float32))
+    parts.append(
+        optax.adamw(
+            lr,
+            b1=optim_cfg.b1,
+            b2=optim_cfg.b2,
+            eps=optim_cfg.eps,
+            weight_decay=optim_cfg.weight_decay,
+            mu_dtype=jnp.float32,
+        )
+    )
     return optax.chain(*parts)
 
 
@@ -51,8 +60,12 @@ def init_state(params, optimizer) -> TrainState:
 
 def state_shardings(state: TrainState, mesh) -> TrainState:
     rep = pmesh.replicated(mesh)
-    return TrainState(pmesh.param_shardings(state.params, mesh),
-                      pmesh.like_param_shardings(state.opt_state, state.params, mesh), rep, rep)
+    return TrainState(
+        pmesh.param_shardings(state.params, mesh),
+        pmesh.like_param_shardings(state.opt_state, state.params, mesh),
+        rep,
+        rep,
+    )
 
 
 def default_grad_fn(loss_fn):
@@ -63,9 +76,14 @@ def default_grad_fn(loss_fn):
     return fn
 
 
-def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
-                    grad_fn: Optional[Callable] = None, grad_transform: Optional[Callable] = None,
-                    skip_nonfinite: bool = True):
+def make_train_step(
+    loss_fn: Callable,
+    optimizer: optax.GradientTransformation,
+    *,
+    grad_fn: Optional[Callable] = None,
+    grad_transform: Optional[Callable] = None,
+    skip_nonfinite: bool = True,
+):
     """Pure (state, batch, ctx) -> (state', metrics). `ctx` carries per-call inputs that are not donated
     (codec state, step key, merger state)."""
     compute = (grad_fn or default_grad_fn)(loss_fn)
@@ -94,8 +112,12 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
 def jit_train_step(step, state_sharding: TrainState, batch_sharding, ctx_sharding=None, mesh=None):
     """jit once: explicit in/out shardings, state donated (its buffers are reused for the new state)."""
     rep = pmesh.replicated(mesh) if mesh is not None else None
-    return dispatch.jit(step, in_shardings=(state_sharding, batch_sharding, ctx_sharding),
-                   out_shardings=(state_sharding, rep), donate_argnums=(0,))
+    return dispatch.jit(
+        step,
+        in_shardings=(state_sharding, batch_sharding, ctx_sharding),
+        out_shardings=(state_sharding, rep),
+        donate_argnums=(0,),
+    )
 
 
 def shard_state(state: TrainState, shardings: TrainState) -> TrainState:

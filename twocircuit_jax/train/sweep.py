@@ -12,6 +12,7 @@ Every arm's config is resolved and validated before the first arm runs, so a typ
 hours. The table printed at the end (and written to OUT/summary.json) has each arm's final reward, held-out
 accuracy, reference KL and sampler-trainer gap, read from the arm's metrics.jsonl.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,12 @@ import yaml
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.config.run import load_config
 
-COLUMNS = (("reward", "reward/mean"), ("heldout_acc", "eval/accuracy"), ("ref_kl", "kl/ref"),
-           ("gap", "mismatch/prob_gap_mean"))
+COLUMNS = (
+    ("reward", "reward/mean"),
+    ("heldout_acc", "eval/accuracy"),
+    ("ref_kl", "kl/ref"),
+    ("gap", "mismatch/prob_gap_mean"),
+)
 
 
 def _sets(d, where) -> list[str]:
@@ -41,8 +46,7 @@ def load_sweep(path: str, overrides=None) -> tuple[str, list[tuple[str, object]]
     with open(path) as fh:
         spec = yaml.safe_load(fh) or {}
     if not isinstance(spec, dict) or "base" not in spec or not isinstance(spec.get("arms"), dict) or not spec["arms"]:
-        raise ConfigError("arms", "a sweep file needs `base: CONFIG.yaml` and a non-empty `arms:` mapping",
-                          source=path)
+        raise ConfigError("arms", "a sweep file needs `base: CONFIG.yaml` and a non-empty `arms:` mapping", source=path)
     base = os.path.join(os.path.dirname(os.path.abspath(path)), spec["base"])
     common = _sets(spec.get("set"), "set")
     name = spec.get("name") or os.path.splitext(os.path.basename(path))[0]

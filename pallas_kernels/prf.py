@@ -14,6 +14,7 @@ Three implementations, chosen by `FastConfig.prf_impl`:
 - `x64`: the same bits computed with uint64 inside a local `jax.enable_x64` context; never flips the global flag.
 - `threefry`: nested `fold_in` over the same fields; deterministic but not bit-compatible with the other two.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -227,8 +228,9 @@ def _u_threefry(seed, layer, step_key, direction, sample_ids, positions, width):
     return u53(U64(data[..., 0], data[..., 1]))
 
 
-def prf_u(impl: str, seed: int, layer: int, step_key, sample_ids, positions, width: int,
-          direction: int | None = None) -> U64:
+def prf_u(
+    impl: str, seed: int, layer: int, step_key, sample_ids, positions, width: int, direction: int | None = None
+) -> U64:
     """53-bit uniforms u[b, t, j] as a pair of uint32 [B, T, width]."""
     sample_ids = jnp.asarray(sample_ids, jnp.int32)
     positions = jnp.asarray(positions, jnp.int32)
