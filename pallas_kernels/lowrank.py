@@ -1,4 +1,4 @@
-"""Fused low-rank project / reconstruct kernel (SPEC §3.3): Y = M·Q, M̂ = Y·Qᵀ, beside its jnp reference.
+"""Fused low-rank project / reconstruct kernel (design §3.3): Y = M·Q, M̂ = Y·Qᵀ, beside its jnp reference.
 
 Rounding contract (kernel and reference agree bit for bit in interpret mode): Q is cast to the activation dtype,
 each product accumulates in fp32 (`preferred_element_type`) and is rounded to the activation dtype, so the wire

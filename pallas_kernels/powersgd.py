@@ -1,4 +1,4 @@
-"""Error-feedback projection kernel of gradient PowerSGD (SPEC §3.5): P = (G + E)·Q, beside its jnp reference.
+"""Error-feedback projection kernel of gradient PowerSGD (design §3.5): P = (G + E)·Q, beside its jnp reference.
 
 G [n, m] is the replica's gradient (any float dtype), E [n, m] the fp32 error memory, Q [m, r] fp32; P [n, r] is
 fp32. Fusing the add into the matmul saves one [n, m] fp32 write and read per leaf per tick (M = G + E is still

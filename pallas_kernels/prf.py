@@ -1,4 +1,4 @@
-"""Stateless counter PRF for the fast-circuit codecs (SPEC §3.2).
+"""Stateless counter PRF for the fast-circuit codecs (design §3.2).
 
 Key chain (all arithmetic mod 2^64, logical shifts):
     a = 0; a = mix(a ^ c) for c in (seed, boundary layer, step key[, direction])
@@ -44,7 +44,7 @@ def oracle_mix(x: int) -> int:
 
 
 def oracle_u(seed, layer, step_key, sample_id, position, channel, direction=None) -> int:
-    """The 53-bit u of SPEC §3.2 with Python integers: the reference every JAX mode must match."""
+    """The 53-bit u of design §3.2 with Python integers: the reference every JAX mode must match."""
     a = 0
     links = (seed, layer, step_key) if direction is None else (seed, layer, step_key, direction)
     for c in links:

@@ -1,4 +1,4 @@
-"""Pallas kernel for the PRF mask (SPEC §3.2, §3.6 "Kernels"), beside its pure-jnp reference.
+"""Pallas kernel for the PRF mask (design §3.2, §3.6 "Kernels"), beside its pure-jnp reference.
 
 out[n, j] = h[n, j] * keep[n, j] * gain[n], with keep regenerated in-kernel from the per-row key:
     u = mix(row_key[n] ^ j) >> 11, u' = u ^ flip[n] (antithetic), keep = keep_rule(u', thr[n], thr_j[n], j)

@@ -5,7 +5,7 @@
 Random weights and a synthetic full-length batch of the config's mini-batch shape; each codec's step is jitted
 once, warmed up, then timed (median of `--iters`, block_until_ready). One line per codec:
     codec=prf_mask step_ms=... dense_ms=... ratio=...
-The SPEC target for the jnp reference codecs is ratio <= 1.15 (printed as ok/over; never asserted).
+The design target for the jnp reference codecs is ratio <= 1.15 (printed as ok/over; never asserted).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Pallas kernels against their jnp references on an accelerator (SPEC §3.6 "Kernels"): time and bandwidth.
+"""Pallas kernels against their jnp references on an accelerator (design §3.6 "Kernels"): time and bandwidth.
 
     python scripts/bench_kernels.py [--tokens 16384] [--hidden 1536] [--rank 77] [--iters 50] [--dtype bfloat16]
 

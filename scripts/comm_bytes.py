@@ -1,4 +1,4 @@
-"""Bytes per GRPO step of a config, from shapes alone: no weights, no accelerator (SPEC §3.6, §8 inv. 9).
+"""Bytes per GRPO step of a config, from shapes alone: no weights, no accelerator (design §3.6, §8 inv. 9).
 
     python scripts/comm_bytes.py --config FILE [--set key=value ...] [--devices 8]
 

@@ -1,4 +1,4 @@
-"""The anchor is a dense participant (SPEC §4.3): with the mask codec on, its KL term is the dense probe's
+"""The anchor is a dense participant (design §4.3): with the mask codec on, its KL term is the dense probe's
 `kl/ref_dense` on the same batch (not KL(dense ‖ codec-view reference)), and its TIS weights compare its own dense
 log-probs with the sampler's, so they are 1 when trainer and sampler are the same dense model."""
 

@@ -1,4 +1,4 @@
-"""Merger algebra (SPEC §4.4, §8.6): every rule against a hand-computed numpy result."""
+"""Merger algebra (design §4.4, §8.6): every rule against a hand-computed numpy result."""
 
 from dataclasses import replace
 

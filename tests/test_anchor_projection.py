@@ -1,4 +1,4 @@
-"""Rank-1 weight projection (SPEC §4.5, §8.6) and the snapshot history policy."""
+"""Rank-1 weight projection (design §4.5, §8.6) and the snapshot history policy."""
 
 import ml_dtypes
 import numpy as np

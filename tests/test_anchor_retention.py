@@ -1,4 +1,4 @@
-"""Delayed pairing and retention (SPEC §4.2, §8.4): bound, exact delays, canary."""
+"""Delayed pairing and retention (design §4.2, §8.4): bound, exact delays, canary."""
 
 import jax.numpy as jnp
 import ml_dtypes

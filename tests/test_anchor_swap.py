@@ -1,4 +1,4 @@
-"""Optimizer-state swap purity (SPEC §4.6, §8.5), including sharded optax states on the 8-device fake mesh."""
+"""Optimizer-state swap purity (design §4.6, §8.5), including sharded optax states on the 8-device fake mesh."""
 
 import jax
 import jax.numpy as jnp

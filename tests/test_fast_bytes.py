@@ -1,4 +1,4 @@
-"""Byte accounting (SPEC §3.6, §8 invariant 9): formulas, and the formulas vs collective bytes in compiled HLO."""
+"""Byte accounting (design §3.6, §8 invariant 9): formulas, and the formulas vs collective bytes in compiled HLO."""
 
 import dataclasses
 

@@ -1,4 +1,4 @@
-"""FastCircuit wiring (SPEC §2, §3.1, §3.6): boundaries, tags, bad configs, kernel refusal, mask identity across
+"""FastCircuit wiring (design §2, §3.1, §3.6): boundaries, tags, bad configs, kernel refusal, mask identity across
 paths, the low-rank basis life cycle, per-step byte metrics against fast/bytes.py."""
 
 import jax

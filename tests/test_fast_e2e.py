@@ -1,4 +1,4 @@
-"""`twocircuit train` with the PRF mask on (SPEC §8 inv. 3, seed 003's blindness): one GRPO step, one tick.
+"""`twocircuit train` with the PRF mask on (design §8 inv. 3, seed 003's blindness): one GRPO step, one tick.
 The trainer's own first-update ratio is exactly 1 and nothing clips, while the sampler (dense JAX sampler) and the
 trainer (codec view) disagree far more than in the dense run; comm/* and codec/* metrics are logged."""
 

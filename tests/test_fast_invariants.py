@@ -1,4 +1,4 @@
-"""SPEC §8 invariants through the real train step on the 8-device fake mesh:
+"""design §8 invariants through the real train step on the 8-device fake mesh:
 codec off = the plain GRPO step bit for bit; under every codec the trainer's own first-update ratio is 1 while the
 codec view differs from the dense policy (seed 003's blindness); PowerSGD at full rank = the dense all-reduce step."""
 

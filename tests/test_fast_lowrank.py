@@ -1,4 +1,4 @@
-"""orth and the low-rank activation codec (SPEC §3.3): basis algebra, power iteration, staging, sketch masking."""
+"""orth and the low-rank activation codec (design §3.3): basis algebra, power iteration, staging, sketch masking."""
 
 import dataclasses
 

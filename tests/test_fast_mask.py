@@ -1,4 +1,4 @@
-"""prf_mask codec (SPEC §3.2, invariants 1 and 2 of §8)."""
+"""prf_mask codec (design §3.2, invariants 1 and 2 of §8)."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Gradient PowerSGD with error feedback (SPEC §3.5, §8 invariant 7) on the 8-device fake CPU mesh."""
+"""Gradient PowerSGD with error feedback (design §3.5, §8 invariant 7) on the 8-device fake CPU mesh."""
 
 import dataclasses
 
@@ -50,7 +50,7 @@ _CACHE = {}
 def _sharded(cfg, state, interpret=False):
     """jit(shard_map(powersgd_reduce)) -> f(g, state, skip=False) = (mean, new_state, metrics).
 
-    Replicated outputs come back once per replica and are checked bit-identical (SPEC §8 inv. 8) before the
+    Replicated outputs come back once per replica and are checked bit-identical (design §8 inv. 8) before the
     first copy is returned. One compile per (cfg, tree, interpret); `skip` is traced so it reuses it.
     """
     key = (cfg, jax.tree.structure(state), interpret)

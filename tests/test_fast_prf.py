@@ -1,4 +1,4 @@
-"""PRF of SPEC §3.2: u32pair and x64 must match the pure-Python integer oracle bit for bit."""
+"""PRF of design §3.2: u32pair and x64 must match the pure-Python integer oracle bit for bit."""
 
 import random
 

@@ -1,4 +1,4 @@
-"""sr_quant codec (SPEC §3.4) against a NumPy reference driven by the integer-oracle uniforms."""
+"""sr_quant codec (design §3.4) against a NumPy reference driven by the integer-oracle uniforms."""
 
 import functools
 

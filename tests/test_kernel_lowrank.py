@@ -1,4 +1,4 @@
-"""Fused low-rank project/reconstruct Pallas kernel vs its jnp reference, CPU interpret mode (SPEC §3.6 Kernels)."""
+"""Fused low-rank project/reconstruct Pallas kernel vs its jnp reference, CPU interpret mode (design §3.6 Kernels)."""
 
 import jax
 import jax.numpy as jnp

@@ -54,7 +54,7 @@ def test_matches_numpy_overall_and_per_split():
         ref = numpy_reference(lo, ls, m)
         for k, v in ref.items():
             np.testing.assert_allclose(float(got[f"mismatch/{k}{suffix}"]), v, rtol=2e-4, atol=1e-6, err_msg=k + suffix)
-    # E[rho] = k3 - k1 + 1, as SPEC §6 notes.
+    # E[rho] = k3 - k1 + 1, as design §6 notes.
     np.testing.assert_allclose(
         float(got["mismatch/E_rho"]), float(got["mismatch/kl_k3"] - got["mismatch/kl_k1"] + 1), rtol=1e-5
     )

@@ -1,4 +1,4 @@
-"""The anchor circuit in the GRPO loop (SPEC §2 step 4, §4): fire, merger, rank-1 projection, optimizer swap.
+"""The anchor circuit in the GRPO loop (design §2 step 4, §4): fire, merger, rank-1 projection, optimizer swap.
 
 The loop calls, per tick τ: `before_tick` (snapshot/retain/fire, host side) → the jitted train step, whose
 `grad_transform` applies the merger → `after_tick` (merger state out of the step, optimizer-state swap). The
@@ -62,7 +62,7 @@ class AnchorCircuit:
         self.window = SnapshotWindow.from_config(a) if a.projection else None
         self.merger_on = a.merger != "none"
         self._batch_keys = ["tokens", "attention_mask", "response_mask", "advantages"]
-        # Dense view only (SPEC §4.3): the reference log-probs with codecs off (the loop adds `ref_logp_dense` to the
+        # Dense view only (design §4.3): the reference log-probs with codecs off (the loop adds `ref_logp_dense` to the
         # batch when the anchor is on), and the anchor's own TIS weights from its log-probs against the sampler's.
         self._batch_keys += ["ref_logp_dense"] if run_cfg.grpo.kl_coef > 0 else []
         self._batch_keys += ["sampler_logp"] if run_cfg.grpo.tis != "off" else []

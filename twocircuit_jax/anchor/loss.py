@@ -1,4 +1,4 @@
-"""The anchor's loss (SPEC §4.3) and its one dense forward/backward.
+"""The anchor's loss (design §4.3) and its one dense forward/backward.
 
 L = agg(−A·r·w_IS) + kl_coef·agg(KL(log π ‖ ℓ_ref)) − entropy_coeff·agg(H), with r = exp(log π − sg(log π)) ≡ 1:
 the ratio-one policy gradient (∇L_pg = −A·∇log π·w_IS), no old log-probs, no clip. Same aggregation as the fast
@@ -22,7 +22,7 @@ from twocircuit_jax.grpo.loss import agg_loss, kl_penalty, token_entropy, token_
 from twocircuit_jax.grpo.tis import tis_weights
 from twocircuit_jax.model.qwen2 import forward_with_aux
 
-DENSE = "dense"  # SPEC §3.1 path tag of the anchor pass
+DENSE = "dense"  # design §3.1 path tag of the anchor pass
 
 
 def anchor_loss(model_cfg, grpo_cfg, max_new_tokens: int, params, batch, hook=None, hook_layers=()):

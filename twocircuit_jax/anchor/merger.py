@@ -1,4 +1,4 @@
-"""Merger (SPEC §4.4): the EMA M of anchor gradients and the rules that let M correct the fast gradient G.
+"""Merger (design §4.4): the EMA M of anchor gradients and the rules that let M correct the fast gradient G.
 
 Optax shape: `init_merger` builds a `MergerState`, `update_ema` folds a fresh anchor gradient into M on a fire,
 `merge` rewrites G before clipping. All three are pure and jittable; the config (`AnchorConfig`) is static,
@@ -17,7 +17,7 @@ from typing import Any, Dict, NamedTuple
 import jax
 import jax.numpy as jnp
 
-COLD_M_EPS = 1e-12  # ‖M‖ at or below this has no usable direction (SPEC §4.4 cold-M guard)
+COLD_M_EPS = 1e-12  # ‖M‖ at or below this has no usable direction (design §4.4 cold-M guard)
 MERGERS = ("signed_ema", "signed_gate", "delayed_ef", "blend", "none")
 _DECODER_RE = re.compile(r"(^|/)layers/(q|k|v|o|gate|up|down)_proj/kernel$")
 
@@ -36,7 +36,7 @@ def path_str(path) -> str:
 
 
 def is_target(name: str, leaf, target_scope: str) -> bool:
-    """SPEC §4.3 target_scope: every floating tensor ('all') or the seven decoder projection kernels ('decoder')."""
+    """design §4.3 target_scope: every floating tensor ('all') or the seven decoder projection kernels ('decoder')."""
     if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
         return False
     if target_scope == "all":
@@ -47,7 +47,7 @@ def is_target(name: str, leaf, target_scope: str) -> bool:
 
 
 def select_targets(tree, target_scope: str = "all") -> Dict[str, Any]:
-    """{path: leaf} for the target leaves of `tree` (sorted by path, the fixed order SPEC §8.8 asks for)."""
+    """{path: leaf} for the target leaves of `tree` (sorted by path, the fixed order design §8.8 asks for)."""
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     out = {path_str(p): x for p, x in flat if is_target(path_str(p), x, target_scope)}
     return dict(sorted(out.items()))

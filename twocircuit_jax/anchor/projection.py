@@ -1,4 +1,4 @@
-"""Rank-1 weight projection (SPEC §4.5): forecast the generator's weights from a window of exact snapshots.
+"""Rank-1 weight projection (design §4.5): forecast the generator's weights from a window of exact snapshots.
 
 Host-side numpy: snapshots already live in host memory (sampler dtype), and the anchor forecasts once per fire.
 Per floating tensor, in fp32 (products accumulated in fp64), streamed in 2^20-element chunks so that no full

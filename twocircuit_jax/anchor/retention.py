@@ -1,4 +1,4 @@
-"""Delayed pairing and retention (SPEC §4.2): which batch and which exact weights the anchor replays.
+"""Delayed pairing and retention (design §4.2): which batch and which exact weights the anchor replays.
 
 Host-side and stateful on purpose: it owns host memory (numpy snapshots in the sampler dtype, retained batches),
 which the anchor reads like a remote participant that only ever receives delayed, exact weight transfers.

@@ -1,4 +1,4 @@
-"""Optimizer-state swap (SPEC §4.6, seed 004): overwrite the trainer's Adam moments with the anchor's.
+"""Optimizer-state swap (design §4.6, seed 004): overwrite the trainer's Adam moments with the anchor's.
 
 The anchor keeps its own fp32 Adam-style moments of the clean replay gradient (`AnchorMoments`). The swap is a
 pure function of the optax state: it finds every `optax.ScaleByAdamState` anywhere in the state tree (inside

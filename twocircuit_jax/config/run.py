@@ -43,7 +43,7 @@ class RunConfig:
     sft: SFTConfig = SFTConfig()
 
     def check(self):
-        """Cross-section rules (SPEC §4 config checks, §3 validation)."""
+        """Cross-section rules (design §4 config checks, §3 validation)."""
         f, a = self.fast, self.anchor
         if f.codec != "none" or not self.base_model:  # a checkpoint's layer count is known only once loaded
             require(
@@ -78,7 +78,7 @@ class RunConfig:
 
     @property
     def anchor_owns_q(self) -> bool:
-        if self.anchor.owns_q == "auto":  # SPEC §4: the anchor owns the basis iff the codec is lowrank
+        if self.anchor.owns_q == "auto":  # design §4: the anchor owns the basis iff the codec is lowrank
             return self.fast.codec == "lowrank" and self.anchor.enabled
         return self.anchor.owns_q is True
 

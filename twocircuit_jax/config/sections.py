@@ -1,4 +1,4 @@
-"""Config sections of one run. Keys follow ../shared/SPEC.md's public interface; metadata names the paper symbol."""
+"""Config sections of one run. Keys follow the public interface (docs/design.md §9, the README); metadata names the paper symbol."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class SamplerConfig:
-    """Who generates rollouts. Rollouts use temperature 1 with no truncation so log-probs compare (SPEC §1)."""
+    """Who generates rollouts. Rollouts use temperature 1 with no truncation so log-probs compare (design §1)."""
 
     backend: Literal["jax", "vllm"] = "jax"
     n: int = field(default=4, metadata=doc("samples per prompt (group size)", "G"))
@@ -120,7 +120,7 @@ class SamplerConfig:
 
 @dataclass(frozen=True)
 class GRPOConfig:
-    """GRPO objective (SPEC §5)."""
+    """GRPO objective (design §5)."""
 
     std_normalize: bool = field(default=True, metadata=doc("divide advantages by group std"))
     adv_std: Literal["unbiased", "population"] = field(
@@ -152,7 +152,7 @@ class GRPOConfig:
 
 @dataclass(frozen=True)
 class FastConfig:
-    """The fast circuit (SPEC §3). `codec: none` is the dense trainer, bit for bit."""
+    """The fast circuit (design §3). `codec: none` is the dense trainer, bit for bit."""
 
     codec: Literal["none", "prf_mask", "lowrank", "sr_quant"] = "none"
     grad_codec: Literal["none", "powersgd"] = "none"
@@ -208,7 +208,7 @@ class FastConfig:
 
 @dataclass(frozen=True)
 class AnchorConfig:
-    """The anchor circuit (SPEC §4)."""
+    """The anchor circuit (design §4)."""
 
     enabled: bool = False
     cadence: int = field(default=20, metadata=doc("optimizer ticks between fires"))

@@ -1,4 +1,4 @@
-"""Logical pipeline boundaries (SPEC §3.1).
+"""Logical pipeline boundaries (design §3.1).
 
 L decoder blocks are split into `pp_size` contiguous stages, the first `L mod pp_size` stages one block longer;
 a boundary is the last block of every stage except the final one, so there are pp_size - 1 boundaries.

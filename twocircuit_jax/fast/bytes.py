@@ -1,5 +1,5 @@
-"""Byte accounting (SPEC §3.6): logical per-step bytes of each boundary codec and of the dp gradient all-reduce,
-plus a parser of compiled HLO that sums collective operand bytes, to check the formulas (SPEC §8 inv. 9).
+"""Byte accounting (design §3.6): logical per-step bytes of each boundary codec and of the dp gradient all-reduce,
+plus a parser of compiled HLO that sums collective operand bytes, to check the formulas (design §8 inv. 9).
 
 All functions return plain Python floats: the numbers depend only on static shapes and the config, so they cost
 nothing at run time and can be logged as `comm/bytes_compressed`, `comm/bytes_dense`, `comm/bytes_ratio`
@@ -104,7 +104,7 @@ def activation_bytes(
 
 
 def grad_allreduce_bytes(params_like, cfg, *, powersgd: Optional[bool] = None) -> dict:
-    """Per-replica bytes of one dp gradient reduction (logical, as in SPEC §3.6).
+    """Per-replica bytes of one dp gradient reduction (logical, as in design §3.6).
 
     Dense: Σ size·bytes(dtype). PowerSGD (cfg.grad_codec == "powersgd" unless `powersgd` given): per compressible
     leaf L·(n+m)·r·4 (P sum + Q mean), plus every other leaf in fp32 and the 4-byte error-norm scalar that our

@@ -1,4 +1,4 @@
-"""The fast circuit as the GRPO loop sees it (SPEC §2, §3): one object that owns the codec choice and its state.
+"""The fast circuit as the GRPO loop sees it (design §2, §3): one object that owns the codec choice and its state.
 
 Contract with train/loop.py and train/grpo_step.py (all array state is a pytree of jnp arrays in ctx["codec"]):
   init_state()                      {"steps": [] i32, "lowrank": LowRankState?, "powersgd": PowerSGDState?}
@@ -9,7 +9,7 @@ Contract with train/loop.py and train/grpo_step.py (all array state is a pytree 
   after_tick(state, aux, new_grad_state)   host, after each tick: low-rank sketches, PowerSGD state
   end_step(state, gs)               host, after the last tick: refresh/activate the basis, bytes, counters
 The basis changes only in end_step (or `activate_basis`, which refuses to run mid-step), so no forward inside a
-step sees a new basis (SPEC §2 step 5).
+step sees a new basis (design §2 step 5).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class FastCircuit:
         t = run_cfg.train
         # Tokens one replica sends per tick across a boundary: its share of the mini-batch's padded [B, T] (what a
         # pipeline link would carry), so activation and gradient bytes are both per replica. Train forwards per
-        # step: ticks_per_step * ppo_epochs (SPEC §3.6: the gradient-bearing forward only).
+        # step: ticks_per_step * ppo_epochs (design §3.6: the gradient-bearing forward only).
         self.tokens_per_tick = (
             t.mini_batch * run_cfg.sampler.n * (t.max_prompt_len + run_cfg.sampler.sampling.max_new_tokens)
         )
@@ -130,7 +130,7 @@ class FastCircuit:
         return {TRAIN: True, OLD: self.fcfg.codec_old_logprob, REF: self.fcfg.codec_reference}[tag]
 
     def hook(self, codec_state, tag, step, sample_ids, positions, attention_mask):
-        """(hook_fn, hook_layers) for one forward. A dense-path tag is a hard error (SPEC §3.1)."""
+        """(hook_fn, hook_layers) for one forward. A dense-path tag is a hard error (design §3.1)."""
         if tag == DENSE or not self.applies(tag):
             raise ValueError(
                 f"fast circuit: no codec may act on the {tag!r} path (fast.codec={self.fcfg.codec}, "
@@ -263,7 +263,7 @@ class FastCircuit:
         if self._mid_step:
             raise RuntimeError(
                 "lowrank: a staged basis may become active only after the step's last mini-batch "
-                "(SPEC §2 step 5); call end_step"
+                "(design §2 step 5); call end_step"
             )
         st = dict(codec_state)
         st["lowrank"] = lr.activate_staged(st["lowrank"])
@@ -291,7 +291,7 @@ class FastCircuit:
         return st, metrics
 
     def step_bytes(self, codec_state=None) -> dict:
-        """Logical bytes of one step (SPEC §3.6): boundary messages of every train forward + dp gradient reduce."""
+        """Logical bytes of one step (design §3.6): boundary messages of every train forward + dp gradient reduce."""
         ticks = self.ticks_per_step
         parts = []
         if self.boundaries:

@@ -1,4 +1,4 @@
-"""The train step's gradient with PowerSGD on the data axis (SPEC §3.5): `grad_fn` for train.step.make_train_step.
+"""The train step's gradient with PowerSGD on the data axis (design §3.5): `grad_fn` for train.step.make_train_step.
 
 Each replica takes value_and_grad of its own mini-batch slice inside `jax.shard_map` over the batch axes, then
 `powersgd_reduce` replaces XLA's implicit gradient mean with three packed collectives (P sum, Q mean, the rest

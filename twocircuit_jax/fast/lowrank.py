@@ -1,4 +1,4 @@
-"""The `lowrank` activation codec (SPEC §3.3): per boundary an orthonormal basis Q [H, r] and block power iteration.
+"""The `lowrank` activation codec (design §3.3): per boundary an orthonormal basis Q [H, r] and block power iteration.
 
 Wire model: the sender transmits Y = M·Q (N×r, activation dtype) and the receiver rebuilds M̂ = Y·Qᵀ. Q is fp32,
 stop-gradient and replicated, so autodiff sends the backward message grad·QQᵀ through the same projector (no
@@ -9,7 +9,7 @@ Basis life cycle, all pure (optax shape, no module state):
                                                so `jax.checkpoint` rematerialisation cannot double-count it
   accumulate_sketch(state, aux_by_layer)        V += sketch (per tick / mini-batch)
   refresh_basis(state, cfg, axis_name)          psum V over dp, Q_next = orth(V), clear V, stage Q_next
-  activate_staged(state)                        after the step's last mini-batch (SPEC §2 step 5)
+  activate_staged(state)                        after the step's last mini-batch (design §2 step 5)
 No forward inside a step sees a new basis: `Q` changes only in `activate_staged`.
 """
 
@@ -42,7 +42,7 @@ class LowRankState(NamedTuple):
 
 
 def host_seed(seed: int, layer: int) -> int:
-    """SPEC §3.3 host seed of Q₀ for one boundary."""
+    """design §3.3 host seed of Q₀ for one boundary."""
     return (int(seed) * 1_000_003 + int(layer) * 7_919) & 0x7FFFFFFF
 
 
@@ -192,7 +192,7 @@ def refresh_basis(state: LowRankState, cfg, axis_name: Optional[str] = None) -> 
 
 
 def refresh_due(cfg, step: int) -> bool:
-    """Fast-owned basis refreshes every `update_cadence` steps (SPEC §2 step 5)."""
+    """Fast-owned basis refreshes every `update_cadence` steps (design §2 step 5)."""
     return step % cfg.update_cadence == 0
 
 

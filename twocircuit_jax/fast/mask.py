@@ -1,4 +1,4 @@
-"""The `prf_mask` codec (SPEC §3.2): h~ = g * (h ⊙ m) at each pipeline boundary.
+"""The `prf_mask` codec (design §3.2): h~ = g * (h ⊙ m) at each pipeline boundary.
 
 m[b, t, j] comes from the stateless PRF key (seed, boundary layer, step key, sample_id[b], position[b, t], j)
 of `pallas_kernels/prf.py`. Nothing else enters the key (no path tag, no tick, no mesh coordinate), so the old-log-prob,

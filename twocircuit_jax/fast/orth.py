@@ -1,4 +1,4 @@
-"""fp32 orthonormalisation shared by the low-rank projector and gradient PowerSGD (SPEC §3.3, §3.5).
+"""fp32 orthonormalisation shared by the low-rank projector and gradient PowerSGD (design §3.3, §3.5).
 
 `orth(V)` returns Q [n, r] with orthonormal columns spanning V where V has rank, with a deterministic sign
 (diag(R) >= 0), so replicas that orthonormalise the same summed V get bit-identical Q. Degenerate columns
@@ -8,7 +8,7 @@ columns, so the result always has r orthonormal columns and never depends on rou
 Why fp32 always: JAX has no bf16 QR, and a bf16 basis loses orthogonality (QQᵀ stops being a projector).
 
 Degeneracy threshold: a column i is degenerate when |R_ii| <= eps · max_j ‖V_j‖ (column norms of the input),
-and every column is degenerate when V == 0. SPEC writes the threshold as `|R_ii| <= reortho_eps`; we scale it
+and every column is degenerate when V == 0. The design (§3.3) writes the threshold as `|R_ii| <= reortho_eps`; we scale it
 by the largest input column norm so the repair is scale-invariant: sketches (ΣMᵀMQ ~ 1e6) and LM gradients
 (P ~ 1e-8) must be judged alike. Documented departure; eps keeps its meaning of "relative loss of rank".
 """

@@ -1,4 +1,4 @@
-"""Gradient PowerSGD with error feedback on the data-parallel axis (SPEC §3.5), optax-shaped.
+"""Gradient PowerSGD with error feedback on the data-parallel axis (design §3.5), optax-shaped.
 
 Call `powersgd_reduce` INSIDE `jax.shard_map` over the data axis, on this replica's gradients:
 
@@ -6,7 +6,7 @@ Call `powersgd_reduce` INSIDE `jax.shard_map` over the data axis, on this replic
         M = g + e (fp32);  P = M·Q;  psum P;  P̂ = orth(P);  Q = Mᵀ·P̂;  pmean Q;  Ĝ = P̂·Qᵀ;  e ← M − Ĝ
     everything else (vectors, small matrices, embeddings/lm_head unless compress_embeddings): pmean.
 
-Exactly three all-reduces per tick, each one packed fp32 vector in a fixed sorted-path order (SPEC §8 inv. 8):
+Exactly three all-reduces per tick, each one packed fp32 vector in a fixed sorted-path order (design §8 inv. 8):
 all P (sum), all Q (mean), all uncompressed leaves (mean; one extra fp32 element carries ‖e‖² for the
 `powersgd/error_norm` metric so it is replica-invariant). P is summed, not averaged: it is orthonormalised next.
 
@@ -97,10 +97,10 @@ def _project(g, e, Q, cfg, interpret):
 def powersgd_reduce(grads, state: PowerSGDState, cfg, axis_name: str, *, skip=False, interpret: bool = False):
     """One tick of the dp reduction. Returns (mean_grad_estimate like grads, new_state, metrics).
 
-    skip (bool or traced bool): leave e and Q unchanged (SPEC §2: a skipped update keeps the error memories);
+    skip (bool or traced bool): leave e and Q unchanged (design §2: a skipped update keeps the error memories);
     a non-finite estimate skips by itself. Plain pmean for the first `cfg.start_after` steps (e, Q untouched).
     metrics: powersgd/error_norm (RMS over replicas of ‖e‖ entering the tick), powersgd/compressed,
-    powersgd/skipped, powersgd/bytes_compressed, powersgd/bytes_dense (per replica, logical, SPEC §3.6).
+    powersgd/skipped, powersgd/bytes_compressed, powersgd/bytes_dense (per replica, logical, design §3.6).
     """
     if cfg.use_kernel:
         check_can_run(interpret, "powersgd (fast.use_kernel=true)")

@@ -1,4 +1,4 @@
-"""The `sr_quant` codec (SPEC §3.4, an ablation): blockwise stochastic-rounding quantizer at each boundary.
+"""The `sr_quant` codec (design §3.4, an ablation): blockwise stochastic-rounding quantizer at each boundary.
 
 Per token and block of `quant_block` channels: s = max|h|; 2^bits evenly spaced levels on [-s, s] (1 bit: {-s, s});
 h is rounded to one of its two neighbouring levels with probability proportional to proximity, so E[q] = h.

@@ -1,4 +1,4 @@
-"""Group-relative advantages (SPEC §5).
+"""Group-relative advantages (design §5).
 
 Rows are prompt-major: the `n` samples of prompt `i` are rows `i*n .. i*n + n - 1` of the rollout batch, which is
 how the loop lays out a global step. The advantage is one number per row; the loss broadcasts it over tokens.

@@ -1,4 +1,4 @@
-"""GRPO/PPO policy loss, KL estimators, token log-probs and entropy (SPEC §5). Pure jnp, jittable.
+"""GRPO/PPO policy loss, KL estimators, token log-probs and entropy (design §5). Pure jnp, jittable.
 
 Conventions (docs/architecture.md): `logp[b, t] = log p(tokens[b, t] | tokens[b, :t])`, `logp[:, 0] = 0`; every
 per-token quantity is aligned the same way and everything entering a loss or a metric is multiplied by

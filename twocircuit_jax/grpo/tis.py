@@ -1,4 +1,4 @@
-"""Truncated importance sampling weights (SPEC §5).
+"""Truncated importance sampling weights (design §5).
 
 The rollouts were drawn by the sampler (ℓ_s) while the loss treats ℓ_old (trainer, codec view) as the behaviour
 policy. TIS re-weights each token's policy loss by w = min(exp(ℓ_old − ℓ_s), C) under stop-gradient:
@@ -7,7 +7,7 @@ policy. TIS re-weights each token's policy loss by w = min(exp(ℓ_old − ℓ_s
 - `off`:      exactly ones (multiplying by 1.0 is bitwise the identity, so `off` is a true no-op).
 
 Metrics: `tis/weight_mean`, `tis/weight_max`, `tis/weight_min`, `tis/clip_frac` (share whose raw weight exceeded C)
-and `tis/ess` = (Σw)²/(N·Σw²) of the weights in use (SPEC §5: always log ESS). They are taken over response
+and `tis/ess` = (Σw)²/(N·Σw²) of the weights in use (design §5: always log ESS). They are taken over response
 tokens in `token` mode and over sequences with at least one response token in `sequence` mode.
 """
 

@@ -1,4 +1,4 @@
-"""Health gauges (SPEC §6): policy entropy, response lengths and the length slope, plus host-side cleanup.
+"""Health gauges (design §6): policy entropy, response lengths and the length slope, plus host-side cleanup.
 
 Entropy works on device arrays (jnp, jit-safe); length statistics run on the host over the rollout's python
 lists (numpy), since lengths are known there before any device work.

@@ -1,4 +1,4 @@
-"""Run metrics: `metrics.jsonl` (the public record, SPEC §9), TensorBoard scalars, and a tqdm progress bar.
+"""Run metrics: `metrics.jsonl` (the public record, design §9), TensorBoard scalars, and a tqdm progress bar.
 
 `metrics.jsonl` holds one JSON object per GRPO step, written and flushed as the step ends, so a crash loses at most
 the step in flight. Values are converted to plain JSON: jax/numpy scalars become int/float/bool, arrays become

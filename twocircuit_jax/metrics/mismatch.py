@@ -1,4 +1,4 @@
-"""Sampler-trainer mismatch metrics (SPEC §6), pure jnp over response tokens; jit-safe (no data-dependent keys).
+"""Sampler-trainer mismatch metrics (design §6), pure jnp over response tokens; jit-safe (no data-dependent keys).
 
 Inputs are [B, T] with a float `mask` (1 on response tokens): ℓ_old = trainer log-prob (codec view),
 ℓ_s = sampler log-prob, Δ = ℓ_old − ℓ_s, ρ = e^Δ. Positions outside the mask are replaced by 0 before any exp,

@@ -1,4 +1,4 @@
-"""Versioned weight exports for the vLLM sampler process (SPEC §1, §2 step 6 "Publish").
+"""Versioned weight exports for the vLLM sampler process (design §1, §2 step 6 "Publish").
 
 Layout of one version:
 

@@ -11,7 +11,7 @@ Protocol (JSON over HTTP on loopback by default; one engine, requests serialised
                     prefix cache. A missing/corrupt/mismatched export answers 422 and the old version keeps serving.
 
 Log-probs are vLLM's `raw_logprobs`: log-softmax of the unmodified logits, i.e. the policy at temperature 1 with no
-top-p/top-k truncation (SPEC §1), whatever sampling parameters the request uses. The engine runs in this process
+top-p/top-k truncation (design §1), whatever sampling parameters the request uses. The engine runs in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0): no engine-core child to orphan, and reload tensors pass by reference.
 Prints `READY host:port` once the engine is up and the socket is serving.
 """

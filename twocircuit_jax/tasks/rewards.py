@@ -1,4 +1,4 @@
-"""Reward shaping (SPEC §5): format penalty, the overlong policy, and a verifier that may fail.
+"""Reward shaping (design §5): format penalty, the overlong policy, and a verifier that may fail.
 
 Order for one sample: score (a raising scorer gives 0 and is counted) -> an unparsable answer gets
 `format_penalty` instead of its score -> the overlong policy:

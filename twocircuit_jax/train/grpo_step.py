@@ -2,7 +2,7 @@
 
 The fast circuit enters only through `codec` (an object with `applies(tag)`, `hook(state, tag, step, batch)` and
 `summarize(aux)`; see fast/circuit.py). With `codec=None` no hook is installed at all, so the dense trainer is the
-plain GRPO step bit for bit. Path tags (SPEC §3.1): `train`, `old_logprob`, `ref_logprob`, `dense`.
+plain GRPO step bit for bit. Path tags (design §3.1): `train`, `old_logprob`, `ref_logprob`, `dense`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The GRPO loop: rollout -> reward -> advantages -> old/ref log-probs -> ticks -> publish -> evaluate.
 
-One GRPO step `gs` is one rollout batch; one tick is one optimizer update on one mini-batch (SPEC §2). Every
+One GRPO step `gs` is one rollout batch; one tick is one optimizer update on one mini-batch (design §2). Every
 random choice is a function of (train.seed, gs), so a resumed run repeats an uninterrupted one step for step.
 The fast circuit plugs in as `codec` (fast/circuit.py), the anchor as `anchor` (anchor/circuit.py); both absent
 means the dense trainer.
@@ -67,7 +67,7 @@ class GRPOTrainer:
                 f"the data-parallel size {dp} (mesh.data*mesh.fsdp)",
             )
         self.max_new = s.sampling.max_new_tokens
-        # Rollouts sample the unmodified policy (SPEC §1): temperature 1, no truncation.
+        # Rollouts sample the unmodified policy (design §1): temperature 1, no truncation.
         self.rollout_sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=self.max_new)
         self.optimizer = make_optimizer(cfg.optim)
         state = init_state(params, self.optimizer)
@@ -254,7 +254,7 @@ class GRPOTrainer:
         return metrics
 
     def _dense_probe(self, dev, mask, old_logp) -> dict:
-        """SPEC §6 probe: reference KL with codecs off everywhere (`kl/ref_dense`) against the codec view at the
+        """design §6 probe: reference KL with codecs off everywhere (`kl/ref_dense`) against the codec view at the
         same point (`kl/ref_codec`), their ratio `kl/gain`, and the dense trainer's own gap to the sampler.
         Cost: two or three extra forwards, no backward."""
         lp = self.logp_dense(self.state.params, dev, self.ctx)[0]
