@@ -26,7 +26,7 @@ from twocircuit_jax.config import load_config
 from twocircuit_jax.model.qwen2 import init_params
 from twocircuit_jax.parallel import mesh as pmesh
 from twocircuit_jax.train.grpo_step import make_grpo_loss
-from twocircuit_jax.train.step import init_state, make_optimizer, make_train_step, state_shardings
+from twocircuit_jax.train.step import build_train_step, init_state, make_optimizer, state_shardings
 
 
 def _mem(compiled) -> int:
@@ -96,12 +96,8 @@ def main(argv=None):
     circ = AnchorCircuit(cfg, cfg.model, state.params)
     ctx = {"step": jnp.zeros((), jnp.int32), **circ.init_ctx()}
     loss_fn = make_grpo_loss(cfg.model, cfg.grpo, T)
-    rep = pmesh.replicated(mesh)
-    step = jax.jit(
-        make_train_step(loss_fn, opt, grad_transform=circ.grad_transform),
-        in_shardings=(sh, None, rep),
-        out_shardings=(sh, rep),
-    )  # no donation: the same state is reused
+    step = build_train_step(loss_fn, opt, sh, mesh, grad_transform=circ.grad_transform, donate=False)
+    # no donation: the same state is reused
 
     tick = [0]
 

@@ -26,7 +26,7 @@ def _step_fn(cfg, mesh, params, fast_override):
 
     from twocircuit_jax.fast.circuit import FastCircuit
     from twocircuit_jax.train.grpo_step import make_grpo_loss
-    from twocircuit_jax.train.step import init_state, make_optimizer, make_train_step, state_shardings
+    from twocircuit_jax.train.step import build_train_step, init_state, make_optimizer, state_shardings
 
     cfg = dataclasses.replace(cfg, fast=dataclasses.replace(cfg.fast, **fast_override))
     on = cfg.fast.codec != "none" or cfg.fast.grad_codec != "none"
@@ -39,11 +39,7 @@ def _step_fn(cfg, mesh, params, fast_override):
     ctx = {"step": jnp.asarray(1, jnp.int32)}
     if c:
         ctx["codec"] = c.init_state(params)
-    step = jax.jit(
-        make_train_step(loss, opt, grad_fn=c.grad_fn(None) if c else None),
-        in_shardings=(sh, None, None),
-        donate_argnums=(0,),
-    )
+    step = build_train_step(loss, opt, sh, mesh, grad_fn=c.grad_fn(None) if c else None, ctx_sharding=None)
     return step, jax.device_put(state, sh), ctx
 
 

@@ -67,7 +67,7 @@ def _measure(cfg, devices) -> dict:
     from twocircuit_jax.model.qwen2 import init_params
     from twocircuit_jax.parallel import mesh as pmesh
     from twocircuit_jax.train.grpo_step import make_grpo_loss
-    from twocircuit_jax.train.step import init_state, make_optimizer, make_train_step, state_shardings
+    from twocircuit_jax.train.step import build_train_step, init_state, make_optimizer, state_shardings
 
     model_cfg = cfg.model
     mesh = pmesh.make_mesh(cfg.mesh, devices)
@@ -83,28 +83,28 @@ def _measure(cfg, devices) -> dict:
     act_codec = circuit if (circuit and circuit.has_activation_codec) else None
     loss_fn = make_grpo_loss(model_cfg, cfg.grpo, cfg.sampler.sampling.max_new_tokens, act_codec)
     grad_fn = circuit.grad_fn(state_sh.params) if circuit else None
-    step = make_train_step(loss_fn, opt, grad_fn=grad_fn, skip_nonfinite=cfg.train.skip_nonfinite)
     batch = _batch_shapes(cfg)
     rep = pmesh.replicated(mesh)
+    ctx_sh = jax.tree.map(lambda _: rep, ctx)  # from shapes alone: every input needs an explicit sharding
     if grad_fn is not None:  # PowerSGD's error memory lives split over dp, as in the loop
         from jax.sharding import NamedSharding, PartitionSpec as P
 
         from twocircuit_jax.fast.powersgd import state_specs
 
-        ctx_sh = {"step": rep, "codec": {k: jax.tree.map(lambda _: rep, v) for k, v in ctx["codec"].items()}}
         specs = state_specs(ctx["codec"]["powersgd"], pmesh.BATCH_AXES)
         ctx_sh["codec"]["powersgd"] = jax.tree.map(
             lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
         )
-        out_sh = (state_sh, None)
-    else:
-        ctx_sh = jax.tree.map(lambda _: rep, ctx)
-        out_sh = (state_sh, rep)
-    jitted = jax.jit(
-        step,
-        in_shardings=(state_sh, pmesh.batch_shardings(batch, mesh), ctx_sh),
-        out_shardings=out_sh,
-        donate_argnums=(0,),
+    # The loop's own builder: the same loss, gradient codec, shardings and donation as a training run.
+    jitted = build_train_step(
+        loss_fn,
+        opt,
+        state_sh,
+        mesh,
+        grad_fn=grad_fn,
+        skip_nonfinite=cfg.train.skip_nonfinite,
+        batch_sharding=pmesh.batch_shardings(batch, mesh),
+        ctx_sharding=ctx_sh,
     )
     hlo = jitted.lower(state, batch, ctx).compile().as_text()
     coll = fbytes.collective_bytes_from_hlo(hlo)

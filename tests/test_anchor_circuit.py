@@ -13,7 +13,7 @@ from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.model.qwen2 import init_params
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
 from twocircuit_jax.train.grpo_step import OLD, make_grpo_loss, make_logp_fn
-from twocircuit_jax.train.step import init_state, make_optimizer, make_train_step, state_shardings
+from twocircuit_jax.train.step import init_state, jit_train_step, make_optimizer, make_train_step, state_shardings
 
 MODEL = {
     "vocab_size": 100,
@@ -189,7 +189,7 @@ def test_merger_none_and_cold_merger_leave_the_step_bit_identical(tiny):
         return jax.device_get(new.params), m
 
     base = {"step": jnp.zeros((), jnp.int32)}
-    dense, _ = run(dispatch.jit(make_train_step(loss_fn, opt)), base)
+    dense, _ = run(jit_train_step(make_train_step(loss_fn, opt), None, donate=False), base)
     # merger none: no ctx keys and the transform hands back the very gradient object (the step is the dense one)
     none = AnchorCircuit(_cfg(merger="none", projection=False, swap_cadence=0), cfg.model, state.params)
     assert none.init_ctx() == {}
@@ -199,7 +199,7 @@ def test_merger_none_and_cold_merger_leave_the_step_bit_identical(tiny):
     # signed_ema before the first fire: the identity branch, bit for bit the dense update
     sig = _circuit(_cfg(cadence=2, delay=2, projection=False, swap_cadence=2), state)
     ctx = {**base, **sig.init_ctx()}
-    step = dispatch.jit(make_train_step(loss_fn, opt, grad_transform=sig.grad_transform))
+    step = jit_train_step(make_train_step(loss_fn, opt, grad_transform=sig.grad_transform), None, donate=False)
     p_cold, m_cold = run(step, ctx)
     assert float(m_cold["merger/rel_change"]) == 0.0
     for c, d in zip(jax.tree.leaves(p_cold), jax.tree.leaves(dense)):

@@ -16,7 +16,7 @@ from twocircuit_jax.fast.grad_fn import NEW_STATE
 from twocircuit_jax.model.qwen2 import init_params
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
 from twocircuit_jax.train.grpo_step import OLD, make_grpo_loss, make_logp_fn
-from twocircuit_jax.train.step import init_state, make_train_step, state_shardings
+from twocircuit_jax.train.step import build_train_step, init_state, state_shardings
 
 MODEL = {
     "vocab_size": 100,
@@ -79,9 +79,7 @@ def one_step(cfg, mesh, params, batch, circuit, optimizer=SGD):
         _JIT[key] = (
             dispatch.jit(make_logp_fn(cfg.model, act, OLD)),
             sh,
-            dispatch.jit(
-                make_train_step(loss, optimizer, grad_fn=grad_fn), in_shardings=(sh, None, None), donate_argnums=(0,)
-            ),
+            build_train_step(loss, optimizer, sh, mesh, grad_fn=grad_fn, ctx_sharding=None),
             circuit,
         )  # keep circuit alive: its id is the key
     logp, sh, step, _ = _JIT[key]

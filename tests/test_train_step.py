@@ -10,7 +10,7 @@ import pytest
 from twocircuit_jax.config import MeshConfig, ModelConfig, OptimConfig
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.model import init_params
-from twocircuit_jax.parallel import batch_shardings, make_mesh, mesh_shape
+from twocircuit_jax.parallel import batch_shardings, make_mesh, mesh_shape, replicated
 from twocircuit_jax.train.losses import next_token_loss
 from twocircuit_jax.train.step import init_state, jit_train_step, make_optimizer, make_train_step, state_shardings
 
@@ -37,7 +37,7 @@ def _build(mesh_cfg, devices):
     state = jax.device_put(state, sh)
     batch = _batch()
     bsh = batch_shardings(batch, mesh)
-    jitted = jit_train_step(step, sh, bsh, None, mesh)
+    jitted = jit_train_step(step, sh, bsh, None, replicated(mesh))
     return mesh, jitted, state, sh, bsh
 
 

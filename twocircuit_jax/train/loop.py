@@ -32,11 +32,11 @@ from twocircuit_jax.train.evaluate import Evaluator
 from twocircuit_jax.train.grpo_step import DENSE, OLD, REF, make_grpo_loss, make_logp_fn
 from twocircuit_jax.train.setup import check_vocab, load_model, load_run_tokenizer, make_sampler
 from twocircuit_jax.train.step import (
+    build_train_step,
     default_grad_fn,
     init_state,
     learning_rate,
     make_optimizer,
-    make_train_step,
     state_shardings,
 )
 
@@ -116,13 +116,6 @@ class GRPOTrainer:
         loss_fn = make_grpo_loss(self.model_cfg, cfg.grpo, self.max_new, codec)
         grad_fn = self.codec.grad_fn(self.state_sh.params) if self.codec else None
         grad_transform = self.anchor.grad_transform if self.anchor else None
-        step = make_train_step(
-            loss_fn,
-            self.optimizer,
-            grad_fn=grad_fn,
-            grad_transform=grad_transform,
-            skip_nonfinite=cfg.train.skip_nonfinite,
-        )
         self.fidelity = None
         if cfg.train.probe_every:  # the fidelity gauge: the applied gradient against the dense step's, same batch
             fid = make_fidelity_fn(
@@ -135,12 +128,14 @@ class GRPOTrainer:
                 lambda: make_grpo_loss(self.model_cfg, cfg.grpo, self.max_new, None),
             )
             self.fidelity = dispatch.jit(fid)
-        rep = pmesh.replicated(mesh)
-        # PowerSGD's error memory is split over dp and leaves the step in metrics: free shardings keep it in place
-        # (forcing `rep` would all-gather it every tick).
-        ctx_sh = None if grad_fn is not None else rep
-        self.train_step = dispatch.jit(
-            step, in_shardings=(self.state_sh, None, ctx_sh), out_shardings=(self.state_sh, ctx_sh), donate_argnums=(0,)
+        self.train_step = build_train_step(
+            loss_fn,
+            self.optimizer,
+            self.state_sh,
+            mesh,
+            grad_fn=grad_fn,
+            grad_transform=grad_transform,
+            skip_nonfinite=cfg.train.skip_nonfinite,
         )
         self.logp_old = dispatch.jit(make_logp_fn(self.model_cfg, codec, OLD))
         self.logp_ref = dispatch.jit(make_logp_fn(self.model_cfg, codec, REF))

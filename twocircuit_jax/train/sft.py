@@ -15,14 +15,14 @@ import numpy as np
 import optax
 
 from twocircuit_jax.model.hf_io import save_hf
-from twocircuit_jax.parallel import dispatch, mesh as pmesh
+from twocircuit_jax.parallel import mesh as pmesh
 from twocircuit_jax.sampler.jax_sampler import JaxSampler
 from twocircuit_jax.tasks import make_task
 from twocircuit_jax.train.evaluate import Evaluator
 from twocircuit_jax.train.losses import next_token_loss
 from twocircuit_jax.train.rollout import encode_prompts
 from twocircuit_jax.train.setup import check_vocab, load_model, load_run_tokenizer
-from twocircuit_jax.train.step import init_state, make_train_step, state_shardings
+from twocircuit_jax.train.step import build_train_step, init_state, state_shardings
 
 
 def sft_examples(task, tokenizer, problems, max_len: int):
@@ -53,13 +53,12 @@ def run_sft(cfg, out_dir: str, log=print) -> dict:
         0.0, s.lr, s.warmup_steps, max(s.steps, s.warmup_steps + 1), end_value=s.lr * 0.1
     )
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.01))
-    step = make_train_step(functools.partial(next_token_loss, model_cfg), opt)
     state = init_state(params, opt)
     sh = state_shardings(state, mesh)
     state = jax.device_put(state, sh)
     batch_sh = {k: pmesh.batch_sharding(mesh) for k in data}
-    jitted = dispatch.jit(
-        step, in_shardings=(sh, batch_sh, None), out_shardings=(sh, pmesh.replicated(mesh)), donate_argnums=(0,)
+    jitted = build_train_step(
+        functools.partial(next_token_loss, model_cfg), opt, sh, mesh, batch_sharding=batch_sh, ctx_sharding=None
     )
     rng = np.random.default_rng(cfg.train.seed)
     evaluator = Evaluator(

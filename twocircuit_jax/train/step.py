@@ -109,15 +109,44 @@ def make_train_step(
     return step
 
 
-def jit_train_step(step, state_sharding: TrainState, batch_sharding, ctx_sharding=None, mesh=None):
-    """jit once: explicit in/out shardings, state donated (its buffers are reused for the new state)."""
-    rep = pmesh.replicated(mesh) if mesh is not None else None
+def jit_train_step(
+    step, state_sharding: TrainState, batch_sharding=None, ctx_sharding=None, metrics_sharding=None, donate=True
+):
+    """The one place a train step is jitted (GRPO loop, SFT, scripts/comm_bytes.py, the benchmarks, tests):
+    explicit in/out shardings, compiled once per run, state donated (its buffers are reused for the new state;
+    `donate=False` only for benchmarks that feed one state many times). A `None` sharding leaves that input or
+    output where XLA puts it."""
     return dispatch.jit(
         step,
         in_shardings=(state_sharding, batch_sharding, ctx_sharding),
-        out_shardings=(state_sharding, rep),
-        donate_argnums=(0,),
+        out_shardings=(state_sharding, metrics_sharding),
+        donate_argnums=(0,) if donate else (),
     )
+
+
+def build_train_step(
+    loss_fn,
+    optimizer,
+    state_sharding: TrainState,
+    mesh,
+    *,
+    grad_fn=None,
+    grad_transform=None,
+    skip_nonfinite: bool = True,
+    batch_sharding=None,
+    ctx_sharding="auto",
+    donate=True,
+):
+    """`make_train_step` + `jit_train_step` with the project's sharding rule for ctx and metrics: replicated, except
+    with a gradient codec (PowerSGD), whose per-replica error memory lives split over data parallel and leaves the
+    step with the metrics; there both stay free (forcing replication would all-gather the memory every tick).
+    `ctx_sharding` overrides the ctx rule (compiling from shapes alone needs explicit shardings)."""
+    step = make_train_step(
+        loss_fn, optimizer, grad_fn=grad_fn, grad_transform=grad_transform, skip_nonfinite=skip_nonfinite
+    )
+    free = None if grad_fn is not None else pmesh.replicated(mesh)
+    ctx_sharding = free if ctx_sharding == "auto" else ctx_sharding
+    return jit_train_step(step, state_sharding, batch_sharding, ctx_sharding, free, donate)
 
 
 def shard_state(state: TrainState, shardings: TrainState) -> TrainState:
