@@ -9,6 +9,8 @@ import pytest
 import yaml
 from tiny_run import tiny_config
 
+pytestmark = pytest.mark.slow  # end-to-end runs: `make test-fast` skips them, `make test` (CI) runs them
+
 TINY = tiny_config(
     name="tiny", anchor={"enabled": True, "cadence": 4, "delay": 4, "window": 2, "swap_cadence": 2}, train={"steps": 6}
 )

@@ -2,11 +2,14 @@
 
 import json
 
+import pytest
 import yaml
 from tiny_run import tiny_config
 
 from twocircuit_jax.cli import main
 from twocircuit_jax.config import load_config
+
+pytestmark = pytest.mark.slow  # end-to-end runs: `make test-fast` skips them, `make test` (CI) runs them
 
 CFG = tiny_config(
     optim={"lr": 3e-3},

@@ -8,6 +8,8 @@ from tiny_run import tiny_config
 
 from twocircuit_jax.cli import main
 
+pytestmark = pytest.mark.slow  # end-to-end runs: `make test-fast` skips them, `make test` (CI) runs them
+
 CFG = tiny_config(
     optim={"lr": 3e-3},
     model={"num_layers": 4},

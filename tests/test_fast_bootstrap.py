@@ -5,6 +5,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import yaml
 
 from twocircuit_jax.cli import main
@@ -14,6 +15,8 @@ from twocircuit_jax.fast.circuit import FastCircuit
 from twocircuit_jax.model import init_params
 from twocircuit_jax.model.qwen2 import forward_with_aux
 from twocircuit_jax.parallel import make_mesh
+
+pytestmark = pytest.mark.slow  # end-to-end runs: `make test-fast` skips them, `make test` (CI) runs them
 
 TINY = {
     "tokenizer": "char",

@@ -10,6 +10,8 @@ import yaml
 
 from twocircuit_jax.cli import main
 
+pytestmark = pytest.mark.slow  # end-to-end runs: `make test-fast` skips them, `make test` (CI) runs them
+
 CFG = {
     "name": "fast_e2e",
     "tokenizer": "char",

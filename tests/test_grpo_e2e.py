@@ -8,6 +8,8 @@ import yaml
 
 from twocircuit_jax.cli import main
 
+pytestmark = pytest.mark.slow  # end-to-end runs: `make test-fast` skips them, `make test` (CI) runs them
+
 TINY = {
     "name": "tiny",
     "tokenizer": "char",

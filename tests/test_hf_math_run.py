@@ -3,12 +3,15 @@
 import json
 
 import jax
+import pytest
 import yaml
 
 from twocircuit_jax.cli import main
 from twocircuit_jax.config import ModelConfig
 from twocircuit_jax.model import init_params, save_hf
 from twocircuit_jax.model.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.slow  # end-to-end runs: `make test-fast` skips them, `make test` (CI) runs them
 
 
 def test_train_from_hf_dir_on_math_files(tmp_path):

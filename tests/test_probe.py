@@ -7,6 +7,8 @@ import yaml
 
 from twocircuit_jax.cli import main
 
+pytestmark = pytest.mark.slow  # end-to-end runs: `make test-fast` skips them, `make test` (CI) runs them
+
 CFG = {
     "tokenizer": "char",
     "model": {

@@ -14,6 +14,8 @@ from twocircuit_jax.config.base import to_dict
 from twocircuit_jax.config.run import load_config
 from twocircuit_jax.train.sweep import load_sweep
 
+pytestmark = pytest.mark.slow  # end-to-end runs: `make test-fast` skips them, `make test` (CI) runs them
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = tiny_config(name="tiny", anchor={"cadence": 2, "delay": 2, "window": 2})
 
