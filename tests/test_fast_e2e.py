@@ -7,41 +7,19 @@ import os
 
 import pytest
 import yaml
+from tiny_run import tiny_config
 
 from twocircuit_jax.cli import main
 
 pytestmark = pytest.mark.slow  # end-to-end runs: `make test-fast` skips them, `make test` (CI) runs them
 
-CFG = {
-    "name": "fast_e2e",
-    "tokenizer": "char",
-    "model": {
-        "vocab_size": 100,
-        "hidden_size": 32,
-        "num_layers": 4,
-        "num_heads": 2,
-        "num_kv_heads": 1,
-        "head_dim": 16,
-        "intermediate_size": 64,
-        "eos_token_id": 2,
-        "pad_token_id": 0,
-        "bos_token_id": 1,
-    },
-    "mesh": {"data": -1},
-    "optim": {"lr": 1e-3},
-    "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 32, "eval_size": 8},
-    "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
-    "fast": {"pp_size": 4, "codec": "prf_mask", "p": 0.95},
-    "train": {
-        "steps": 1,
-        "train_batch": 2,
-        "mini_batch": 2,
-        "eval_every": 0,
-        "eval_size": 8,
-        "max_prompt_len": 16,
-        "checkpoint_every": 0,
-    },
-}
+CFG = tiny_config(
+    name="fast_e2e",
+    model={"num_layers": 4},
+    task={"train_size": 32},
+    fast={"pp_size": 4, "codec": "prf_mask", "p": 0.95},
+    train={"steps": 1, "train_batch": 2, "checkpoint_every": 0},
+)
 
 
 def run(tmp, codec):

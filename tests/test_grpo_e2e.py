@@ -5,41 +5,17 @@ import os
 
 import pytest
 import yaml
+from tiny_run import tiny_config
 
 from twocircuit_jax.cli import main
 
 pytestmark = pytest.mark.slow  # end-to-end runs: `make test-fast` skips them, `make test` (CI) runs them
 
-TINY = {
-    "name": "tiny",
-    "tokenizer": "char",
-    "model": {
-        "vocab_size": 100,
-        "hidden_size": 32,
-        "num_layers": 2,
-        "num_heads": 2,
-        "num_kv_heads": 1,
-        "head_dim": 16,
-        "intermediate_size": 64,
-        "eos_token_id": 2,
-        "pad_token_id": 0,
-        "bos_token_id": 1,
-    },
-    "mesh": {"data": -1},
-    "optim": {"lr": 1e-3},
-    "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 64, "eval_size": 16},
-    "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
-    "fast": {"pp_size": 2},
-    "train": {
-        "steps": 3,
-        "train_batch": 4,
-        "mini_batch": 2,
-        "eval_every": 2,
-        "eval_size": 16,
-        "max_prompt_len": 16,
-        "checkpoint_every": 1,
-    },
-}
+TINY = tiny_config(
+    name="tiny",
+    task={"eval_size": 16},
+    train={"steps": 3, "eval_every": 2, "eval_size": 16, "checkpoint_every": 1},
+)
 
 
 def write_cfg(tmp_path, data=None, name="cfg.yaml"):

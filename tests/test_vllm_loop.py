@@ -13,34 +13,19 @@ import signal
 
 import pytest
 import yaml
+from tiny_run import tiny_config
 
 from twocircuit_jax.cli import main
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-CFG = {
-    "name": "vllm_tiny",
-    "tokenizer": "char",
-    "model": {
-        "vocab_size": 100,
-        "hidden_size": 64,
-        "num_layers": 2,
-        "num_heads": 2,
-        "num_kv_heads": 1,
-        "head_dim": 32,
-        "intermediate_size": 96,
-        "eos_token_id": 2,
-        "pad_token_id": 0,
-        "bos_token_id": 1,
-        "max_position_embeddings": 64,
-    },
-    "mesh": {"data": -1},
-    "optim": {"lr": 1e-3},
-    "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 64, "eval_size": 16},
-    "sampler": {"backend": "vllm", "n": 4, "sampling": {"max_new_tokens": 6}, "startup_timeout_s": 240},
-    "fast": {"pp_size": 2},
-    "train": {"steps": 4, "train_batch": 4, "mini_batch": 2, "eval_every": 0, "eval_size": 16, "max_prompt_len": 16},
-}
+CFG = tiny_config(
+    name="vllm_tiny",
+    model={"hidden_size": 64, "head_dim": 32, "intermediate_size": 96, "max_position_embeddings": 64},
+    task={"eval_size": 16},
+    sampler={"backend": "vllm", "sampling": {"max_new_tokens": 6}, "startup_timeout_s": 240},
+    train={"steps": 4, "eval_size": 16},
+)
 
 
 def test_vllm_backend_end_to_end_with_a_killed_sampler(tmp_path, monkeypatch):
