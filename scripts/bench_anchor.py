@@ -111,10 +111,12 @@ def main(argv=None):
     t_step = _median(lambda: step(state, batch, ctx)[0].params, a.reps)
     dev = jax.device_put(jax.device_get(state.params), sh.params)
     carry = {"merger": ctx["merger"], "moments": circ.moments}
-    fire_c = circ._fire_jit.lower(dev, dict((k, batch[k]) for k in circ._batch_keys), carry).compile()
+    fire_c = circ._fire_jit.lower(dev, dict((k, batch[k]) for k in circ._batch_keys), carry, None).compile()
     t_fire_jit = _median(
         lambda: (
-            circ._fire_jit(dev, {k: batch[k] for k in circ._batch_keys}, jax.tree.map(jnp.copy, carry))[0]["merger"].m
+            circ._fire_jit(dev, {k: batch[k] for k in circ._batch_keys}, jax.tree.map(jnp.copy, carry), None)[0][
+                "merger"
+            ].m
         ),
         a.reps,
     )

@@ -28,43 +28,50 @@ def main(argv: list[str], root: str | None = None) -> int:
         return 5
     size = -(-len(files) // GROUPS)
     totals = {"passed": 0, "failed": 0, "skipped": 0, "deselected": 0}
-    for i in range(0, len(files), size):
-        group = files[i : i + size]
-        print(f"--- pytest group {i // size + 1}: {len(group)} files", flush=True)
-        trace = os.path.join(tempfile.mkdtemp(prefix="twocircuit-tests-"), "current")
-        env = {
-            **os.environ,
-            "TWOCIRCUIT_TEST_TRACE": trace,
-            "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])),
-        }
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "pytest_trace", *argv, *group],
-            cwd=root,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        sys.stdout.write(proc.stdout)
-        sys.stdout.flush()
-        tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-        for n, what in re.findall(r"(\d+) (passed|failed|skipped|deselected)", tail):
-            totals[what] += int(n)
-        if proc.returncode == 5 and "deselected" in tail:  # every test of this group filtered out by -m/-k
-            continue
-        if proc.returncode < 0:  # killed by a signal: name the test it was in and XLA's last words, at the end
-            running = open(trace).read() if os.path.exists(trace) else "(before the first test)"
-            print(
-                f"pytest group {i // size + 1} died of {signal.Signals(-proc.returncode).name} while running {running}",
-                file=sys.stderr,
+    with tempfile.TemporaryDirectory(prefix="twocircuit-tests-") as tmp:  # the running test's id, per group
+        for i in range(0, len(files), size):
+            group = files[i : i + size]
+            print(f"--- pytest group {i // size + 1}: {len(group)} files", flush=True)
+            trace = os.path.join(tmp, "current")
+            if os.path.exists(trace):
+                os.remove(trace)
+            env = {
+                **os.environ,
+                "TWOCIRCUIT_TEST_TRACE": trace,
+                "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])),
+            }
+            proc = subprocess.run(
+                [sys.executable, "-m", "pytest", "-q", "-p", "pytest_trace", *argv, *group],
+                cwd=root,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
             )
-            for line in proc.stdout.splitlines():
-                if "rendezvous.cc" in line and "Termination" in line or line.startswith(("F1", "F0", "Check failed")):
-                    print("  " + line[:400], file=sys.stderr)
-                    break
-        if proc.returncode != 0:
-            print(f"pytest group {i // size + 1} exited with {proc.returncode}", file=sys.stderr)
-            return proc.returncode if proc.returncode > 0 else 1
+            sys.stdout.write(proc.stdout)
+            sys.stdout.flush()
+            tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+            for n, what in re.findall(r"(\d+) (passed|failed|skipped|deselected)", tail):
+                totals[what] += int(n)
+            if proc.returncode == 5 and "deselected" in tail:  # every test of this group filtered out by -m/-k
+                continue
+            if proc.returncode < 0:  # killed by a signal: name the test it was in and XLA's last words, at the end
+                running = open(trace).read() if os.path.exists(trace) else "(before the first test)"
+                print(
+                    f"pytest group {i // size + 1} died of {signal.Signals(-proc.returncode).name} while running {running}",
+                    file=sys.stderr,
+                )
+                for line in proc.stdout.splitlines():
+                    if (
+                        "rendezvous.cc" in line
+                        and "Termination" in line
+                        or line.startswith(("F1", "F0", "Check failed"))
+                    ):
+                        print("  " + line[:400], file=sys.stderr)
+                        break
+            if proc.returncode != 0:
+                print(f"pytest group {i // size + 1} exited with {proc.returncode}", file=sys.stderr)
+                return proc.returncode if proc.returncode > 0 else 1
     print(f"{totals['passed']} passed, {totals['failed']} failed, {totals['skipped']} skipped")
     return 0 if totals["passed"] > 0 else 5
 

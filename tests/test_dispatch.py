@@ -74,3 +74,16 @@ def test_wrapper_keeps_the_jitted_api():
         return x + k
 
     assert float(h(jnp.float32(1.0), k=2)) == 3.0
+
+
+def test_wrapper_binds_self_as_a_method_decorator():
+    class Scale:
+        def __init__(self, k):
+            self.k = k
+
+        @dispatch.jit(static_argnums=0)
+        def apply(self, x):
+            return x * self.k
+
+    assert float(Scale(3.0).apply(jnp.float32(2.0))) == 6.0
+    assert isinstance(Scale.__dict__["apply"], dispatch.Jitted)

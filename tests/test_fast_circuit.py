@@ -176,3 +176,24 @@ def test_step_bytes_match_formulas(mesh, fast):
     assert m["comm/bytes_compressed"] == pytest.approx(comp)
     assert m["comm/bytes_dense"] == pytest.approx(dense)
     assert m["comm/bytes_ratio"] == pytest.approx(comp / dense) and m["comm/bytes_ratio"] < 1
+
+
+def test_external_dense_sketch_stages_one_power_iteration(mesh):
+    """The anchor-owned path without the anchor: `basis_sketcher` sketches a dense pass (activations unchanged, no
+    codec error computed) and `absorb_sketch` stages orth(MᵀM·Q_start) per boundary; the active basis stays."""
+    c = circuit(mesh, codec="lowrank")
+    st = c.init_state()
+    ids, am = _batch()
+    h = jax.random.normal(jax.random.PRNGKey(3), (4, 10, 32))
+    fn, layers = c.basis_sketcher(st["lowrank"], am)
+    outs = {b: fn(b, h) for b in layers}
+    assert all(np.array_equal(np.asarray(o[0]), np.asarray(h)) for o in outs.values())  # dense: h passes unchanged
+    assert all(set(o[1]) == {"sketch", "tokens"} for o in outs.values())
+    new = c.absorb_sketch(st, {b: o[1] for b, o in outs.items()})["lowrank"]
+    M = np.asarray(h).reshape(-1, 32) * np.asarray(am, np.float32).reshape(-1, 1)
+    for b in layers:
+        assert np.array_equal(np.asarray(new.Q[b]), np.asarray(st["lowrank"].Q[b]))  # active basis untouched
+        want, _ = np.linalg.qr(M.T @ (M @ np.asarray(st["lowrank"].Q_start[b])))
+        got = np.asarray(new.Q_next[b])
+        np.testing.assert_allclose(np.abs(got.T @ want), np.eye(want.shape[1]), atol=1e-4)  # same columns up to sign
+    assert bool(new.staged)

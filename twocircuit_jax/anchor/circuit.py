@@ -163,6 +163,8 @@ class AnchorCircuit:
 
     def _fire(self, tau, batch, rows, ctx, basis):
         """One dense forward/backward on the delayed pair (or the forecast with the current batch)."""
+        if self.owns_q and basis is None:
+            raise ValueError("anchor fire: the anchor owns the basis but no basis state was handed in")
         rep = self.buffer.replay_for_fire(tau)  # raises on broken delay/staleness or a changed snapshot
         weights, fire_batch, metrics = rep.params, rep.batch, {}
         window = None
@@ -177,8 +179,6 @@ class AnchorCircuit:
             else:
                 self.warmup_fires += 1
         carry = {"merger": ctx.get("merger"), "moments": self.moments}
-        if self.owns_q and basis is None:
-            raise ValueError("anchor fire: the anchor owns the basis but no basis state was handed in")
         dev = jax.device_put(weights, self.param_sh)  # host → device, params-sized
         carry, fm, sketch = self._fire_jit(dev, fire_batch, carry, basis if self.owns_q else None)  # serialised on CPU
         # Nothing above may fail after this point: state changes only now.

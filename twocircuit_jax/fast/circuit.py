@@ -173,9 +173,14 @@ class FastCircuit:
 
     def basis_sketcher(self, basis_state, attention_mask):
         """`sketch_hook` on the low-rank basis state alone: what an external dense pass (the anchor's fire) needs."""
-        fn = lr.make_lowrank_hook(
+        inner = lr.make_lowrank_hook(
             basis_state, self.boundaries, sketch=True, attention_mask=attention_mask, encode=False
         )
+
+        def fn(layer, h):  # the sketch only: the codec's error would cost a projection that nobody reads here
+            h, aux = inner(layer, h)
+            return h, {"sketch": aux["sketch"], "tokens": aux["tokens"]}
+
         return fn, self.boundaries
 
     def absorb_sketch(self, codec_state, sketch):

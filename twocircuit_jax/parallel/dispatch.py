@@ -41,6 +41,9 @@ class Jitted:
             jax.block_until_ready(out)  # host sync, CPU backend only
         return out
 
+    def __get__(self, obj, objtype=None):  # as a method decorator: bind `self` like a function would
+        return self if obj is None else functools.partial(self.__call__, obj)
+
     def __getattr__(self, name: str):
         if name == "_jitted":  # not set yet (copy/pickle): no recursion
             raise AttributeError(name)
