@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_run import tiny_config
 
 from twocircuit_jax.anchor.circuit import AnchorCircuit
 from twocircuit_jax.config import load_config
@@ -17,18 +18,7 @@ from twocircuit_jax.parallel import dispatch, mesh as pmesh
 from twocircuit_jax.train.grpo_step import DENSE, OLD, REF, make_logp_fn
 from twocircuit_jax.train.step import init_state, make_optimizer, state_shardings
 
-MODEL = {
-    "vocab_size": 100,
-    "hidden_size": 32,
-    "num_layers": 2,
-    "num_heads": 2,
-    "num_kv_heads": 1,
-    "head_dim": 16,
-    "intermediate_size": 64,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-    "bos_token_id": 1,
-}
+MODEL = tiny_config()["model"]
 B, T, NEW = 8, 12, 4
 
 

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_run import NARROW_MODEL
 
 from twocircuit_jax.anchor.merger import init_merger, update_ema
 from twocircuit_jax.config.run import load_config
@@ -18,16 +19,7 @@ from twocircuit_jax.parallel import dispatch, mesh as pmesh
 from twocircuit_jax.train.grpo_step import OLD, make_grpo_loss, make_logp_fn
 from twocircuit_jax.train.step import default_grad_fn
 
-MODEL = {
-    "vocab_size": 100,
-    "hidden_size": 16,
-    "num_layers": 4,
-    "num_heads": 1,
-    "num_kv_heads": 1,
-    "head_dim": 16,
-    "intermediate_size": 32,
-    "qkv_bias": False,
-}
+MODEL = dict(NARROW_MODEL)
 B, T, NEW = 16, 12, 6
 
 

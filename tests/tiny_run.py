@@ -34,3 +34,16 @@ def tiny_config(**sections) -> dict:
         else:
             cfg[name] = value
     return cfg
+
+
+# A 16-wide, 4-block model without eos/pad/bos ids: the fast-circuit invariant and fidelity tests' model.
+NARROW_MODEL = {
+    "vocab_size": 100,
+    "hidden_size": 16,
+    "num_layers": 4,
+    "num_heads": 1,
+    "num_kv_heads": 1,
+    "head_dim": 16,
+    "intermediate_size": 32,
+    "qkv_bias": False,
+}
