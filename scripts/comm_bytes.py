@@ -7,7 +7,10 @@ only), sums the operand bytes of every collective in the compiled program (the d
 fast-owned low-rank basis, the sketch sums, plus the loss's scalar reductions), and does the same for the dense
 twin of the config (fast.codec=none, fast.grad_codec=none). The boundary activations are not a collective here:
 the pipeline is emulated inside one program, so their bytes are the logical §3.6 wire bytes of fast/bytes.py.
-Both sides are per replica (a replica's share of the tokens) and per step (ticks_per_step x ppo_epochs train forwards). Last line:
+With the anchor on, its fires' collectives (the dense gradient mean and, for an anchor-owned basis, the sketch sum)
+are compiled too and count on the config's side at one fire every `anchor.cadence` ticks; the dense twin has no
+anchor. Both sides are per replica (a replica's share of the tokens) and per step (ticks_per_step x ppo_epochs
+train forwards). Last line:
     dense_bytes=D compressed_bytes=C ratio=R
 Note: XLA:CPU widens bf16 collectives to f32, so bf16 parameters are counted at 4 bytes on both sides.
 """
@@ -108,6 +111,7 @@ def _measure(cfg, devices) -> dict:
     )
     hlo = jitted.lower(state, batch, ctx).compile().as_text()
     coll = fbytes.collective_bytes_from_hlo(hlo)
+    anchor = _anchor_fire_bytes(cfg, mesh, params, state_sh.params, circuit, ctx) if cfg.anchor.enabled else 0.0
     ticks = cfg.ticks_per_step * cfg.train.ppo_epochs
     from twocircuit_jax.fast.boundaries import boundary_layers
 
@@ -121,6 +125,7 @@ def _measure(cfg, devices) -> dict:
     )
     return {
         "collective_bytes": coll["total"] * ticks,
+        "anchor_bytes": anchor * ticks / cfg.anchor.cadence,  # one fire every `cadence` ticks
         "collective_counts": coll["counts"],
         "act_compressed": act["comm/bytes_compressed"] * ticks,
         "act_dense": act["comm/bytes_dense"] * ticks,
@@ -129,9 +134,35 @@ def _measure(cfg, devices) -> dict:
     }
 
 
+def _anchor_fire_bytes(cfg, mesh, params, param_sh, circuit, ctx) -> float:
+    """HLO collective bytes of one anchor fire (dense forward/backward on a replayed mini-batch, its data-parallel
+    gradient mean, and the basis sketch sum when the anchor owns the low-rank basis), per replica."""
+    import jax
+
+    from twocircuit_jax.anchor.loss import anchor_batch_keys, make_anchor_grad
+    from twocircuit_jax.fast import bytes as fbytes
+    from twocircuit_jax.parallel import mesh as pmesh
+
+    shapes = _batch_shapes(cfg)
+    shapes["ref_logp_dense"] = shapes.get("ref_logp")
+    batch = {k: shapes[k] for k in anchor_batch_keys(cfg.grpo)}
+    owns = circuit is not None and cfg.anchor_owns_q
+    grad = make_anchor_grad(
+        cfg.model, cfg.grpo, cfg.sampler.sampling.max_new_tokens, circuit.basis_sketcher if owns else None
+    )
+    rep = pmesh.replicated(mesh)
+    basis = ctx["codec"]["lowrank"] if owns else None
+    basis_sh = jax.tree.map(lambda _: rep, basis) if owns else None
+    fire = jax.jit(grad, in_shardings=(param_sh, pmesh.batch_shardings(batch, mesh), basis_sh))
+    return float(fbytes.collective_bytes_from_hlo(fire.lower(params, batch, basis).compile().as_text())["total"])
+
+
 def dense_twin(cfg):
+    """The same run with both circuits' compression off: no codec, no gradient codec, no anchor."""
     return dataclasses.replace(
-        cfg, fast=dataclasses.replace(cfg.fast, codec="none", grad_codec="none", use_kernel=False)
+        cfg,
+        fast=dataclasses.replace(cfg.fast, codec="none", grad_codec="none", use_kernel=False),
+        anchor=dataclasses.replace(cfg.anchor, enabled=False),
     )
 
 
@@ -165,10 +196,11 @@ def main(argv=None) -> int:
         print(
             f"{name}: dp={r['dp']} ticks/step={r['ticks']} hlo_collective_bytes={r['collective_bytes']:.0f} "
             f"counts={ {k: v for k, v in r['collective_counts'].items() if v} } "
-            f"boundary_bytes={r['act_compressed']:.0f} (dense-equivalent {r['act_dense']:.0f})"
+            f"boundary_bytes={r['act_compressed']:.0f} (dense-equivalent {r['act_dense']:.0f}) "
+            f"anchor_bytes={r['anchor_bytes']:.0f}"
         )
     D = dense["collective_bytes"] + dense["act_dense"]
-    C = comp["collective_bytes"] + comp["act_compressed"]
+    C = comp["collective_bytes"] + comp["act_compressed"] + comp["anchor_bytes"]  # the anchor's fires count too
     print(f"dense_bytes={D:.0f} compressed_bytes={C:.0f} ratio={C / D:.6f}")
     return 0
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from twocircuit_jax.anchor.loss import make_anchor_grad
+from twocircuit_jax.anchor.loss import anchor_batch_keys, make_anchor_grad
 from twocircuit_jax.anchor.merger import init_merger, merge, path_str, update_ema
 from twocircuit_jax.anchor.projection import SnapshotWindow
 from twocircuit_jax.anchor.retention import ReplayBuffer, host_snapshot
@@ -61,11 +61,7 @@ class AnchorCircuit:
         self.buffer = ReplayBuffer(a.cadence, a.delay, self.dtype, ticks_per_step=self.tps)
         self.window = SnapshotWindow.from_config(a) if a.projection else None
         self.merger_on = a.merger != "none"
-        self._batch_keys = ["tokens", "attention_mask", "response_mask", "advantages"]
-        # Dense view only (design §4.3): the reference log-probs with codecs off (the loop adds `ref_logp_dense` to the
-        # batch when the anchor is on), and the anchor's own TIS weights from its log-probs against the sampler's.
-        self._batch_keys += ["ref_logp_dense"] if run_cfg.grpo.kl_coef > 0 else []
-        self._batch_keys += ["sampler_logp"] if run_cfg.grpo.tis != "off" else []
+        self._batch_keys = anchor_batch_keys(run_cfg.grpo)
         # Carry of the fire: merger state (replicated) and anchor moments (sharded like params; swap only).
         by_path = {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(self.param_sh)[0]}
         self.moments, self.mom_sh = None, None

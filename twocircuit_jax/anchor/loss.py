@@ -69,6 +69,15 @@ def anchor_loss(model_cfg, grpo_cfg, max_new_tokens: int, params, batch, hook=No
     return loss, (metrics, aux)
 
 
+def anchor_batch_keys(grpo_cfg) -> list[str]:
+    """The batch fields a fire reads. Dense view only (design §4.3): the reference log-probs with codecs off (the
+    loop adds `ref_logp_dense` when the anchor is on), and the sampler's log-probs for the anchor's own TIS weights."""
+    keys = ["tokens", "attention_mask", "response_mask", "advantages"]
+    keys += ["ref_logp_dense"] if grpo_cfg.kl_coef > 0 else []
+    keys += ["sampler_logp"] if grpo_cfg.tis != "off" else []
+    return keys
+
+
 def make_anchor_grad(model_cfg, grpo_cfg, max_new_tokens: int, sketcher=None):
     """(params, batch, sketch_state) -> (grads, metrics, aux): one dense forward and backward; XLA inserts the
     `dp` mean. `sketcher(sketch_state, attention_mask) -> (hook, layers)` adds the basis sketch (aux)."""
