@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
+from tiny_run import FOUR_BLOCK_MODEL
 
 from twocircuit_jax.cli import main
 from twocircuit_jax.config import load_config
@@ -20,15 +21,7 @@ pytestmark = pytest.mark.slow  # end-to-end runs: `make test-fast` skips them, `
 
 TINY = {
     "tokenizer": "char",
-    "model": {
-        "vocab_size": 100,
-        "hidden_size": 32,
-        "num_layers": 4,
-        "num_heads": 2,
-        "num_kv_heads": 1,
-        "head_dim": 16,
-        "intermediate_size": 64,
-    },
+    "model": dict(FOUR_BLOCK_MODEL),
     "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 32, "eval_size": 8},
     "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
     "fast": {"codec": "lowrank", "rank": 3, "pp_size": 2},

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_run import FOUR_BLOCK_MODEL
 
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.config.run import load_config
@@ -15,15 +16,7 @@ from twocircuit_jax.model.qwen2 import default_positions, init_params
 from twocircuit_jax.parallel.mesh import make_mesh
 
 TINY = {
-    "model": {
-        "vocab_size": 100,
-        "hidden_size": 32,
-        "num_layers": 4,
-        "num_heads": 2,
-        "num_kv_heads": 1,
-        "head_dim": 16,
-        "intermediate_size": 64,
-    },
+    "model": dict(FOUR_BLOCK_MODEL),
     "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
     "fast": {"codec": "prf_mask", "pp_size": 4, "rank": 3},
     "train": {"train_batch": 4, "mini_batch": 2, "max_prompt_len": 12},

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import yaml
+from tiny_run import FOUR_BLOCK_MODEL
 
 from twocircuit_jax.cli import main
 
@@ -11,15 +12,7 @@ pytestmark = pytest.mark.slow  # end-to-end runs: `make test-fast` skips them, `
 
 CFG = {
     "tokenizer": "char",
-    "model": {
-        "vocab_size": 100,
-        "hidden_size": 32,
-        "num_layers": 4,
-        "num_heads": 2,
-        "num_kv_heads": 1,
-        "head_dim": 16,
-        "intermediate_size": 64,
-    },
+    "model": dict(FOUR_BLOCK_MODEL),
     "optim": {"lr": 3e-2, "weight_decay": 1.0},  # rewards are all 0 on a random model: decay moves the policy
     "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 32, "eval_size": 8},
     "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},

@@ -47,3 +47,14 @@ NARROW_MODEL = {
     "intermediate_size": 32,
     "qkv_bias": False,
 }
+
+# A 32-wide, 4-block model without eos/pad/bos ids: the fast-circuit wiring, bootstrap and probe tests' model.
+FOUR_BLOCK_MODEL = {
+    "vocab_size": 100,
+    "hidden_size": 32,
+    "num_layers": 4,
+    "num_heads": 2,
+    "num_kv_heads": 1,
+    "head_dim": 16,
+    "intermediate_size": 64,
+}
