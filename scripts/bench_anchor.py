@@ -25,6 +25,7 @@ from twocircuit_jax.anchor.circuit import AnchorCircuit
 from twocircuit_jax.config import load_config
 from twocircuit_jax.model.qwen2 import init_params
 from twocircuit_jax.parallel import mesh as pmesh
+from twocircuit_jax.train.circuit_state import CircuitState, init_clock
 from twocircuit_jax.train.grpo_step import make_grpo_loss
 from twocircuit_jax.train.step import build_train_step, init_state, make_optimizer, state_shardings
 
@@ -94,7 +95,7 @@ def main(argv=None):
     batch = jax.device_put(b, pmesh.batch_shardings(b, mesh))
 
     circ = AnchorCircuit(cfg, cfg.model, state.params)
-    ctx = {"step": jnp.zeros((), jnp.int32), **circ.init_ctx()}
+    cs = CircuitState(init_clock(), None, None, circ.init_merger_state(), circ.init_moments())
     loss_fn = make_grpo_loss(cfg.model, cfg.grpo, T)
     step = build_train_step(loss_fn, opt, sh, mesh, grad_transform=circ.grad_transform, donate=False)
     # no donation: the same state is reused
@@ -103,14 +104,14 @@ def main(argv=None):
 
     def fire():
         tick[0] += 1
-        nonlocal ctx
-        ctx, m, _ = circ.before_tick(tick[0], tick[0], True, batch, state, ctx)
-        return ctx["merger"].m
+        nonlocal cs
+        cs, m, _ = circ.before_tick(tick[0], tick[0], True, batch, state, cs)
+        return cs.merger.m
 
     t_fire = _median(fire, a.reps)
-    t_step = _median(lambda: step(state, batch, ctx)[0].params, a.reps)
+    t_step = _median(lambda: step(state, cs, batch)[0].params, a.reps)
     dev = jax.device_put(jax.device_get(state.params), sh.params)
-    carry = {"merger": ctx["merger"], "moments": circ.moments}
+    carry = {"merger": cs.merger, "moments": cs.moments}
     fire_c = circ._fire_jit.lower(dev, dict((k, batch[k]) for k in circ._batch_keys), carry, None).compile()
     t_fire_jit = _median(
         lambda: (
@@ -122,11 +123,11 @@ def main(argv=None):
     )
     host_opt = jax.device_get(state.opt_state)
     copies = [jax.device_put(host_opt, sh.opt_state) for _ in range(a.reps + 2)]  # the swap donates its input
-    circ.after_tick(1, state._replace(opt_state=copies.pop()), ctx, {})  # builds the swap jit (state's shardings)
+    circ.after_tick(1, state._replace(opt_state=copies.pop()), cs)  # builds the swap jit (state's shardings)
     swap = circ._swap_jit
-    swap_c = swap.lower(state.opt_state, circ.moments).compile()
-    t_swap = _median(lambda: swap(copies.pop(), circ.moments)[0], a.reps)
-    step_c = step.lower(state, batch, ctx).compile()
+    swap_c = swap.lower(state.opt_state, cs.moments).compile()
+    t_swap = _median(lambda: swap(copies.pop(), cs.moments)[0], a.reps)
+    step_c = step.lower(state, cs, batch).compile()
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     out = {
         "backend": jax.default_backend(),

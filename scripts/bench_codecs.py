@@ -25,6 +25,7 @@ def _step_fn(cfg, mesh, params, fast_override):
     import jax.numpy as jnp
 
     from twocircuit_jax.fast.circuit import FastCircuit
+    from twocircuit_jax.train.circuit_state import CircuitState, distinct_buffers, init_clock
     from twocircuit_jax.train.grpo_step import make_grpo_loss
     from twocircuit_jax.train.step import build_train_step, init_state, make_optimizer, state_shardings
 
@@ -36,22 +37,24 @@ def _step_fn(cfg, mesh, params, fast_override):
     loss = make_grpo_loss(cfg.model, cfg.grpo, cfg.sampler.sampling.max_new_tokens, act)
     state = init_state(jax.tree.map(jnp.copy, params), opt)  # the step donates its state
     sh = state_shardings(state, mesh)
-    ctx = {"step": jnp.asarray(1, jnp.int32)}
+    cs = CircuitState(init_clock(1), None, None, None, None)
     if c:
-        ctx["codec"] = c.init_state(params)
-    step = build_train_step(loss, opt, sh, mesh, grad_fn=c.grad_fn(None) if c else None, ctx_sharding=None)
-    return step, jax.device_put(state, sh), ctx
+        cs = distinct_buffers(cs._replace(codec=c.init_codec_state(), grad=c.init_grad_state(params)))
+    step = build_train_step(
+        loss, opt, sh, mesh, grad_fn=c.grad_fn(None) if c else None, absorb_aux=c.absorb_aux if c else None
+    )
+    return step, jax.device_put(state, sh), cs
 
 
-def _time(step, state, batch, ctx, iters):
+def _time(step, state, batch, cs, iters):
     import jax
 
-    state, m = step(state, batch, ctx)  # compile + warm-up
+    state, cs, m = step(state, cs, batch)  # compile + warm-up
     jax.block_until_ready(m)
     ts = []
     for _ in range(iters):
         t0 = time.perf_counter()
-        state, m = step(state, batch, ctx)
+        state, cs, m = step(state, cs, batch)
         jax.block_until_ready((state, m))
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts) * 1e3
@@ -101,8 +104,8 @@ def main(argv=None) -> int:
     )
     for item in args.codecs.split(","):
         a, g = item.split("+")
-        step, state, ctx = _step_fn(cfg, mesh, params, {"codec": a, "grad_codec": g})
-        ms = _time(step, state, batch, ctx, args.iters)
+        step, state, cs = _step_fn(cfg, mesh, params, {"codec": a, "grad_codec": g})
+        ms = _time(step, state, batch, cs, args.iters)
         r = ms / dense_ms
         print(
             f"codec={a} grad_codec={g} step_ms={ms:.2f} dense_ms={dense_ms:.2f} ratio={r:.3f} "

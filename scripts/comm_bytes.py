@@ -63,12 +63,12 @@ def measure(cfg, devices) -> dict:
 
 def _measure(cfg, devices) -> dict:
     import jax
-    import jax.numpy as jnp
 
     from twocircuit_jax.fast import bytes as fbytes
     from twocircuit_jax.fast.circuit import FastCircuit
     from twocircuit_jax.model.qwen2 import init_params
     from twocircuit_jax.parallel import mesh as pmesh
+    from twocircuit_jax.train.circuit_state import CircuitState, init_clock
     from twocircuit_jax.train.grpo_step import make_grpo_loss
     from twocircuit_jax.train.step import build_train_step, init_state, make_optimizer, state_shardings
 
@@ -80,38 +80,38 @@ def _measure(cfg, devices) -> dict:
     state_sh = state_shardings(state, mesh)
     on = cfg.fast.codec != "none" or cfg.fast.grad_codec != "none"
     circuit = FastCircuit(cfg, model_cfg, mesh) if on else None
-    ctx = {"step": jax.ShapeDtypeStruct((), jnp.int32)}
+    # The circuit state from shapes alone (the fast circuit's fields; the merger adds no collective: M is
+    # replicated and rewrites an already-reduced gradient elementwise).
+    cs = jax.eval_shape(init_clock)
+    cs = CircuitState(cs, None, None, None, None)
     if circuit:
-        ctx["codec"] = jax.eval_shape(circuit.init_state, params)
+        cs = cs._replace(
+            codec=jax.eval_shape(circuit.init_codec_state), grad=jax.eval_shape(circuit.init_grad_state, params)
+        )
     act_codec = circuit if (circuit and circuit.has_activation_codec) else None
     loss_fn = make_grpo_loss(model_cfg, cfg.grpo, cfg.sampler.sampling.max_new_tokens, act_codec)
     grad_fn = circuit.grad_fn(state_sh.params) if circuit else None
     batch = _batch_shapes(cfg)
     rep = pmesh.replicated(mesh)
-    ctx_sh = jax.tree.map(lambda _: rep, ctx)  # from shapes alone: every input needs an explicit sharding
-    if grad_fn is not None:  # PowerSGD's error memory lives split over dp, as in the loop
-        from jax.sharding import NamedSharding, PartitionSpec as P
-
-        from twocircuit_jax.fast.powersgd import state_specs
-
-        specs = state_specs(ctx["codec"]["powersgd"], pmesh.BATCH_AXES)
-        ctx_sh["codec"]["powersgd"] = jax.tree.map(
-            lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
-        )
+    # from shapes alone every input needs an explicit sharding; PowerSGD's error memory lives split over dp
+    cs_sh = jax.tree.map(lambda _: rep, cs)
+    if circuit:
+        cs_sh = cs_sh._replace(grad=circuit.grad_state_shardings(cs.grad))
     # The loop's own builder: the same loss, gradient codec, shardings and donation as a training run.
     jitted = build_train_step(
         loss_fn,
         opt,
         state_sh,
         mesh,
+        circuit_sharding=cs_sh,
         grad_fn=grad_fn,
+        absorb_aux=circuit.absorb_aux if circuit else None,
         skip_nonfinite=cfg.train.skip_nonfinite,
         batch_sharding=pmesh.batch_shardings(batch, mesh),
-        ctx_sharding=ctx_sh,
     )
-    hlo = jitted.lower(state, batch, ctx).compile().as_text()
+    hlo = jitted.lower(state, cs, batch).compile().as_text()
     coll = fbytes.collective_bytes_from_hlo(hlo)
-    anchor = _anchor_fire_bytes(cfg, mesh, params, state_sh.params, circuit, ctx) if cfg.anchor.enabled else 0.0
+    anchor = _anchor_fire_bytes(cfg, mesh, params, state_sh.params, circuit, cs) if cfg.anchor.enabled else 0.0
     ticks = cfg.ticks_per_step * cfg.train.ppo_epochs
     from twocircuit_jax.fast.boundaries import boundary_layers
 
@@ -134,7 +134,7 @@ def _measure(cfg, devices) -> dict:
     }
 
 
-def _anchor_fire_bytes(cfg, mesh, params, param_sh, circuit, ctx) -> float:
+def _anchor_fire_bytes(cfg, mesh, params, param_sh, circuit, cs) -> float:
     """HLO collective bytes of one anchor fire (dense forward/backward on a replayed mini-batch, its data-parallel
     gradient mean, and the basis sketch sum when the anchor owns the low-rank basis), per replica."""
     import jax
@@ -151,7 +151,7 @@ def _anchor_fire_bytes(cfg, mesh, params, param_sh, circuit, ctx) -> float:
         cfg.model, cfg.grpo, cfg.sampler.sampling.max_new_tokens, circuit.basis_sketcher if owns else None
     )
     rep = pmesh.replicated(mesh)
-    basis = ctx["codec"]["lowrank"] if owns else None
+    basis = cs.codec if owns else None
     basis_sh = jax.tree.map(lambda _: rep, basis) if owns else None
     fire = jax.jit(grad, in_shardings=(param_sh, pmesh.batch_shardings(batch, mesh), basis_sh))
     return float(fbytes.collective_bytes_from_hlo(fire.lower(params, batch, basis).compile().as_text())["total"])

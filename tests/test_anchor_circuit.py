@@ -13,6 +13,7 @@ from twocircuit_jax.config import load_config
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.model.qwen2 import init_params
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
+from twocircuit_jax.train.circuit_state import CircuitState, dense_state, init_clock
 from twocircuit_jax.train.grpo_step import OLD, make_grpo_loss, make_logp_fn
 from twocircuit_jax.train.step import init_state, jit_train_step, make_optimizer, make_train_step, state_shardings
 
@@ -85,17 +86,22 @@ def _circuit(cfg, state):
     return circ
 
 
-def _drive(circ, ctx, state_of, batch, ticks, tps=2, poison_tick=None):
-    """before_tick/after_tick for ticks 1..ticks (no train step); returns ctx and per-tick metrics."""
+def _cs(circ):
+    """A circuit state with only the anchor's fields (no fast circuit)."""
+    return CircuitState(init_clock(), None, None, circ.init_merger_state(), circ.init_moments())
+
+
+def _drive(circ, cs, state_of, batch, ticks, tps=2, poison_tick=None):
+    """before_tick for ticks 1..ticks (no train step); returns the circuit state and per-tick metrics."""
     out = []
     for tau in range(1, ticks + 1):
         gs = (tau - 1) // tps + 1
         st = state_of(gs)
         if tau == poison_tick:
             st = st._replace(params=jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), st.params))
-        ctx, m, _ = circ.before_tick(tau, gs, (tau - 1) % tps == 0, batch(tau), st, ctx)
+        cs, m, _ = circ.before_tick(tau, gs, (tau - 1) % tps == 0, batch(tau), st, cs)
         out.append(m)
-    return ctx, out
+    return cs, out
 
 
 @pytest.mark.parametrize("projection", [False, True])
@@ -105,8 +111,8 @@ def test_fire_is_pure_and_reads_only_snapshots(tiny, projection):
     results = []
     for poison in (None, 6):  # tick 6 is a fire tick and not a step's first tick: live weights are NaN there
         circ = _circuit(cfg, state)
-        ctx = {"step": jnp.zeros((), jnp.int32), **circ.init_ctx()}
-        ctx, _ = _drive(circ, ctx, lambda gs: moved(state, gs), batch, 5)
+        cs = _cs(circ)
+        cs, _ = _drive(circ, cs, lambda gs: moved(state, gs), batch, 5)
         live = moved(state, 3)
         before = jax.device_get(live)
         st4 = (
@@ -114,13 +120,13 @@ def test_fire_is_pure_and_reads_only_snapshots(tiny, projection):
             if poison is None
             else live._replace(params=jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), live.params))
         )
-        ctx, m, _ = circ.before_tick(6, 3, False, batch(6), st4, ctx)
+        cs, m, _ = circ.before_tick(6, 3, False, batch(6), st4, cs)
         assert circ.fires == 3 and "anchor/pg_loss" in m and m["anchor/ratio_mean"] == 1.0
         assert ("rank1/evr" in m) == projection  # window [tick 1, tick 3]: the forecast is in use
         if poison is None:  # the fire neither wrote nor donated the trainer state
             after = jax.device_get(live)
             assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
-        results.append((jax.device_get(ctx["merger"].m), jax.device_get(circ.moments.m)))
+        results.append((jax.device_get(cs.merger.m), jax.device_get(cs.moments.m)))
     (m_a, mom_a), (m_b, mom_b) = results
     assert any(np.abs(v).max() > 0 for v in m_a.values())  # a real gradient reached M
     for k in m_a:
@@ -132,16 +138,16 @@ def test_retention_bound_and_delay_over_many_ticks(tiny):
     _, _, state, _, _, batch, moved = tiny
     cfg = _cfg(cadence=2, delay=5, projection=False, swap_cadence=2)
     circ = _circuit(cfg, state)
-    ctx = {"step": jnp.zeros((), jnp.int32), **circ.init_ctx()}
+    cs = _cs(circ)
     bound = 5 // 2 + 1
     delays = []
     for tau in range(1, 61):
         gs = (tau - 1) // 2 + 1
-        ctx, _, _ = circ.before_tick(tau, gs, tau % 2 == 1, batch(tau % 3), moved(state, gs % 4), ctx)
+        cs, _, _ = circ.before_tick(tau, gs, tau % 2 == 1, batch(tau % 3), moved(state, gs % 4), cs)
         assert circ.buffer.num_batches <= bound
         assert circ.buffer.num_snapshots <= bound + 1  # plus the current step's (sampler) snapshot
         if tau % 2 == 0:
-            sm = circ.step_metrics()
+            sm = circ.step_metrics(cs)
             if tau > 6:
                 delays.append((sm["anchor/data_delay"], sm["anchor/weight_staleness"]))
     assert circ.fires == 30
@@ -152,19 +158,19 @@ def test_nonfinite_forecast_raises_before_state_changes(tiny):
     _, _, state, _, _, batch, moved = tiny
     cfg = _cfg(cadence=2, delay=2, projection=True, swap_cadence=2)
     circ = _circuit(cfg, state)
-    ctx = {"step": jnp.zeros((), jnp.int32), **circ.init_ctx()}
+    cs = _cs(circ)
     bad = moved(state, 2)
     bad = bad._replace(params=jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.inf), bad.params))
     # step 2's snapshot (tick 3) holds an inf; the fire at tick 4 still replays step 1's exact pair
-    ctx, _ = _drive(circ, ctx, lambda gs: bad if gs == 2 else moved(state, gs), batch, 5)
+    cs, _ = _drive(circ, cs, lambda gs: bad if gs == 2 else moved(state, gs), batch, 5)
     assert circ.fires == 2
-    m0, mom0, win0, fires0 = jax.device_get(ctx["merger"]), jax.device_get(circ.moments), circ.window.ticks, circ.fires
+    m0, mom0, win0, fires0 = jax.device_get(cs.merger), jax.device_get(cs.moments), circ.window.ticks, circ.fires
     with pytest.raises(FloatingPointError):  # tick 6 pairs tick 4's batch with the inf snapshot: forecast fails
-        circ.before_tick(6, 3, False, batch(6), moved(state, 3), ctx)
+        circ.before_tick(6, 3, False, batch(6), moved(state, 3), cs)
     assert circ.fires == fires0 and circ.window.ticks == win0
-    for a, b in zip(jax.tree.leaves(m0), jax.tree.leaves(jax.device_get(ctx["merger"]))):
+    for a, b in zip(jax.tree.leaves(m0), jax.tree.leaves(jax.device_get(cs.merger))):
         assert np.array_equal(a, b)
-    for a, b in zip(jax.tree.leaves(mom0), jax.tree.leaves(jax.device_get(circ.moments))):
+    for a, b in zip(jax.tree.leaves(mom0), jax.tree.leaves(jax.device_get(cs.moments))):
         assert np.array_equal(a, b)
 
 
@@ -172,50 +178,53 @@ def test_merger_none_and_cold_merger_leave_the_step_bit_identical(tiny):
     cfg, _, state, sh, opt, batch, moved = tiny
     loss_fn = make_grpo_loss(cfg.model, cfg.grpo, 4)
     b = dict(batch(1))
-    b["old_logp"] = dispatch.jit(make_logp_fn(cfg.model, None, OLD))(state.params, b, {})[0]
+    base = dense_state()
+    b["old_logp"] = dispatch.jit(make_logp_fn(cfg.model, None, OLD))(state.params, b, base)[0]
 
-    def run(step, ctx):
-        new, m = step(jax.tree.map(jnp.copy, state), b, ctx)
+    def run(step, cs):
+        new, _, m = step(jax.tree.map(jnp.copy, state), cs, b)
         return jax.device_get(new.params), m
 
-    base = {"step": jnp.zeros((), jnp.int32)}
     dense, _ = run(jit_train_step(make_train_step(loss_fn, opt), None, donate=False), base)
-    # merger none: no ctx keys and the transform hands back the very gradient object (the step is the dense one)
+    # merger none: no circuit state and the transform hands back the very gradient object (the dense step)
     none = AnchorCircuit(_cfg(merger="none", projection=False, swap_cadence=0), cfg.model, state.params)
-    assert none.init_ctx() == {}
+    assert none.init_merger_state() is None and none.init_moments() is None
     g = jax.tree.map(jnp.ones_like, state.params)
-    g2, m_none = none.grad_transform(g, base)
-    assert g2 is g and m_none == {}
+    g2, cs_none, m_none = none.grad_transform(g, base)
+    assert g2 is g and m_none == {} and cs_none is base
     # signed_ema before the first fire: the identity branch, bit for bit the dense update
     sig = _circuit(_cfg(cadence=2, delay=2, projection=False, swap_cadence=2), state)
-    ctx = {**base, **sig.init_ctx()}
+    cs = _cs(sig)
     step = jit_train_step(make_train_step(loss_fn, opt, grad_transform=sig.grad_transform), None, donate=False)
-    p_cold, m_cold = run(step, ctx)
+    p_cold, m_cold = run(step, cs)
     assert float(m_cold["merger/rel_change"]) == 0.0
     for c, d in zip(jax.tree.leaves(p_cold), jax.tree.leaves(dense)):
         assert np.array_equal(c, d)
-    ctx, _ = _drive(sig, ctx, lambda gs: moved(state, gs), batch, 2)  # fires on tick 2
-    p_hot, m_hot = run(step, ctx)
+    cs, _ = _drive(sig, cs, lambda gs: moved(state, gs), batch, 2)  # fires on tick 2
+    p_hot, m_hot = run(step, cs)
     assert step._cache_size() == 1
     assert float(m_hot["merger/rel_change"]) > 0
     assert any(not np.array_equal(a, d) for a, d in zip(jax.tree.leaves(p_hot), jax.tree.leaves(dense)))
 
 
-def test_disabled_anchor_is_absent_from_ctx(tiny):
+def test_disabled_anchor_is_absent_from_the_circuit_state(tiny):
     from twocircuit_jax.train.loop import GRPOTrainer
 
-    _, _, state, _, _, _, _ = tiny
-    for anchor, keys in (
-        ({"enabled": False, "swap_cadence": 0}, {"step"}),
-        ({"merger": "none", "projection": False, "swap_cadence": 0}, {"step"}),
-        ({}, {"step", "merger", "anchor_fire", "anchor_merge"}),
+    _, mesh, state, _, _, _, _ = tiny
+    for anchor, present in (
+        ({"enabled": False, "swap_cadence": 0}, set()),
+        ({"merger": "none", "projection": False, "swap_cadence": 0}, set()),
+        ({"swap_cadence": 0}, {"merger"}),
+        ({}, {"merger", "moments"}),
     ):
         t = GRPOTrainer.__new__(GRPOTrainer)
         t.cfg = _cfg(**anchor)
-        t.model_cfg, t.state, t.codec, t.anchor, t.ref_params = t.cfg.model, state, None, None, state.params
-        t.ctx = {"step": jnp.zeros((), jnp.int32)}
+        t.model_cfg, t.state, t.codec, t.anchor, t.mesh = t.cfg.model, state, None, None, mesh
         t._build_circuits()
-        assert set(t.ctx) == keys and (t.anchor is None) == (not t.cfg.anchor.enabled)
+        fields = {k for k in ("codec", "grad", "merger", "moments") if getattr(t.cs, k) is not None}
+        assert fields == present and (t.anchor is None) == (not t.cfg.anchor.enabled)
+        # the sharding tree has the state's structure: the step's in/out shardings fit it
+        assert jax.tree.structure(t.cs) == jax.tree.structure(t.cs_sh, is_leaf=lambda x: hasattr(x, "spec"))
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from twocircuit_jax.grpo.tis import tis_weights
 from twocircuit_jax.metrics.probe import dense_probe_metrics
 from twocircuit_jax.model.qwen2 import init_params
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
+from twocircuit_jax.train.circuit_state import CircuitState, init_clock
 from twocircuit_jax.train.grpo_step import DENSE, OLD, REF, make_logp_fn
 from twocircuit_jax.train.step import init_state, make_optimizer, state_shardings
 
@@ -45,7 +46,8 @@ def fired():
     state = jax.device_put(state, state_shardings(state, mesh))
     ref = jax.device_put(ref, state_shardings(state, mesh).params)
     codec = FastCircuit(cfg, cfg.model, mesh)
-    ctx = {"step": jnp.asarray(1, jnp.int32), "codec": codec.init_state(theta)}
+    anchor = AnchorCircuit(cfg, cfg.model, state.params)  # a mask codec: the anchor owns no basis
+    cs = CircuitState(init_clock(1), codec.init_codec_state(), None, anchor.init_merger_state(), anchor.init_moments())
     r = np.random.default_rng(0)
     b = {
         "tokens": r.integers(3, 100, (B, T)).astype(np.int32),
@@ -58,18 +60,16 @@ def fired():
     # What the loop puts in the batch: codec-view ℓ_old and ℓ_ref, the sampler's dense ℓ_s (here: the same dense
     # model as the trainer), and the fast circuit's TIS weights exp(ℓ_old(codec) − ℓ_s).
     dense = dispatch.jit(make_logp_fn(cfg.model, None, DENSE))
-    b["old_logp"] = dispatch.jit(make_logp_fn(cfg.model, codec, OLD))(state.params, b, ctx)[0]
-    b["ref_logp"] = dispatch.jit(make_logp_fn(cfg.model, codec, REF))(ref, b, ctx)[0]
-    b["ref_logp_dense"] = dense(ref, b, ctx)[0]  # what the loop adds when the anchor is on
-    b["sampler_logp"] = dense(state.params, b, ctx)[0]
+    b["old_logp"] = dispatch.jit(make_logp_fn(cfg.model, codec, OLD))(state.params, b, cs)[0]
+    b["ref_logp"] = dispatch.jit(make_logp_fn(cfg.model, codec, REF))(ref, b, cs)[0]
+    b["ref_logp_dense"] = dense(ref, b, cs)[0]  # what the loop adds when the anchor is on
+    b["sampler_logp"] = dense(state.params, b, cs)[0]
     b["is_weight"] = tis_weights(b["old_logp"], b["sampler_logp"], b["response_mask"], "token", 2.0)[0]
-    anchor = AnchorCircuit(cfg, cfg.model, state.params)  # a mask codec: the anchor owns no basis
-    ctx.update(anchor.init_ctx())
     for tau in (1, 2):  # the same weights and batch on every tick: whichever pair the fire replays is (θ, b)
-        ctx, m, _ = anchor.before_tick(tau, 1, tau == 1, b, state, ctx)
+        cs, m, _ = anchor.before_tick(tau, 1, tau == 1, b, state, cs)
     probe = dense_probe_metrics(
-        dense(state.params, b, ctx)[0],
-        dense(ref, b, ctx)[0],
+        dense(state.params, b, cs)[0],
+        dense(ref, b, cs)[0],
         b["old_logp"],
         b["ref_logp"],
         b["sampler_logp"],

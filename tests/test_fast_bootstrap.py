@@ -33,7 +33,7 @@ def test_bootstrap_publishes_the_power_iteration_of_a_dense_sketch():
     cfg = load_config(data=TINY)
     mesh = make_mesh(cfg.mesh, jax.devices()[:1])
     fc = FastCircuit(cfg, cfg.model, mesh)
-    st0 = fc.init_state()
+    st0 = fc.init_codec_state()
     params = init_params(cfg.model, jax.random.key(1), std=0.2)
     rng = np.random.default_rng(0)
     batch = {
@@ -43,14 +43,14 @@ def test_bootstrap_publishes_the_power_iteration_of_a_dense_sketch():
     st1, m = fc.bootstrap(st0, params, batch)
     assert m == {"codec/bootstrapped": 1}
     # the same thing by hand: dense forward, sketch against Q0, one power-iteration step
-    hook, layers = fc.sketch_hook(st0, batch["attention_mask"])
+    hook, layers = fc.basis_sketcher(st0, batch["attention_mask"])
     _, aux = forward_with_aux(
         cfg.model, params, batch["tokens"], batch["attention_mask"], hook=hook, hook_layers=layers
     )
-    ref = lr.activate_staged(lr.refresh_basis(lr.accumulate_sketch(st0["lowrank"], aux), cfg.fast))
+    ref = lr.activate_staged(lr.refresh_basis(lr.accumulate_sketch(st0, aux), cfg.fast))
     for b in fc.boundaries:
-        np.testing.assert_allclose(np.asarray(st1["lowrank"].Q[b]), np.asarray(ref.Q[b]), atol=1e-6)
-        assert not np.allclose(np.asarray(st1["lowrank"].Q[b]), np.asarray(st0["lowrank"].Q[b]))
+        np.testing.assert_allclose(np.asarray(st1.Q[b]), np.asarray(ref.Q[b]), atol=1e-6)
+        assert not np.allclose(np.asarray(st1.Q[b]), np.asarray(st0.Q[b]))
     off = load_config(data=TINY, overrides=["fast.bootstrap=false"])
     assert FastCircuit(off, off.model, mesh).bootstrap(st0, params, batch) == (st0, {})
 

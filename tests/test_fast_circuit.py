@@ -79,7 +79,7 @@ def test_tags(mesh):
     ids, pos, am = jnp.arange(2), jnp.zeros((2, 3), jnp.int32), jnp.ones((2, 3), jnp.int32)
     for tag in (DENSE, REF):
         with pytest.raises(ValueError, match="no codec may act"):
-            c.hook(c.init_state(), tag, 0, ids, pos, am)
+            c.hook(c.init_codec_state(), tag, 0, ids, pos, am)
     off = circuit(mesh, codec="none")
     assert not off.has_activation_codec and not off.applies(TRAIN) and off.grad_fn(None) is None
 
@@ -97,7 +97,7 @@ def test_same_bits_on_every_path(mesh, codec):
     ids, am = _batch()
     pos = default_positions(am)
     h = jax.random.normal(jax.random.PRNGKey(1), (4, 10, 32))
-    st = c.init_state()
+    st = c.init_codec_state()
     outs = []
     for tag in (OLD, TRAIN, REF):
         fn, layers = jax.jit(lambda s, i, p, a, x, tag=tag: c.hook(s, tag, 7, i, p, a)[0](1, x))(st, ids, pos, am, h)
@@ -122,21 +122,23 @@ def test_summarize_keys(mesh):
 def test_lowrank_basis_never_changes_mid_step(mesh):
     c = circuit(mesh, codec="lowrank")
     assert c.owns_basis
-    st = c.init_state()
-    Q0 = {b: np.asarray(q) for b, q in st["lowrank"].Q.items()}
+    st = c.init_codec_state()
+    Q0 = {b: np.asarray(q) for b, q in st.Q.items()}
     ids, am = _batch()
     h = jax.random.normal(jax.random.PRNGKey(2), (4, 10, 32))
     fn, layers = c.hook(st, TRAIN, 1, ids, default_positions(am), am)
     aux = {b: fn(b, h)[1] for b in layers}
-    for _ in range(2):  # two ticks: sketches accumulate, Q untouched
-        st = c.after_tick(st, aux)
-        assert all(np.array_equal(np.asarray(st["lowrank"].Q[b]), Q0[b]) for b in layers)
-    staged = c.stage_basis(st, {b: -q for b, q in st["lowrank"].Q.items()})
+    for _ in range(2):  # two ticks: sketches accumulate (the step's absorb_aux), Q untouched
+        st = c.absorb_aux(st, aux)
+        c.tick_done()
+        assert all(np.array_equal(np.asarray(st.Q[b]), Q0[b]) for b in layers)
+    assert c.applications[TRAIN] == 2 and float(st.sketch_tokens) == 2 * float(np.sum(am))
+    staged = c.stage_basis(st, {b: -q for b, q in st.Q.items()})
     with pytest.raises(RuntimeError, match="only after the step's last mini-batch"):
         c.activate_basis(staged)
     st, m = c.end_step(st, 1)
     assert m["codec/q_updates"] == 1 and m["codec/q_activations"] == 1 and m["codec/steps"] == 1
-    assert not all(np.array_equal(np.asarray(st["lowrank"].Q[b]), Q0[b]) for b in layers)
+    assert not all(np.array_equal(np.asarray(st.Q[b]), Q0[b]) for b in layers)
     assert m["codec/basis_cond"] == pytest.approx(1.0, abs=1e-4) and "codec/basis_cond/1" in m
     st, m = c.end_step(st, 2)  # a step without sketches stages nothing: counters advance once per step at most
     assert m["codec/q_updates"] == 1 and m["codec/q_activations"] == 1 and m["codec/steps"] == 2
@@ -156,10 +158,10 @@ def test_step_bytes_match_formulas(mesh, fast):
     c = circuit(mesh, **fast)
     model = c.model_cfg
     params = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
-    st = c.init_state(params)
-    if "powersgd" in st:
-        st["powersgd"] = st["powersgd"]._replace(step=jnp.asarray(5, jnp.int32))
-    _, m = c.end_step(st, 1)
+    st, grad = c.init_codec_state(), c.init_grad_state(params)
+    if grad is not None:
+        grad = grad._replace(step=jnp.asarray(5, jnp.int32))
+    _, m = c.end_step(st, 1, grad)
     ticks = 2  # train_batch 4 / mini_batch 2
     tokens = 2 * 4 * (12 + 4) // 8  # per replica: a replica's share of the mini-batch
     act = fbytes.activation_bytes(c.fcfg, tokens=tokens, hidden=32, boundaries=(0, 1, 2))
@@ -175,18 +177,18 @@ def test_external_dense_sketch_stages_one_power_iteration(mesh):
     """The anchor-owned path without the anchor: `basis_sketcher` sketches a dense pass (activations unchanged, no
     codec error computed) and `absorb_sketch` stages orth(MᵀM·Q_start) per boundary; the active basis stays."""
     c = circuit(mesh, codec="lowrank")
-    st = c.init_state()
+    st = c.init_codec_state()
     ids, am = _batch()
     h = jax.random.normal(jax.random.PRNGKey(3), (4, 10, 32))
-    fn, layers = c.basis_sketcher(st["lowrank"], am)
+    fn, layers = c.basis_sketcher(st, am)
     outs = {b: fn(b, h) for b in layers}
     assert all(np.array_equal(np.asarray(o[0]), np.asarray(h)) for o in outs.values())  # dense: h passes unchanged
     assert all(set(o[1]) == {"sketch", "tokens"} for o in outs.values())
-    new = c.absorb_sketch(st, {b: o[1] for b, o in outs.items()})["lowrank"]
+    new = c.absorb_sketch(st, {b: o[1] for b, o in outs.items()})
     M = np.asarray(h).reshape(-1, 32) * np.asarray(am, np.float32).reshape(-1, 1)
     for b in layers:
-        assert np.array_equal(np.asarray(new.Q[b]), np.asarray(st["lowrank"].Q[b]))  # active basis untouched
-        want, _ = np.linalg.qr(M.T @ (M @ np.asarray(st["lowrank"].Q_start[b])))
+        assert np.array_equal(np.asarray(new.Q[b]), np.asarray(st.Q[b]))  # active basis untouched
+        want, _ = np.linalg.qr(M.T @ (M @ np.asarray(st.Q_start[b])))
         got = np.asarray(new.Q_next[b])
         np.testing.assert_allclose(np.abs(got.T @ want), np.eye(want.shape[1]), atol=1e-4)  # same columns up to sign
     assert bool(new.staged)

@@ -9,11 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from tiny_run import NARROW_MODEL
+from tiny_run import NARROW_MODEL, circuit_state
 
 from twocircuit_jax.config.run import load_config
 from twocircuit_jax.fast.circuit import FastCircuit
-from twocircuit_jax.fast.grad_fn import NEW_STATE
 from twocircuit_jax.model.qwen2 import init_params
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
 from twocircuit_jax.train.grpo_step import OLD, make_grpo_loss, make_logp_fn
@@ -58,11 +57,10 @@ SGD = optax.sgd(0.5)
 
 
 def one_step(cfg, mesh, params, batch, circuit, optimizer=SGD):
-    """(new params, metrics, batch) of one tick, old log-probs from the same codec view (the loop's order)."""
+    """(new params, metrics, batch, new circuit state) of one tick, old log-probs from the same codec view (the
+    loop's order)."""
     act = circuit if (circuit and circuit.has_activation_codec) else None
-    ctx = {"step": jnp.asarray(1, jnp.int32), "first_minibatch": jnp.asarray(True)}  # the loop's first tick
-    if circuit:
-        ctx["codec"] = circuit.init_state(params)
+    cs = circuit_state(circuit, params)  # the loop's first tick of step 1
     key = (id(circuit), id(optimizer))
     if key not in _JIT:
         loss = make_grpo_loss(cfg.model, cfg.grpo, NEW, act)
@@ -71,15 +69,17 @@ def one_step(cfg, mesh, params, batch, circuit, optimizer=SGD):
         _JIT[key] = (
             dispatch.jit(make_logp_fn(cfg.model, act, OLD)),
             sh,
-            build_train_step(loss, optimizer, sh, mesh, grad_fn=grad_fn, ctx_sharding=None),
+            build_train_step(
+                loss, optimizer, sh, mesh, grad_fn=grad_fn, absorb_aux=circuit.absorb_aux if circuit else None
+            ),
             circuit,
         )  # keep circuit alive: its id is the key
     logp, sh, step, _ = _JIT[key]
     b = jax.device_put(dict(batch), pmesh.batch_shardings(batch, mesh))
-    b["old_logp"] = logp(params, b, ctx)[0]
+    b["old_logp"] = logp(params, b, cs)[0]
     state = init_state(jax.tree.map(jnp.copy, params), optimizer)  # the step donates its input
-    new, m = step(jax.device_put(state, sh), b, ctx)
-    return new.params, m, b
+    new, cs, m = step(jax.device_put(state, sh), cs, b)
+    return new.params, m, b, cs
 
 
 def _dense_logp(cfg):
@@ -92,8 +92,8 @@ def test_codec_off_is_the_plain_step_bit_for_bit(setup):
     cfg, mesh, params, batch = setup
     off = FastCircuit(run_cfg(codec="none"), cfg.model, mesh)
     assert not off.applies("train") and off.grad_fn(None) is None
-    p_plain, m_plain, _ = one_step(cfg, mesh, params, batch, None)
-    p_off, m_off, _ = one_step(cfg, mesh, params, batch, off)
+    p_plain, m_plain, _, _ = one_step(cfg, mesh, params, batch, None)
+    p_off, m_off, _, _ = one_step(cfg, mesh, params, batch, off)
     for a, b in zip(jax.tree.leaves(p_plain), jax.tree.leaves(p_off)):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
     assert float(m_plain["loss"]) == float(m_off["loss"]) and "codec/aux" not in m_off
@@ -103,13 +103,13 @@ def test_codec_off_is_the_plain_step_bit_for_bit(setup):
 def test_first_update_ratio_is_exactly_one_while_the_codec_view_is_far_from_dense(setup, codec):
     cfg, mesh, params, batch = setup
     c = FastCircuit(run_cfg(codec=codec), cfg.model, mesh) if codec != "none" else None
-    _, m, b = one_step(cfg, mesh, params, batch, c)
+    _, m, b, _ = one_step(cfg, mesh, params, batch, c)
     # Exact, not within ulps: ℓ_old on the first mini-batch is the train forward's own stop-gradient log-prob.
     assert float(m["ppo/clip_frac"]) == 0.0 and float(m["ppo/kl"]) == 0.0
     assert float(m["ppo/ratio_mean"]) == 1.0 and float(m["ppo/ratio_max"]) == 1.0 == float(m["ppo/ratio_min"])
     if c is None:
         return
-    dense_logp = _dense_logp(cfg)(params, b, {"step": jnp.int32(1)})[0]
+    dense_logp = _dense_logp(cfg)(params, b, circuit_state())[0]
     gap = np.abs(np.exp(np.asarray(b["old_logp"])) - np.exp(np.asarray(dense_logp)))[:, T - NEW :]
     assert gap.mean() > 1e-3, gap.mean()  # the trainer's ratio cannot see this gap: it compares codec to codec
     assert float(m["codec/recon_rel_err"]) > 0.05
@@ -127,13 +127,13 @@ def full_rank(setup):
 
 def test_powersgd_full_rank_reproduces_the_dense_allreduce_step(setup, full_rank):
     cfg, mesh, params, batch = setup
-    p_dense, m_dense, _ = one_step(cfg, mesh, params, batch, None)
-    p_psgd, m_psgd, _ = one_step(cfg, mesh, params, batch, full_rank)
+    p_dense, m_dense, _, _ = one_step(cfg, mesh, params, batch, None)
+    p_psgd, m_psgd, _, cs = one_step(cfg, mesh, params, batch, full_rank)
     assert float(m_psgd["powersgd/compressed"]) == 1.0
     for a, b, p in zip(jax.tree.leaves(p_dense), jax.tree.leaves(p_psgd), jax.tree.leaves(params)):
         np.testing.assert_allclose(np.asarray(b) - np.asarray(p), np.asarray(a) - np.asarray(p), rtol=2e-3, atol=2e-6)
     np.testing.assert_allclose(float(m_psgd["grad/norm"]), float(m_dense["grad/norm"]), rtol=1e-4)
-    new = m_psgd[NEW_STATE]
+    new = cs.grad
     assert new.e and float(m_psgd["powersgd/error_norm"]) == 0.0  # enters the first tick empty
     # e_i = M_i - Ĝ: each replica keeps its deviation from the mean; at full rank they cancel over replicas
     R = pmesh.dp_size(mesh)
@@ -144,9 +144,9 @@ def test_powersgd_full_rank_reproduces_the_dense_allreduce_step(setup, full_rank
 def test_powersgd_skipped_update_keeps_error_memory(setup, full_rank):
     cfg, mesh, params, batch = setup
     bad = dict(batch, advantages=batch["advantages"].at[0].set(jnp.nan))
-    p_new, m, _ = one_step(cfg, mesh, params, bad, full_rank)
+    p_new, m, _, cs = one_step(cfg, mesh, params, bad, full_rank)
     assert float(m["grad/skipped"]) == 1.0 and float(m["powersgd/skipped"]) == 1.0
-    st = m[NEW_STATE]
+    st = cs.grad
     assert all(float(jnp.max(jnp.abs(e))) == 0.0 for e in st.e.values())
     for a, b in zip(jax.tree.leaves(p_new), jax.tree.leaves(params)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
@@ -169,12 +169,9 @@ def _grads(cfg, mesh, params, batch, circuit, agg):
     c = dataclasses.replace(cfg.grpo, loss_agg=agg)
     loss = make_grpo_loss(cfg.model, c, NEW, None)
     fn = dispatch.jit((circuit.grad_fn(None) if circuit else default_grad_fn)(loss))
-    ctx = {"step": jnp.asarray(1, jnp.int32), "first_minibatch": jnp.asarray(True)}
-    if circuit:
-        ctx["codec"] = circuit.init_state(params)
     b = dict(batch, old_logp=jnp.zeros((B, T)))
     b = jax.device_put(b, pmesh.batch_shardings(b, mesh))
-    return fn(params, b, ctx)[0]
+    return fn(params, b, circuit_state(circuit, params))[0]
 
 
 def _rel(a, b):

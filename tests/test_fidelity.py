@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_run import NARROW_MODEL
+from tiny_run import NARROW_MODEL, circuit_state
 
 from twocircuit_jax.anchor.merger import init_merger, update_ema
 from twocircuit_jax.config.run import load_config
@@ -57,11 +57,11 @@ def setup():
     }
     batch = jax.device_put(batch, pmesh.batch_shardings(batch, mesh))
     # As the loop does with codecs off: ℓ_ref from the reference weights.
-    batch["ref_logp"] = dispatch.jit(make_logp_fn(cfg.model, None, OLD))(ref, batch, {})[0]
+    batch["ref_logp"] = dispatch.jit(make_logp_fn(cfg.model, None, OLD))(ref, batch, circuit_state())[0]
     return cfg, mesh, params, ref, batch
 
 
-def fidelity(setup, circuit=None, grad_transform=None, ctx_extra=None, cfg=None):
+def fidelity(setup, circuit=None, grad_transform=None, merger=None, cfg=None):
     c, mesh, params, ref, batch = setup
     cfg = cfg or c
     act = circuit if (circuit and circuit.has_activation_codec) else None
@@ -70,10 +70,8 @@ def fidelity(setup, circuit=None, grad_transform=None, ctx_extra=None, cfg=None)
     fn = make_fidelity_fn(
         cfg.model, cfg.grpo, NEW, act, compute, grad_transform, lambda: make_grpo_loss(cfg.model, cfg.grpo, NEW, None)
     )
-    ctx = {"step": jnp.asarray(1, jnp.int32), "first_minibatch": jnp.asarray(False), **(ctx_extra or {})}
-    if circuit:
-        ctx["codec"] = circuit.init_state(params)
-    return {k: float(v) for k, v in dispatch.jit(fn)(params, ref, batch, ctx).items()}
+    cs = circuit_state(circuit, params, first_minibatch=False)._replace(merger=merger)
+    return {k: float(v) for k, v in dispatch.jit(fn)(params, ref, batch, cs).items()}
 
 
 def test_exact_circuits_read_one(setup):
@@ -106,11 +104,11 @@ def test_merger_moves_the_applied_gradient(setup):
     st = update_ema(init_merger(params, acfg), jax.tree.map(lambda x: -jnp.ones_like(x) * jnp.sign(x), params), acfg)
     from twocircuit_jax.anchor.merger import merge
 
-    def transform(g, ctx):
-        g2, _, m = merge(ctx["merger"], g, acfg, jnp.asarray(False))
-        return g2, m
+    def transform(g, cs):
+        g2, st2, m = merge(cs.merger, g, acfg, jnp.asarray(False))
+        return g2, cs._replace(merger=st2), m
 
-    m = fidelity(setup, grad_transform=transform, ctx_extra={"merger": st})
+    m = fidelity(setup, grad_transform=transform, merger=st)
     assert abs(m["fidelity/grad_cos_pre_merger"] - 1.0) < 1e-5
     assert m["fidelity/grad_cos"] < 0.9
 

@@ -37,7 +37,7 @@ def _build(mesh_cfg, devices):
     state = jax.device_put(state, sh)
     batch = _batch()
     bsh = batch_shardings(batch, mesh)
-    jitted = jit_train_step(step, sh, bsh, None, replicated(mesh))
+    jitted = jit_train_step(step, sh, None, bsh, replicated(mesh))
     return mesh, jitted, state, sh, bsh
 
 
@@ -53,7 +53,7 @@ def runs():
         init_sh = jax.tree.map(lambda x: x.sharding, state)
         ms = []
         for s in range(3):
-            state, m = jitted(state, jax.device_put(_batch(s), bsh), None)
+            state, _, m = jitted(state, None, jax.device_put(_batch(s), bsh))
             ms.append(jax.device_get(m))
         out[name] = dict(state=state, metrics=ms, init_sh=init_sh, jitted=jitted, bsh=bsh)
     return out
@@ -86,7 +86,7 @@ def test_shardings_survive_init_and_step(runs, name):
 def test_second_call_does_not_recompile(runs):
     r = runs["dp8"]
     assert r["jitted"]._cache_size() == 1
-    r["jitted"](r["state"], jax.device_put(_batch(9), r["bsh"]), None)
+    r["jitted"](r["state"], None, jax.device_put(_batch(9), r["bsh"]))
     assert r["jitted"]._cache_size() == 1
 
 
@@ -96,7 +96,7 @@ def test_nonfinite_gradient_skips_update():
     bad = dict(_batch())
     poisoned = jax.tree.map(lambda x: x, state)
     poisoned = poisoned._replace(params={**poisoned.params, "final_norm": poisoned.params["final_norm"] * jnp.nan})
-    new, m = jitted(jax.device_put(poisoned, sh), jax.device_put(bad, bsh), None)
+    new, _, m = jitted(jax.device_put(poisoned, sh), None, jax.device_put(bad, bsh))
     assert int(m["grad/skipped"]) == 1 and int(new.skipped) == 1 and int(new.tick) == 1
     # optimizer state unchanged bit for bit
     jax.tree.map(

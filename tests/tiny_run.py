@@ -58,3 +58,14 @@ FOUR_BLOCK_MODEL = {
     "head_dim": 16,
     "intermediate_size": 64,
 }
+
+
+def circuit_state(circuit=None, params=None, step: int = 1, first_minibatch: bool = True):
+    """The circuit state of a step's first tick with only the fast circuit's fields (None = the dense trainer's),
+    its buffers distinct so a train step may donate it."""
+    from twocircuit_jax.train.circuit_state import CircuitState, distinct_buffers, init_clock, set_clock
+
+    cs = CircuitState(init_clock(step), None, None, None, None)
+    if circuit is not None:
+        cs = cs._replace(codec=circuit.init_codec_state(), grad=circuit.init_grad_state(params))
+    return distinct_buffers(set_clock(cs, first_minibatch=first_minibatch))

@@ -1,17 +1,17 @@
 """The anchor circuit in the GRPO loop (design §2 step 4, §4): fire, merger, rank-1 projection, optimizer swap.
 
-The loop calls, per tick τ: `before_tick` (snapshot/retain/fire, host side) → the jitted train step, whose
-`grad_transform` applies the merger → `after_tick` (merger state out of the step, optimizer-state swap). The
+The loop calls, per tick τ: `before_tick` (snapshot/retain, and the fire when `fire_due(τ)`) → the jitted train
+step, whose `grad_transform` applies the merger → `after_tick` (the optimizer-state swap when `swap_due(τ)`). The
 anchor never reads live trainer parameters for its gradient: a fire runs on a host snapshot (the delayed paired
 one, or a rank-1 forecast built only from exact delayed snapshots), and the trainer state is never written by a
 fire. It has no optimizer, sampler or task handle, so `anchor/{optimizer_steps, rollouts_generated,
 rewards_recomputed}` are structurally 0.
 
-Device state: the merger state lives in ctx["merger"] (replicated: it round-trips through the train step's
-replicated metrics, and one fixed sharding keeps the step compiled once); the anchor moments (swap only) are
-sharded like the parameters. Resume: counters, M and the moments are checkpointed with the train state; the
-retained batches, host snapshots and projection window go beside them as a pickled blob (`dump_buffers`), so a
-resumed run fires on the same pairs as an uninterrupted one.
+Device state lives in the circuit state the loop threads through (train/circuit_state.py): `cs.merger` (replicated,
+one fixed sharding so the step compiles once) and `cs.moments` (swap only; sharded like the parameters). This
+object keeps configuration, host counters and the host replay buffers. Resume: counters go in the checkpoint's
+meta; the retained batches, host snapshots and projection window go beside it as a pickled blob (`dump_buffers`),
+so a resumed run fires on the same pairs as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from twocircuit_jax.anchor.swap import init_anchor_moments, swap_optimizer_momen
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.parallel import dispatch
 
-MERGER_STATE_KEY = "anchor/merger_state"  # carries the merger state out of the jitted step; popped in after_tick
 _ZERO_COUNTERS = ("anchor/optimizer_steps", "anchor/rollouts_generated", "anchor/rewards_recomputed")
 
 
@@ -64,17 +63,12 @@ class AnchorCircuit:
         self._batch_keys = anchor_batch_keys(run_cfg.grpo)
         # Carry of the fire: merger state (replicated) and anchor moments (sharded like params; swap only).
         by_path = {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(self.param_sh)[0]}
-        self.moments, self.mom_sh = None, None
+        self._params_like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        self.mom_sh = None
         if a.swap_cadence > 0:
             mom = jax.eval_shape(lambda: init_anchor_moments(params, a.target_scope))
             self.mom_sh = type(mom)(m={k: by_path[k] for k in mom.m}, v={k: by_path[k] for k in mom.v}, fired=self.rep)
-            # Built by a jitted init so that m, v (and δ below) are distinct buffers: the fire donates them.
-            self.moments = dispatch.jit(
-                lambda: init_anchor_moments(params, a.target_scope), out_shardings=self.mom_sh
-            )()
-        self._merger0 = (
-            dispatch.jit(lambda: init_merger(params, a), out_shardings=self.rep)() if self.merger_on else None
-        )
+        self.merger_sh = self.rep if self.merger_on else None
         grad_fn = make_anchor_grad(
             model_cfg, run_cfg.grpo, run_cfg.sampler.sampling.max_new_tokens, sketcher if self.owns_q else None
         )
@@ -93,15 +87,33 @@ class AnchorCircuit:
         self.fires = self.swaps = self.rank1_bypass_ticks = self.warmup_fires = 0
         self.anchor_rows = self.fast_rows = 0
         self._gen_tick = None
-        self._merger_ref = self._merger0  # the latest merger state handed to ctx (for the per-step counters)
         self._step: dict = {"fire_ticks": [], "rhos": [], "replays": []}
 
-    # --- ctx and the jitted pieces ------------------------------------------------------------------------------
-    def init_ctx(self) -> dict:
-        """ctx keys the jitted train step sees from the first tick on (fixed structure: no recompile)."""
+    # --- circuit state and the jitted pieces ----------------------------------------------------------------
+    def init_merger_state(self):
+        """cs.merger from tick 1 (fixed structure: no recompile), or None without a merger. Built by a jitted init,
+        so its leaves are distinct buffers (the fire and the step donate them)."""
         if not self.merger_on:
-            return {}
-        return {"merger": self._merger0, "anchor_fire": jnp.asarray(False), "anchor_merge": jnp.asarray(True)}
+            return None
+        like, a = self._params_like, self.cfg
+        return dispatch.jit(lambda: init_merger(like, a), out_shardings=self.rep)()
+
+    def init_moments(self):
+        """cs.moments (the swap's source), or None without the swap."""
+        if self.mom_sh is None:
+            return None
+        like, scope = self._params_like, self.cfg.target_scope
+        return dispatch.jit(lambda: init_anchor_moments(like, scope), out_shardings=self.mom_sh)()
+
+    def fire_due(self, tau: int) -> bool:
+        return tau % self.cfg.cadence == 0
+
+    def merge_due(self, tau: int) -> bool:
+        return tau % self.cfg.merger_cadence == 0
+
+    def swap_due(self, tau: int) -> bool:
+        a = self.cfg
+        return a.swap_cadence > 0 and tau % a.swap_cadence == 0 and self.fires > 0
 
     def _fire_fn(self, grad_fn, params, batch, carry, basis):
         grads, metrics, sketch = grad_fn(params, batch, basis)  # the sketch is summed over the global batch
@@ -112,12 +124,13 @@ class AnchorCircuit:
             out["moments"] = update_anchor_moments(carry["moments"], grads, self.cfg.swap_beta1, self.cfg.swap_beta2)
         return out, metrics, sketch if basis is not None else None
 
-    def grad_transform(self, grads, ctx):
-        """Traced inside the train step, before clip/AdamW. lax.cond: until M exists (or off the merger cadence)
-        only the identity branch runs, so the merger costs nothing before the first fire."""
+    def grad_transform(self, grads, cs):
+        """Traced inside the train step, before clip/AdamW: (grads, cs with the next merger state, metrics).
+        lax.cond: until M exists (or off the merger cadence) only the identity branch runs, so the merger costs
+        nothing before the first fire."""
         if not self.merger_on:
-            return grads, {}
-        st, fire = ctx["merger"], ctx["anchor_fire"]
+            return grads, cs, {}
+        st, fire = cs.merger, cs.clock.anchor_fire
 
         def on(_):
             return merge(st, grads, self.cfg, fire)
@@ -127,16 +140,15 @@ class AnchorCircuit:
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
             return grads, st, zeros
 
-        g, st_new, metrics = jax.lax.cond(ctx["anchor_merge"] & (st.fired > 0), on, off, None)
+        g, st_new, metrics = jax.lax.cond(cs.clock.anchor_merge & (st.fired > 0), on, off, None)
         metrics = dict(metrics)
         metrics.pop("merger/coldM_fallbacks", None)  # cumulative: reported per step from the state instead
-        metrics[MERGER_STATE_KEY] = st_new
-        return g, metrics
+        return g, cs._replace(merger=st_new), metrics
 
     # --- per tick -----------------------------------------------------------------------------------------------
-    def before_tick(self, tau, gs, first_tick_of_step, minibatch, state, ctx, basis=None):
-        """Returns (ctx, metrics, sketch): `sketch` is the fire's dense sketch against `basis` (an anchor-owned
-        basis, on a fire tick), else None."""
+    def before_tick(self, tau, gs, first_tick_of_step, minibatch, state, cs, basis=None):
+        """Returns (cs, metrics, sketch): `cs` with the fire's merger and moments and this tick's merger clock;
+        `sketch` is the fire's dense sketch against `basis` (an anchor-owned basis, on a fire tick), else None."""
         a = self.cfg
         batch = {k: minibatch[k] for k in self._batch_keys}
         rows = int(batch["tokens"].shape[0])
@@ -148,16 +160,17 @@ class AnchorCircuit:
         # Snapshot on the step's first tick (a params-sized device→host copy, host sync), retain if due.
         self.buffer.on_tick(tau, gs, batch, params=lambda: state.params)
         metrics, sketch = {}, None
-        fire = tau % a.cadence == 0
+        fire = self.fire_due(tau)
         if fire:
-            ctx, metrics, sketch = self._fire(tau, batch, rows, ctx, basis)
+            cs, metrics, sketch = self._fire(tau, batch, cs, basis)
         if self.merger_on:
             if not self.fires:
                 self.rank1_bypass_ticks += int(a.projection)  # M not ready: the merger bypasses this tick
-            ctx = {**ctx, "anchor_fire": jnp.asarray(fire), "anchor_merge": jnp.asarray(tau % a.merger_cadence == 0)}
-        return ctx, metrics, sketch
+            clock = cs.clock._replace(anchor_fire=jnp.asarray(fire), anchor_merge=jnp.asarray(self.merge_due(tau)))
+            cs = cs._replace(clock=clock)
+        return cs, metrics, sketch
 
-    def _fire(self, tau, batch, rows, ctx, basis):
+    def _fire(self, tau, batch, cs, basis):
         """One dense forward/backward on the delayed pair (or the forecast with the current batch)."""
         if self.owns_q and basis is None:
             raise ValueError("anchor fire: the anchor owns the basis but no basis state was handed in")
@@ -174,32 +187,25 @@ class AnchorCircuit:
                 metrics.update(r1)
             else:
                 self.warmup_fires += 1
-        carry = {"merger": ctx.get("merger"), "moments": self.moments}
+        carry = {"merger": cs.merger, "moments": cs.moments}
         dev = jax.device_put(weights, self.param_sh)  # host → device, params-sized
         carry, fm, sketch = self._fire_jit(dev, fire_batch, carry, basis if self.owns_q else None)  # serialised on CPU
         # Nothing above may fail after this point: state changes only now.
         if window is not None:
             self.window = window
-        self.moments = carry["moments"]
-        if self.merger_on:
-            ctx = {**ctx, "merger": carry["merger"]}
-            self._merger_ref = carry["merger"]
+        cs = cs._replace(merger=carry["merger"], moments=carry["moments"])
         self.fires += 1
         self.anchor_rows += int(fire_batch["tokens"].shape[0])
         self._step["fire_ticks"].append(tau)
         self._step["replays"].append((rep.data_delay, rep.weight_staleness))
         metrics.update(fm)
-        return ctx, metrics, sketch
+        return cs, metrics, sketch
 
-    def after_tick(self, tau, state, ctx, metrics):
-        """Pops the merger state out of the step's metrics (mutates `metrics`), then swaps if due."""
-        st = metrics.pop(MERGER_STATE_KEY, None)
-        if st is not None:
-            ctx = {**ctx, "merger": st}
-            self._merger_ref = st
+    def after_tick(self, tau, state, cs):
+        """The optimizer-state swap when due: (train state with the anchor's moments blended in, metrics)."""
         out = {}
         a = self.cfg
-        if a.swap_cadence > 0 and tau % a.swap_cadence == 0 and self.fires > 0:
+        if self.swap_due(tau):
             if self._swap_jit is None:  # built once, with the trainer's own opt-state shardings
                 opt_sh = jax.tree.map(lambda x: x.sharding, state.opt_state)
                 fn = functools.partial(
@@ -208,15 +214,15 @@ class AnchorCircuit:
                 self._swap_jit = dispatch.jit(
                     fn, in_shardings=(opt_sh, self.mom_sh), out_shardings=(opt_sh, self.rep), donate_argnums=(0,)
                 )
-            opt, sm = self._swap_jit(state.opt_state, self.moments)
+            opt, sm = self._swap_jit(state.opt_state, cs.moments)
             state = state._replace(opt_state=opt)
             self.swaps += 1
             self._step["rhos"].append(sm["swap/rho"])
             out["swap/applied"] = sm["swap/applied"]
-        return state, ctx, out
+        return state, out
 
     # --- reporting and resume -----------------------------------------------------------------------------------
-    def step_metrics(self) -> dict:
+    def step_metrics(self, cs) -> dict:
         """Per GRPO step; resets the per-step accumulators. Reading ρ is a host sync (once per step)."""
         s = self._step
         out = {
@@ -230,8 +236,8 @@ class AnchorCircuit:
             "anchor/retained_snapshots": self.buffer.num_snapshots,
             **{k: 0 for k in _ZERO_COUNTERS},
         }
-        if self._merger_ref is not None:
-            out["anchor/merger_coldM_fallbacks"] = int(self._merger_ref.cold_m_fallbacks)
+        if cs.merger is not None:
+            out["anchor/merger_coldM_fallbacks"] = int(cs.merger.cold_m_fallbacks)
         if s["fire_ticks"]:
             out["anchor/fire_tick"] = s["fire_ticks"][-1]
             out["anchor/data_delay"] = float(np.mean([d for d, _ in s["replays"]]))
@@ -269,10 +275,6 @@ class AnchorCircuit:
         if self.window is not None and d["window"] is not None:
             self.window._ticks, self.window._snaps = d["window"]
 
-    def device_state(self) -> dict:
-        """What to checkpoint beside ctx (which already holds the merger state): the anchor moments."""
-        return {"moments": self.moments} if self.moments is not None else {"none": jnp.zeros((), jnp.int32)}
-
     def host_state(self) -> dict:
         return {
             "fires": self.fires,
@@ -283,14 +285,10 @@ class AnchorCircuit:
             "fast_rows": self.fast_rows,
         }
 
-    def load(self, device_state, host_state, ctx=None, buffers: bytes | None = None):
-        """Resume: moments, counters, the merger state handed back through ctx, and the host buffers."""
-        if ctx is not None and ctx.get("merger") is not None:
-            self._merger_ref = ctx["merger"]
+    def load(self, host_state, buffers: bytes | None = None):
+        """Resume: the host counters and the host buffers (the device state comes back in the circuit state)."""
         if buffers is not None:
             self.load_buffers(buffers)
-        if device_state and "moments" in device_state and self.moments is not None:
-            self.moments = jax.device_put(device_state["moments"], self.mom_sh)
         h = host_state or {}
         self.fires, self.swaps = int(h.get("fires", 0)), int(h.get("swaps", 0))
         self.rank1_bypass_ticks = int(h.get("rank1_bypass_ticks", 0))

@@ -1,13 +1,16 @@
-"""The fast circuit as the GRPO loop sees it (design §2, §3): one object that owns the codec choice and its state.
+"""The fast circuit as the GRPO loop sees it (design §2, §3): one object that owns the codec choice.
 
-Contract with train/loop.py and train/grpo_step.py (all array state is a pytree of jnp arrays in ctx["codec"]):
-  init_state()                      {"steps": [] i32, "lowrank": LowRankState?, "powersgd": PowerSGDState?}
-  applies(tag) / hook(state, tag, step, sample_ids, positions, attention_mask) -> (hook_fn, hook_layers)
+It holds configuration and host counters only; its array state lives in the circuit state the loop threads through
+the step (train/circuit_state.py): `cs.codec` (the activation codec's state: the low-rank basis, or None) and
+`cs.grad` (PowerSGD's state, or None). Contract with train/loop.py and train/grpo_step.py:
+  init_codec_state() / init_grad_state(params_like)    the two fields, placed on the mesh
+  applies(tag) / hook(codec_state, tag, step, sample_ids, positions, attention_mask) -> (hook_fn, hook_layers)
                                     traced inside jit; `step` is gs (the PRF step key), never the tick
   summarize(aux_by_layer)           scalar codec metrics inside the jitted loss
+  absorb_aux(codec_state, aux)      traced inside the step: folds the train forward's sketch into the basis
   grad_fn(param_shardings)          None (XLA's implicit dp mean) or the PowerSGD shard_map factory
-  after_tick(state, aux, new_grad_state)   host, after each tick: low-rank sketches, PowerSGD state
-  end_step(state, gs)               host, after the last tick: refresh/activate the basis, bytes, counters
+  tick_done()                       host, after each tick (counters)
+  end_step(codec_state, gs, grad_state)   host, after the last tick: refresh/activate the basis, bytes, counters
 The basis changes only in end_step (or `activate_basis`, which refuses to run mid-step), so no forward inside a
 step sees a new basis (design §2 step 5).
 """
@@ -29,7 +32,6 @@ from twocircuit_jax.parallel.mesh import BATCH_AXES, dp_size
 TRAIN, OLD, REF, DENSE = "train", "old_logprob", "ref_logprob", "dense"
 CODECS = ("none", "prf_mask", "lowrank", "sr_quant")
 GRAD_CODECS = ("none", "powersgd")
-NEW_STATE = "codec/new_state"  # metrics key carrying PowerSGD's next state out of the train step
 
 
 def _rel_err(h, out, attention_mask):
@@ -75,6 +77,7 @@ class FastCircuit:
         )
         self.ticks_per_step = run_cfg.ticks_per_step * t.ppo_epochs
         self.applications = {TRAIN: 0, OLD: 0, REF: 0}  # host counters: codec forwards executed, per tag
+        self.steps = 0  # host counter: end_step calls
         self._mid_step = False
         self._params_like = None
         self._bootstrap_jit = self._absorb_jit = None
@@ -96,23 +99,28 @@ class FastCircuit:
             )
 
     # --- state ------------------------------------------------------------------------------------------------
-    def init_state(self, params_like=None) -> dict:
-        """{"steps": [] i32 end_step count, "lowrank": LowRankState (lowrank), "powersgd": PowerSGDState}."""
+    def init_codec_state(self):
+        """The activation codec's state, replicated: a LowRankState for lowrank, None for the stateless codecs."""
+        if self.fcfg.codec != "lowrank":
+            return None
+        low = lr.init_lowrank(self.fcfg, self.model_cfg.hidden_size, self.boundaries)
+        return jax.device_put(low, NamedSharding(self.mesh, P()))
+
+    def init_grad_state(self, params_like=None):
+        """PowerSGD's state (Q replicated, the per-replica error memory split over dp), or None."""
         if params_like is not None:
             self._params_like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_like)
-        rep = NamedSharding(self.mesh, P())
-        st = {"steps": jnp.zeros((), jnp.int32)}
-        if self.fcfg.codec == "lowrank":
-            st["lowrank"] = lr.init_lowrank(self.fcfg, self.model_cfg.hidden_size, self.boundaries)
-        st = jax.device_put(st, rep)
-        if self.fcfg.grad_codec == "powersgd":
-            like = params_like if params_like is not None else self._params_shapes()
-            g = psgd.init_powersgd(self.fcfg, like, self.dp)
-            specs = psgd.state_specs(g, BATCH_AXES)
-            st["powersgd"] = jax.device_put(
-                g, jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
-            )
-        return st
+        if self.fcfg.grad_codec != "powersgd":
+            return None
+        like = params_like if params_like is not None else self._params_shapes()
+        g = psgd.init_powersgd(self.fcfg, like, self.dp)
+        return jax.device_put(g, self.grad_state_shardings(g))
+
+    def grad_state_shardings(self, grad_state):
+        if grad_state is None:
+            return None
+        specs = psgd.state_specs(grad_state, BATCH_AXES)
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
     def _params_shapes(self):
         from twocircuit_jax.model.qwen2 import init_params  # shapes only: eval_shape allocates nothing
@@ -140,7 +148,7 @@ class FastCircuit:
         f, b = self.fcfg, self.boundaries
         if f.codec == "lowrank":
             fn = lr.make_lowrank_hook(
-                codec_state["lowrank"],
+                codec_state,
                 b,
                 sketch=(tag == TRAIN and self.owns_basis),
                 attention_mask=attention_mask,
@@ -166,13 +174,9 @@ class FastCircuit:
 
         return fn, b
 
-    def sketch_hook(self, codec_state, attention_mask):
-        """A dense pass that only sketches: activations pass unchanged, the aux carries the sketch Mᵀ(M·Q_start)
-        per boundary (`absorb_sketch` folds it into the basis)."""
-        return self.basis_sketcher(codec_state["lowrank"], attention_mask)
-
     def basis_sketcher(self, basis_state, attention_mask):
-        """`sketch_hook` on the low-rank basis state alone: what an external dense pass (the anchor's fire) needs."""
+        """A dense pass that only sketches: activations pass unchanged, the aux carries the sketch Mᵀ(M·Q_start)
+        per boundary (`absorb_sketch` folds it into the basis). The anchor's fire takes it from the loop."""
         inner = lr.make_lowrank_hook(
             basis_state, self.boundaries, sketch=True, attention_mask=attention_mask, encode=False
         )
@@ -190,9 +194,7 @@ class FastCircuit:
             self._absorb_jit = dispatch.jit(
                 lambda low, aux: lr.refresh_basis(lr.accumulate_sketch(low, aux), self.fcfg, axis_name=None)
             )
-        st = dict(codec_state)
-        st["lowrank"] = self._absorb_jit(st["lowrank"], sketch)
-        return st
+        return self._absorb_jit(codec_state, sketch)
 
     def bootstrap(self, codec_state, params, batch):
         """`fast.bootstrap` with the low-rank codec (either owner): before the first compressed forward, one discarded
@@ -206,7 +208,7 @@ class FastCircuit:
             from twocircuit_jax.model.qwen2 import forward_with_aux
 
             def sketch(params, batch, st):
-                hook, layers = self.sketch_hook(st, batch["attention_mask"])
+                hook, layers = self.basis_sketcher(st, batch["attention_mask"])
                 _, aux = forward_with_aux(
                     self.model_cfg,
                     jax.lax.stop_gradient(params),
@@ -219,10 +221,8 @@ class FastCircuit:
 
             self._bootstrap_jit = dispatch.jit(sketch)
         aux = self._bootstrap_jit(params, batch, codec_state)  # cost: one dense forward, no backward
-        st = dict(codec_state)
-        low = lr.accumulate_sketch(st["lowrank"], aux)
-        st["lowrank"] = lr.activate_staged(lr.refresh_basis(low, self.fcfg, axis_name=None))
-        return st, {"codec/bootstrapped": 1}
+        low = lr.accumulate_sketch(codec_state, aux)
+        return lr.activate_staged(lr.refresh_basis(low, self.fcfg, axis_name=None)), {"codec/bootstrapped": 1}
 
     # --- metrics ----------------------------------------------------------------------------------------------
     def summarize(self, aux_by_layer) -> dict:
@@ -245,23 +245,22 @@ class FastCircuit:
         return {f"codec/{tag}/{k[len('codec/') :]}": float(v) for k, v in m.items() if k.count("/") == 1}
 
     # --- per tick and per step --------------------------------------------------------------------------------
-    def after_tick(self, codec_state, aux, new_grad_state=None):
-        """Fold one tick's outputs into the state: sketches (fast-owned basis), PowerSGD's next state."""
+    def absorb_aux(self, codec_state, aux):
+        """Traced inside the train step: a fast-owned basis adds the train forward's sketch (summed over the global
+        batch) to its running V; every other codec state passes through."""
+        if not self.owns_basis:
+            return codec_state
+        return lr.accumulate_sketch(codec_state, aux)
+
+    def tick_done(self):
+        """Host, after each tick: one more train-path codec forward ran; the step has started."""
         self._mid_step = True
-        st = dict(codec_state)
-        if aux:
+        if self.has_activation_codec:
             self.applications[TRAIN] += 1
-            if self.owns_basis:
-                st["lowrank"] = lr.accumulate_sketch(st["lowrank"], aux)
-        if new_grad_state is not None:
-            st["powersgd"] = new_grad_state
-        return st
 
     def stage_basis(self, codec_state, Q_new: dict):
         """Stage a new basis (anchor-owned case); it becomes active in end_step only."""
-        st = dict(codec_state)
-        st["lowrank"] = lr.stage(st["lowrank"], Q_new)
-        return st
+        return lr.stage(codec_state, Q_new)
 
     def activate_basis(self, codec_state):
         """Staged -> active. Refuses inside a step: every forward of a step must see the same basis."""
@@ -270,32 +269,31 @@ class FastCircuit:
                 "lowrank: a staged basis may become active only after the step's last mini-batch "
                 "(design §2 step 5); call end_step"
             )
-        st = dict(codec_state)
-        st["lowrank"] = lr.activate_staged(st["lowrank"])
-        return st
+        return lr.activate_staged(codec_state)
 
-    def end_step(self, codec_state, gs: int):
-        st = dict(codec_state)
+    def end_step(self, codec_state, gs: int, grad_state=None):
+        """Host, after the step's last tick: (codec_state', metrics). Refreshes a fast-owned basis when due and
+        activates a staged one; reports the basis health, counters and the step's logical bytes."""
         metrics = {}
-        if "lowrank" in st:
+        if self.fcfg.codec == "lowrank":
             if self.owns_basis and lr.refresh_due(self.fcfg, gs):
                 # The sketch already is the sum over dp: it was contracted over the global batch inside jit
                 # (or psum-ed in the PowerSGD shard_map), so no axis_name here.
-                st["lowrank"] = lr.refresh_basis(st["lowrank"], self.fcfg, axis_name=None)
+                codec_state = lr.refresh_basis(codec_state, self.fcfg, axis_name=None)
             self._mid_step = False
-            st = self.activate_basis(st)
-            m = lr.lowrank_metrics(st["lowrank"])
+            codec_state = self.activate_basis(codec_state)
+            m = lr.lowrank_metrics(codec_state)
             metrics.update({k: float(v) for k, v in m.items()})
             for b in self.boundaries:
-                metrics[f"codec/basis_cond/{b}"] = float(lr.basis_cond(st["lowrank"].Q[b]))
+                metrics[f"codec/basis_cond/{b}"] = float(lr.basis_cond(codec_state.Q[b]))
         self._mid_step = False
-        st["steps"] = st["steps"] + 1
-        metrics["codec/steps"] = int(st["steps"])
+        self.steps += 1
+        metrics["codec/steps"] = self.steps
         metrics.update({f"codec/applications/{k}": v for k, v in self.applications.items()})
-        metrics.update(self.step_bytes(st))
-        return st, metrics
+        metrics.update(self.step_bytes(grad_state))
+        return codec_state, metrics
 
-    def step_bytes(self, codec_state=None) -> dict:
+    def step_bytes(self, grad_state=None) -> dict:
         """Logical bytes of one step (design §3.6): boundary messages of every train forward + dp gradient reduce."""
         ticks = self.ticks_per_step
         parts = []
@@ -313,8 +311,8 @@ class FastCircuit:
             g = fbytes.grad_allreduce_bytes(like, self.fcfg)
             if (
                 self.fcfg.grad_codec == "powersgd"
-                and codec_state is not None
-                and int(codec_state["powersgd"].step) <= self.fcfg.start_after
+                and grad_state is not None
+                and int(grad_state.step) <= self.fcfg.start_after
             ):
                 # the last tick of this step still took the plain-mean branch (warm-up)
                 g = dict(g, **{"comm/bytes_compressed": fbytes.powersgd_plain_bytes(like)})

@@ -2,9 +2,9 @@
 
 Each replica takes value_and_grad of its own mini-batch slice inside `jax.shard_map` over the batch axes, then
 `powersgd_reduce` replaces XLA's implicit gradient mean with three packed collectives (P sum, Q mean, the rest
-mean). The loss and scalar metrics are pmean-ed; low-rank sketches and token counts in "codec/aux" are psum-ed
-(the sketch is a sum over the global batch). The next PowerSGD state leaves the step in metrics[NEW_STATE]; the
-error memory keeps its P(batch axes) split, so it never travels (the loop jits ctx/metrics with free shardings).
+mean). The loss and scalar metrics are pmean-ed; low-rank sketches and token counts in the codec's aux are psum-ed
+(the sketch is a sum over the global batch). The next PowerSGD state is returned as the circuit state's `grad`;
+the error memory keeps its P(batch axes) split in and out, so it never travels.
 
 Normalisation: each replica's loss is divided by the *global* loss-token count (and sequence count) over the
 batch axes, times the replica count, so the mean over replicas is the global token mean of the dense step even when
@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from twocircuit_jax.fast import powersgd as psgd
 from twocircuit_jax.parallel.mesh import BATCH_AXES
 
-NEW_STATE = "codec/new_state"
+AUX = "codec/aux"  # the loss's metrics entry holding the codec's per-boundary outputs (train/step.py)
 _SUMMED = ("sketch", "tokens")  # aux leaves that add up over replicas; every other aux leaf is averaged
 
 
@@ -33,7 +33,7 @@ def _key_name(k):
 def _reduce_metrics(metrics, axes):
     out = {}
     for k, v in metrics.items():
-        if k == "codec/aux":
+        if k == AUX:
             out[k] = jax.tree_util.tree_map_with_path(
                 lambda p, x: (
                     jax.lax.psum(x, axes)
@@ -58,22 +58,18 @@ def global_normalisers(response_mask, axes) -> dict:
 
 
 def make_powersgd_grad_fn(fcfg, mesh, *, interpret: bool = False, axes=BATCH_AXES):
-    """factory(loss_fn) -> fn(params, batch, ctx) -> (mean grads, loss, metrics incl. NEW_STATE)."""
+    """factory(loss_fn) -> fn(params, batch, cs) -> (mean grads, loss, metrics, cs with the next cs.grad)."""
 
     def factory(loss_fn):
-        def fn(params, batch, ctx):
-            state = ctx["codec"]["powersgd"]
-            sspec = psgd.state_specs(state, axes)
-            ctx_spec = jax.tree.map(lambda _: P(), ctx)
-            ctx_spec["codec"] = dict(ctx_spec["codec"], powersgd=sspec)
+        def fn(params, batch, cs):
+            sspec = psgd.state_specs(cs.grad, axes)
+            cs_spec = jax.tree.map(lambda _: P(), cs)._replace(grad=sspec)
             batch_spec = jax.tree.map(lambda x: P(axes) if jnp.ndim(x) else P(), batch)
 
-            def body(params, batch, ctx):
+            def body(params, batch, cs):
                 batch = dict(batch, **global_normalisers(batch["response_mask"], axes))
-                (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, ctx)
-                mean, new_state, pm = psgd.powersgd_reduce(
-                    grads, ctx["codec"]["powersgd"], fcfg, axes, interpret=interpret
-                )
+                (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, cs)
+                mean, new_state, pm = psgd.powersgd_reduce(grads, cs.grad, fcfg, axes, interpret=interpret)
                 metrics = _reduce_metrics(dict(metrics), axes)
                 metrics.update(pm)
                 return mean, jax.lax.pmean(loss, axes), metrics, new_state
@@ -82,11 +78,9 @@ def make_powersgd_grad_fn(fcfg, mesh, *, interpret: bool = False, axes=BATCH_AXE
             rep_params = jax.tree.map(lambda _: P(), params)
             out_specs = (P(), P(), P(), sspec)
             mean, loss, metrics, new_state = jax.shard_map(
-                body, mesh=mesh, in_specs=(rep_params, batch_spec, ctx_spec), out_specs=out_specs, check_vma=False
-            )(params, batch, ctx)
-            metrics = dict(metrics)
-            metrics[NEW_STATE] = new_state
-            return mean, loss, metrics
+                body, mesh=mesh, in_specs=(rep_params, batch_spec, cs_spec), out_specs=out_specs, check_vma=False
+            )(params, batch, cs)
+            return mean, loss, dict(metrics), cs._replace(grad=new_state)
 
         return fn
 

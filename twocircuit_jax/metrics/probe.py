@@ -86,9 +86,9 @@ def make_fidelity_fn(
     grad_transform: Optional[Callable],
     make_dense_loss: Callable,
 ):
-    """fn(params, ref_params, batch, ctx) -> {fidelity/*: scalar}.
+    """fn(params, ref_params, batch, cs) -> {fidelity/*: scalar}; `cs` is the circuit state.
 
-    `compute(params, batch, ctx) -> (grads, loss, metrics)` is the train step's own gradient (the circuit's grad_fn,
+    `compute(params, batch, cs) -> (grads, loss, metrics, cs)` is the train step's own gradient (the circuit's grad_fn,
     PowerSGD included); `grad_transform` the merger (None without the anchor); `make_dense_loss()` the dense GRPO
     loss (codec None). The batch must be the step's first mini-batch at the weights the tick will update (ratio one,
     so the fast and dense objectives differ only by the view). Error memories and merger states are discarded.
@@ -99,13 +99,13 @@ def make_fidelity_fn(
         logits, _ = forward_with_aux(model_cfg, p, batch["tokens"], batch["attention_mask"])
         return jax.lax.stop_gradient(token_logprobs(logits, batch["tokens"]))
 
-    def boundary_errors(params, batch, ctx):
+    def boundary_errors(params, batch, cs):
         if codec is None or not codec.applies("train"):
             return {}
         hook, layers = codec.hook(
-            ctx["codec"],
+            cs.codec,
             "train",
-            ctx["step"],
+            cs.clock.step,
             batch["sample_id"],
             default_positions(batch["attention_mask"]),
             batch["attention_mask"],
@@ -130,10 +130,10 @@ def make_fidelity_fn(
             out[f"fidelity/boundary_rel_err/{b}"] = jnp.sqrt(jnp.sum(d * d) / jnp.maximum(jnp.sum(ref * ref), 1e-30))
         return out
 
-    def fn(params, ref_params, batch, ctx):
-        ctx = dict(ctx, first_minibatch=jnp.asarray(True))
-        g_pre, _, _ = compute(params, batch, ctx)
-        g_post = grad_transform(g_pre, ctx)[0] if grad_transform is not None else g_pre
+    def fn(params, ref_params, batch, cs):
+        cs = cs._replace(clock=cs.clock._replace(first_minibatch=jnp.asarray(True)))
+        g_pre, _, _, _ = compute(params, batch, cs)
+        g_post = grad_transform(g_pre, cs)[0] if grad_transform is not None else g_pre
         # The dense step on this batch: ratio one, dense reference, TIS weights dense vs sampler.
         lp = dense_logp(params, batch)
         dense_batch = dict(batch, old_logp=lp)
@@ -143,13 +143,13 @@ def make_fidelity_fn(
             dense_batch["is_weight"] = tis_weights(
                 lp, batch["sampler_logp"], batch["response_mask"], grpo_cfg.tis, grpo_cfg.tis_cap
             )[0]
-        g_dense = jax.grad(lambda p: dense_loss(p, dense_batch, ctx)[0])(params)
+        g_dense = jax.grad(lambda p: dense_loss(p, dense_batch, cs)[0])(params)
         out = grad_cosines(g_post, g_dense)
         # Without the anchor nothing rewrites G and the two are equal; logged anyway so runs compare key for key.
         out["fidelity/grad_cos_pre_merger"] = grad_cosines(g_pre, g_dense, "c")["c"]
         norm = lambda t: jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(t)))  # noqa
         out["fidelity/grad_norm_ratio"] = norm(g_post) / jnp.maximum(norm(g_dense), 1e-30)
-        out.update(boundary_errors(params, batch, ctx))
+        out.update(boundary_errors(params, batch, cs))
         return out
 
     return fn

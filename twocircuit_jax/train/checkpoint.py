@@ -124,6 +124,13 @@ class CheckpointManager:
         meta = json.loads((d / "meta.json").read_text())
         return state, meta
 
+    def read_meta(self, step) -> dict:
+        """The JSON host state of checkpoint `step` (or "best") alone, without touching the arrays."""
+        d = self.root / (_BEST if step == _BEST else _step_dir(int(step)))
+        if not (d / _MARKER).is_file():
+            raise FileNotFoundError(f"no committed checkpoint {step!r} under {self.root} (have {self.steps()})")
+        return json.loads((d / "meta.json").read_text())
+
     def read_blob(self, step, name: str) -> bytes | None:
         """A host-side extra saved with checkpoint `step` (or "best"); None if that checkpoint has none."""
         f = self.root / (_BEST if step == _BEST else _step_dir(int(step))) / "blobs" / name

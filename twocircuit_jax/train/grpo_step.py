@@ -1,7 +1,7 @@
 """GRPO through the trainer's view of the policy: log-prob passes and the loss the train step differentiates.
 
-The fast circuit enters only through `codec` (an object with `applies(tag)`, `hook(state, tag, step, batch)` and
-`summarize(aux)`; see fast/circuit.py). With `codec=None` no hook is installed at all, so the dense trainer is the
+The fast circuit enters only through `codec` (an object with `applies(tag)`, `hook(codec_state, tag, step, ...)`
+and `summarize(aux)`; see fast/circuit.py); `cs` is the circuit state (train/circuit_state.py). With `codec=None` no hook is installed at all, so the dense trainer is the
 plain GRPO step bit for bit. Path tags (design §3.1): `train`, `old_logprob`, `ref_logprob`, `dense`.
 """
 
@@ -12,17 +12,18 @@ import jax.numpy as jnp
 
 from twocircuit_jax.grpo.loss import grpo_loss, token_entropy, token_logprobs
 from twocircuit_jax.model.qwen2 import default_positions, forward_with_aux
+from twocircuit_jax.train.step import AUX
 
 TRAIN, OLD, REF, DENSE = "train", "old_logprob", "ref_logprob", "dense"
 
 
-def _policy_pass(model_cfg, params, batch, ctx, codec, tag):
+def _policy_pass(model_cfg, params, batch, cs, codec, tag):
     hook, layers = None, ()
     if codec is not None and codec.applies(tag):
         hook, layers = codec.hook(
-            ctx["codec"],
+            cs.codec,
             tag,
-            ctx["step"],
+            cs.clock.step,
             batch["sample_id"],
             default_positions(batch["attention_mask"]),
             batch["attention_mask"],
@@ -34,10 +35,10 @@ def _policy_pass(model_cfg, params, batch, ctx, codec, tag):
 
 
 def make_logp_fn(model_cfg, codec=None, tag: str = OLD):
-    """(params, batch, ctx) -> (logp [B,T], entropy [B,T], codec aux). No gradient is taken through it."""
+    """(params, batch, cs) -> (logp [B,T], entropy [B,T], codec aux). No gradient is taken through it."""
 
-    def fn(params, batch, ctx):
-        logits, aux = _policy_pass(model_cfg, params, batch, ctx, codec, tag)
+    def fn(params, batch, cs):
+        logits, aux = _policy_pass(model_cfg, params, batch, cs, codec, tag)
         logits = jax.lax.stop_gradient(logits)
         return token_logprobs(logits, batch["tokens"]), token_entropy(logits), aux
 
@@ -45,25 +46,23 @@ def make_logp_fn(model_cfg, codec=None, tag: str = OLD):
 
 
 def make_grpo_loss(model_cfg, grpo_cfg, max_new_tokens: int, codec=None):
-    """loss_fn(params, batch, ctx) -> (loss, metrics) for train.step.make_train_step.
+    """loss_fn(params, batch, cs) -> (loss, metrics) for train.step.make_train_step.
 
     batch carries old_logp (and ref_logp when kl_coef > 0), advantages, response_mask (loss mask applied),
     is_weight (importance weights; absent when TIS is off so that the loss is untouched bit for bit), and
     optionally token_count / seq_count (global normalisers, set by a data-parallel grad_fn; see `agg_loss`).
 
-    ctx["first_minibatch"] (bool scalar, traced): on a step's first mini-batch the parameters are those that
+    cs.clock.first_minibatch (bool scalar, traced): on a step's first mini-batch the parameters are those that
     produced old_logp, so ℓ_old is taken as the stop-gradient of this forward's own log-probs. The ratio is then
     exactly 1 (PPO-KL and clip fraction exactly 0) instead of 1 ± a few ulp from a separately compiled pass.
     """
 
-    def loss_fn(params, batch, ctx):
-        logits, aux = _policy_pass(model_cfg, params, batch, ctx, codec, TRAIN)
+    def loss_fn(params, batch, cs):
+        logits, aux = _policy_pass(model_cfg, params, batch, cs, codec, TRAIN)
         logp = token_logprobs(logits, batch["tokens"])
         ent = token_entropy(jax.lax.stop_gradient(logits)) if grpo_cfg.entropy_coeff == 0 else token_entropy(logits)
         ref = batch.get("ref_logp") if grpo_cfg.kl_coef > 0 else None
-        old = batch["old_logp"]
-        if ctx.get("first_minibatch") is not None:
-            old = jnp.where(ctx["first_minibatch"], jax.lax.stop_gradient(logp), old)
+        old = jnp.where(cs.clock.first_minibatch, jax.lax.stop_gradient(logp), batch["old_logp"])
         loss, metrics = grpo_loss(
             logp,
             old,
@@ -79,7 +78,7 @@ def make_grpo_loss(model_cfg, grpo_cfg, max_new_tokens: int, codec=None):
         )
         if codec is not None and aux:
             metrics.update(codec.summarize(aux))
-            metrics["codec/aux"] = aux  # raw per-boundary outputs (e.g. low-rank sketches) for the loop
+            metrics[AUX] = aux  # raw per-boundary outputs (the low-rank sketch): folded into cs.codec by the step
         return loss, metrics
 
     return loss_fn

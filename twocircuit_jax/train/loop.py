@@ -3,7 +3,9 @@
 One GRPO step `gs` is one rollout batch; one tick is one optimizer update on one mini-batch (design §2). Every
 random choice is a function of (train.seed, gs), so a resumed run repeats an uninterrupted one step for step.
 The fast circuit plugs in as `codec` (fast/circuit.py), the anchor as `anchor` (anchor/circuit.py); both absent
-means the dense trainer.
+means the dense trainer. Their array state is one pytree, the circuit state `cs` (train/circuit_state.py), which the
+loop threads through the pure pieces: the jitted step `(state, cs, batch) -> (state, cs, metrics)`, the anchor's
+fire and swap, the basis refresh at the end of a step.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from twocircuit_jax.parallel import dispatch, mesh as pmesh
 from twocircuit_jax.tasks import make_task
 from twocircuit_jax.train import rollout as ro
 from twocircuit_jax.train.checkpoint import CheckpointManager
+from twocircuit_jax.train.circuit_state import CircuitState, Clock, init_clock, place, set_clock
 from twocircuit_jax.train.evaluate import Evaluator
 from twocircuit_jax.train.grpo_step import DENSE, OLD, REF, make_grpo_loss, make_logp_fn
 from twocircuit_jax.train.setup import check_vocab, load_model, load_run_tokenizer, make_sampler
@@ -41,6 +44,9 @@ from twocircuit_jax.train.step import (
 )
 
 ANCHOR_BLOB = "anchor_buffers.pkl"
+STATE_LAYOUT = (
+    2  # checkpoint tree {"train", "circuit"}; layout 1 (no "state_layout" in meta) held {"train", "ctx", "anchor"}
+)
 
 
 def step_seed(seed: int, gs: int, salt: int = 0) -> int:
@@ -77,7 +83,6 @@ class GRPOTrainer:
         # Frozen reference policy: a copy, since the train state's buffers are donated every tick.
         self.ref_params = jax.tree.map(jnp.copy, jax.device_put(params, self.param_sh))
         self.codec = self.anchor = None
-        self.ctx = {"step": jnp.zeros((), jnp.int32), "first_minibatch": jnp.asarray(False)}
         self._build_circuits()
         self._compile()
         os.makedirs(run_dir, exist_ok=True)
@@ -97,18 +102,30 @@ class GRPOTrainer:
 
     # --- construction -----------------------------------------------------------------------------------------
     def _build_circuits(self):
-        """Fast circuit and anchor, when the config turns them on (None = absent, not merely idle)."""
+        """Fast circuit and anchor when the config turns them on (None = absent, not merely idle), and the circuit
+        state with its shardings: every field exists from tick 1, so the step compiles once."""
+        codec_state = grad_state = merger = moments = None
         if self.cfg.fast.codec != "none" or self.cfg.fast.grad_codec != "none":
             from twocircuit_jax.fast.circuit import FastCircuit
 
             self.codec = FastCircuit(self.cfg, self.model_cfg, self.mesh)
-            self.ctx["codec"] = self.codec.init_state(self.state.params)
+            codec_state, grad_state = self.codec.init_codec_state(), self.codec.init_grad_state(self.state.params)
         if self.cfg.anchor.enabled:
             from twocircuit_jax.anchor.circuit import AnchorCircuit
 
             sketcher = self.codec.basis_sketcher if (self.codec and self.cfg.anchor_owns_q) else None
             self.anchor = AnchorCircuit(self.cfg, self.model_cfg, self.state.params, sketcher=sketcher)
-            self.ctx.update(self.anchor.init_ctx())  # merger keys exist from tick 1: the step compiles once
+            merger, moments = self.anchor.init_merger_state(), self.anchor.init_moments()
+        self.cs = CircuitState(init_clock(), codec_state, grad_state, merger, moments)
+        rep = pmesh.replicated(self.mesh)
+        replicate = lambda tree: jax.tree.map(lambda _: rep, tree)  # noqa: E731
+        self.cs_sh = CircuitState(
+            replicate(self.cs.clock),
+            replicate(codec_state),
+            self.codec.grad_state_shardings(grad_state) if self.codec else None,
+            replicate(merger),
+            self.anchor.mom_sh if self.anchor else None,
+        )
 
     def _compile(self):
         cfg, mesh = self.cfg, self.mesh
@@ -133,7 +150,9 @@ class GRPOTrainer:
             self.optimizer,
             self.state_sh,
             mesh,
+            circuit_sharding=self.cs_sh,
             grad_fn=grad_fn,
+            absorb_aux=self.codec.absorb_aux if self.codec else None,
             grad_transform=grad_transform,
             skip_nonfinite=cfg.train.skip_nonfinite,
         )
@@ -146,30 +165,77 @@ class GRPOTrainer:
 
     # --- checkpoints ------------------------------------------------------------------------------------------
     def _ckpt_state(self):
-        extra = {"ctx": self.ctx}
-        if self.anchor:
-            extra["anchor"] = self.anchor.device_state()
-        return {"train": self.state, **extra}
+        return {"train": self.state, "circuit": self.cs}
 
     def _meta(self, gs):
-        meta = {"step": gs, "history": self.history, "model_config": to_dict(self.model_cfg)}
+        meta = {
+            "step": gs,
+            "state_layout": STATE_LAYOUT,
+            "history": self.history,
+            "model_config": to_dict(self.model_cfg),
+        }
         if self.anchor:
             meta["anchor"] = self.anchor.host_state()
         if self.codec:
             meta["codec_applications"] = dict(self.codec.applications)  # host counters of codec forwards
+            meta["codec_steps"] = self.codec.steps
         return meta
 
     def _restore(self):
         step = self.ckpt.latest()
         if step is None:
             raise ConfigError("--resume", f"no complete checkpoint under {self.ckpt.root}")
-        state, meta = self.ckpt.restore(step, self._ckpt_state())
-        self.state, self.ctx = state["train"], state["ctx"]
+        meta = self.ckpt.read_meta(step)
+        layout = meta.get("state_layout", 1)
+        if layout == STATE_LAYOUT:
+            state, meta = self.ckpt.restore(step, self._ckpt_state())
+            self.state, self.cs = state["train"], state["circuit"]
+        elif layout == 1:
+            state, meta = self.ckpt.restore(step, self._legacy_tree())
+            self.state, self.cs = state["train"], self._from_legacy(state)
+        else:
+            raise ConfigError(
+                "--resume",
+                f"the checkpoint {self.ckpt.root}/step_{step:08d} has state layout {layout}, written by a newer "
+                f"twocircuit_jax; this one reads layouts 1 and {STATE_LAYOUT}",
+            )
         if self.anchor:
-            self.anchor.load(state.get("anchor"), meta.get("anchor"), self.ctx, self.ckpt.read_blob(step, ANCHOR_BLOB))
+            self.anchor.load(meta.get("anchor"), self.ckpt.read_blob(step, ANCHOR_BLOB))
         self.start_step, self.history = int(meta["step"]), meta["history"]
         if self.codec:
             self.codec.applications.update(meta.get("codec_applications", {}))
+            self.codec.steps = int(meta.get("codec_steps", self.codec.steps))
+
+    def _legacy_tree(self):
+        """Restore target of a layout-1 checkpoint (written before the circuit state was one pytree): the train
+        state, a `ctx` dict and the anchor's moments."""
+        cs = self.cs
+        ctx = {"step": cs.clock.step, "first_minibatch": cs.clock.first_minibatch}
+        if self.codec:
+            ctx["codec"] = {"steps": jnp.zeros((), jnp.int32)}
+            if cs.codec is not None:
+                ctx["codec"]["lowrank"] = cs.codec
+            if cs.grad is not None:
+                ctx["codec"]["powersgd"] = cs.grad
+        if cs.merger is not None:
+            ctx.update(merger=cs.merger, anchor_fire=cs.clock.anchor_fire, anchor_merge=cs.clock.anchor_merge)
+        tree = {"train": self.state, "ctx": ctx}
+        if self.anchor:
+            tree["anchor"] = {"moments": cs.moments} if cs.moments is not None else {"none": jnp.zeros((), jnp.int32)}
+        return tree
+
+    def _from_legacy(self, tree) -> CircuitState:
+        ctx, codec = tree["ctx"], tree["ctx"].get("codec", {})
+        if self.codec:
+            self.codec.steps = int(codec["steps"])
+        clock = Clock(
+            ctx["step"],
+            ctx["first_minibatch"],
+            ctx.get("anchor_fire", self.cs.clock.anchor_fire),
+            ctx.get("anchor_merge", self.cs.clock.anchor_merge),
+        )
+        moments = tree.get("anchor", {}).get("moments")
+        return CircuitState(clock, codec.get("lowrank"), codec.get("powersgd"), ctx.get("merger"), moments)
 
     # --- one GRPO step ----------------------------------------------------------------------------------------
     def _problems_for(self, gs):
@@ -206,19 +272,20 @@ class GRPOTrainer:
         batch["response_mask"] = batch["response_mask"] * loss_mask[:, None]  # the loss may exclude some rows
         batch["advantages"] = adv
         truncated = batch.pop("truncated")
-        self.ctx["step"] = jnp.asarray(gs, jnp.int32)
+        self.cs = place(set_clock(self.cs, step=gs), self.cs_sh)  # one input signature for every jitted pass
         dev = self._shard_batch(batch)
-        if self.codec and gs == 1:  # a fresh run only: a resumed one restores its basis with the codec state
-            self.ctx["codec"], bm = self.codec.bootstrap(self.ctx["codec"], self.state.params, dev)
+        if self.codec and gs == 1:  # a fresh run only: a resumed one restores its basis with the circuit state
+            codec_state, bm = self.codec.bootstrap(self.cs.codec, self.state.params, dev)
+            self.cs = self.cs._replace(codec=codec_state)
             metrics.update(bm)
-        old_logp, ent, old_aux = self.logp_old(self.state.params, dev, self.ctx)
+        old_logp, ent, old_aux = self.logp_old(self.state.params, dev, self.cs)
         dev["old_logp"] = old_logp
         if cfg.grpo.kl_coef > 0:
-            dev["ref_logp"] = self.logp_ref(self.ref_params, dev, self.ctx)[0]
+            dev["ref_logp"] = self.logp_ref(self.ref_params, dev, self.cs)[0]
             if self.anchor:  # the anchor's KL is in the dense view: one more reference forward, codecs off
                 codec_ref = self.codec is not None and self.codec.applies(REF)
                 dev["ref_logp_dense"] = (
-                    self.logp_dense(self.ref_params, dev, self.ctx)[0] if codec_ref else dev["ref_logp"]
+                    self.logp_dense(self.ref_params, dev, self.cs)[0] if codec_ref else dev["ref_logp"]
                 )
         if cfg.grpo.tis != "off":
             w, tis_m = tis_weights(old_logp, dev["sampler_logp"], dev["response_mask"], cfg.grpo.tis, cfg.grpo.tis_cap)
@@ -234,7 +301,8 @@ class GRPOTrainer:
             metrics.update(self._dense_probe(dev, full_mask, old_logp))
         metrics.update(self._ticks(gs, dev))
         if self.codec:
-            self.ctx["codec"], cm = self.codec.end_step(self.ctx["codec"], gs)
+            codec_state, cm = self.codec.end_step(self.cs.codec, gs, self.cs.grad)
+            self.cs = self.cs._replace(codec=codec_state)
             metrics.update(cm)
         self.state_version = gs
         self.sampler.update_weights(self.state.params, gs)  # publish: the next rollout uses these weights
@@ -252,9 +320,9 @@ class GRPOTrainer:
         """design §6 probe: reference KL with codecs off everywhere (`kl/ref_dense`) against the codec view at the
         same point (`kl/ref_codec`), their ratio `kl/gain`, and the dense trainer's own gap to the sampler.
         Cost: two or three extra forwards, no backward."""
-        lp = self.logp_dense(self.state.params, dev, self.ctx)[0]
-        lr_dense = self.logp_dense(self.ref_params, dev, self.ctx)[0]
-        ref_codec = dev["ref_logp"] if "ref_logp" in dev else self.logp_ref(self.ref_params, dev, self.ctx)[0]
+        lp = self.logp_dense(self.state.params, dev, self.cs)[0]
+        lr_dense = self.logp_dense(self.ref_params, dev, self.cs)[0]
+        ref_codec = dev["ref_logp"] if "ref_logp" in dev else self.logp_ref(self.ref_params, dev, self.cs)[0]
         return dense_probe_metrics(
             lp, lr_dense, old_logp, ref_codec, dev["sampler_logp"], mask, self.cfg.grpo.kl_estimator
         )
@@ -268,25 +336,24 @@ class GRPOTrainer:
             for j, mb in enumerate(ro.split_minibatches(dev, n_mini)):
                 mb = self._shard_batch(mb)
                 tau = int(self.state.tick) + 1
-                self.ctx["first_minibatch"] = jnp.asarray(j == 0 and epoch == 0)  # ℓ_old from the train forward
+                first = j == 0 and epoch == 0
+                self.cs = set_clock(self.cs, first_minibatch=first)  # ℓ_old from the train forward
                 if self.anchor:
-                    basis = self.ctx["codec"]["lowrank"] if self.anchor.owns_q else None
-                    self.ctx, am, sketch = self.anchor.before_tick(
-                        tau, gs, j == 0 and epoch == 0, mb, self.state, self.ctx, basis
-                    )
+                    basis = self.cs.codec if self.anchor.owns_q else None
+                    self.cs, am, sketch = self.anchor.before_tick(tau, gs, first, mb, self.state, self.cs, basis)
                     if sketch is not None:  # the anchor's dense sketch refreshes the basis (staged)
-                        self.ctx["codec"] = self.codec.absorb_sketch(self.ctx["codec"], sketch)
+                        self.cs = self.cs._replace(codec=self.codec.absorb_sketch(self.cs.codec, sketch))
                     _merge(accum, am)
-                if probe and j == 0 and epoch == 0:  # before the tick: the weights and M it will use
-                    _merge(accum, jax.device_get(self.fidelity(self.state.params, self.ref_params, mb, self.ctx)))
-                self.state, m = self.train_step(self.state, mb, self.ctx)
+                # Both states are donated: `place` commits every leaf to its sharding, no buffer twice.
+                self.cs = place(self.cs, self.cs_sh)
+                if probe and first:  # before the tick: the weights and M it will use
+                    _merge(accum, jax.device_get(self.fidelity(self.state.params, self.ref_params, mb, self.cs)))
+                self.state, self.cs, m = self.train_step(self.state, self.cs, mb)
                 m = dict(m)
-                aux = m.pop("codec/aux", None)
-                new_codec = m.pop("codec/new_state", None)  # PowerSGD state after this tick's reduce
-                if self.codec and (aux is not None or new_codec is not None):
-                    self.ctx["codec"] = self.codec.after_tick(self.ctx["codec"], aux, new_codec)
+                if self.codec:
+                    self.codec.tick_done()
                 if self.anchor:
-                    self.state, self.ctx, sm = self.anchor.after_tick(tau, self.state, self.ctx, m)
+                    self.state, sm = self.anchor.after_tick(tau, self.state, self.cs)
                     m.update(sm)
                 _merge(accum, jax.device_get(m))  # host sync, once per tick
         out = {k: float(np.mean(v)) for k, v in accum.items()}
@@ -313,7 +380,7 @@ class GRPOTrainer:
             for gs in range(self.start_step + 1, t.steps + 1):
                 metrics = {"step": gs, **self.grpo_step(gs)}
                 if self.anchor:
-                    metrics.update(self.anchor.step_metrics())
+                    metrics.update(self.anchor.step_metrics(self.cs))
                 if (t.eval_every and gs % t.eval_every == 0) or gs == t.steps:
                     metrics.update(self.evaluate(gs))
                     summary["final_accuracy"] = metrics["eval/accuracy"]

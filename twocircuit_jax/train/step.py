@@ -1,11 +1,16 @@
 """The pure train step, jitted once with explicit shardings and donated state.
 
-`make_train_step` wires four pluggable pieces, so the fast circuit and the anchor add behaviour without forking it:
-  loss_fn(params, batch, ctx) -> (loss, metrics)          GRPO loss (fast circuit: codec hooks inside)
-  grad_fn(loss_fn) -> fn(params, batch, ctx) -> (grads, loss, metrics)   default: jax.value_and_grad; XLA inserts
-                                                          the data-parallel mean. PowerSGD replaces it.
-  grad_transform(grads, ctx) -> (grads, metrics)          merger (anchor circuit), before clipping
+`make_train_step` builds `step(train_state, circuit_state, batch) -> (train_state, circuit_state, metrics)` from
+pluggable pure pieces, so the fast circuit and the anchor add behaviour without forking it:
+  loss_fn(params, batch, cs) -> (loss, metrics)           GRPO loss (fast circuit: codec hooks inside). A metrics
+                                                          entry AUX holds the codec's raw per-boundary outputs.
+  grad_fn(loss_fn) -> fn(params, batch, cs) -> (grads, loss, metrics, cs)   default: jax.value_and_grad, XLA
+                                                          inserts the data-parallel mean; PowerSGD replaces it and
+                                                          returns its next state in cs.grad.
+  absorb_aux(codec_state, aux) -> codec_state             folds AUX into cs.codec (the low-rank sketch)
+  grad_transform(grads, cs) -> (grads, cs, metrics)       merger (anchor circuit), before clipping
   optimizer (optax)                                       clip + AdamW
+`cs` is the circuit state (train/circuit_state.py). Metrics leave the step as scalars only.
 A non-finite gradient norm skips the update: params and optimizer state unchanged, `grad/skipped` = 1.
 """
 
@@ -68,10 +73,13 @@ def state_shardings(state: TrainState, mesh) -> TrainState:
     )
 
 
+AUX = "codec/aux"  # the loss's metrics entry with the codec's per-boundary outputs; never leaves the step
+
+
 def default_grad_fn(loss_fn):
-    def fn(params, batch, ctx):
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, ctx)
-        return grads, loss, metrics
+    def fn(params, batch, cs):
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, cs)
+        return grads, loss, metrics, cs
 
     return fn
 
@@ -81,18 +89,21 @@ def make_train_step(
     optimizer: optax.GradientTransformation,
     *,
     grad_fn: Optional[Callable] = None,
+    absorb_aux: Optional[Callable] = None,
     grad_transform: Optional[Callable] = None,
     skip_nonfinite: bool = True,
 ):
-    """Pure (state, batch, ctx) -> (state', metrics). `ctx` carries per-call inputs that are not donated
-    (codec state, step key, merger state)."""
+    """Pure (train_state, circuit_state, batch) -> (train_state', circuit_state', scalar metrics)."""
     compute = (grad_fn or default_grad_fn)(loss_fn)
 
-    def step(state: TrainState, batch, ctx):
-        grads, loss, metrics = compute(state.params, batch, ctx)
+    def step(state: TrainState, cs, batch):
+        grads, loss, metrics, cs = compute(state.params, batch, cs)
         metrics = dict(metrics)
+        aux = metrics.pop(AUX, None)
+        if absorb_aux is not None and aux:
+            cs = cs._replace(codec=absorb_aux(cs.codec, aux))
         if grad_transform is not None:
-            grads, extra = grad_transform(grads, ctx)
+            grads, cs, extra = grad_transform(grads, cs)
             metrics.update(extra)
         gnorm = optax.tree.norm(grads)
         ok = jnp.isfinite(gnorm) if skip_nonfinite else jnp.array(True)
@@ -104,23 +115,25 @@ def make_train_step(
         new_params = jax.tree.map(lambda p, q: p.astype(q.dtype), keep(new_params, state.params), state.params)
         new_opt = keep(new_opt, state.opt_state)
         metrics.update({"loss": loss, "grad/norm": gnorm, "grad/skipped": (~ok).astype(jnp.int32)})
-        return TrainState(new_params, new_opt, state.tick + 1, state.skipped + (~ok).astype(jnp.int32)), metrics
+        new_state = TrainState(new_params, new_opt, state.tick + 1, state.skipped + (~ok).astype(jnp.int32))
+        return new_state, cs, metrics
 
     return step
 
 
 def jit_train_step(
-    step, state_sharding: TrainState, batch_sharding=None, ctx_sharding=None, metrics_sharding=None, donate=True
+    step, state_sharding: TrainState, circuit_sharding=None, batch_sharding=None, metrics_sharding=None, donate=True
 ):
     """The one place a train step is jitted (GRPO loop, SFT, scripts/comm_bytes.py, the benchmarks, tests):
-    explicit in/out shardings, compiled once per run, state donated (its buffers are reused for the new state;
-    `donate=False` only for benchmarks that feed one state many times). A `None` sharding leaves that input or
-    output where XLA puts it."""
+    explicit in/out shardings, compiled once per run, train and circuit state donated (their buffers are reused for
+    the new states; `donate=False` only for benchmarks and tests that feed one state many times). A `None` sharding
+    leaves that input or output where XLA puts it. A donated circuit state must not hold one buffer twice
+    (`circuit_state.distinct_buffers`)."""
     return dispatch.jit(
         step,
-        in_shardings=(state_sharding, batch_sharding, ctx_sharding),
-        out_shardings=(state_sharding, metrics_sharding),
-        donate_argnums=(0,) if donate else (),
+        in_shardings=(state_sharding, circuit_sharding, batch_sharding),
+        out_shardings=(state_sharding, circuit_sharding, metrics_sharding),
+        donate_argnums=(0, 1) if donate else (),
     )
 
 
@@ -130,23 +143,25 @@ def build_train_step(
     state_sharding: TrainState,
     mesh,
     *,
+    circuit_sharding=None,
     grad_fn=None,
+    absorb_aux=None,
     grad_transform=None,
     skip_nonfinite: bool = True,
     batch_sharding=None,
-    ctx_sharding="auto",
     donate=True,
 ):
-    """`make_train_step` + `jit_train_step` with the project's sharding rule for ctx and metrics: replicated, except
-    with a gradient codec (PowerSGD), whose per-replica error memory lives split over data parallel and leaves the
-    step with the metrics; there both stay free (forcing replication would all-gather the memory every tick).
-    `ctx_sharding` overrides the ctx rule (compiling from shapes alone needs explicit shardings)."""
+    """`make_train_step` + `jit_train_step`; metrics (scalars) come out replicated. `circuit_sharding` is the
+    circuit state's sharding tree (the loop's `circuit_shardings`); None leaves it free."""
     step = make_train_step(
-        loss_fn, optimizer, grad_fn=grad_fn, grad_transform=grad_transform, skip_nonfinite=skip_nonfinite
+        loss_fn,
+        optimizer,
+        grad_fn=grad_fn,
+        absorb_aux=absorb_aux,
+        grad_transform=grad_transform,
+        skip_nonfinite=skip_nonfinite,
     )
-    free = None if grad_fn is not None else pmesh.replicated(mesh)
-    ctx_sharding = free if ctx_sharding == "auto" else ctx_sharding
-    return jit_train_step(step, state_sharding, batch_sharding, ctx_sharding, free, donate)
+    return jit_train_step(step, state_sharding, circuit_sharding, batch_sharding, pmesh.replicated(mesh), donate)
 
 
 def shard_state(state: TrainState, shardings: TrainState) -> TrainState:

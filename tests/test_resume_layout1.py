@@ -1,0 +1,52 @@
+"""A run saved before the circuit state became one pytree (checkpoint state layout 1, by commit 051645e) resumes
+with this code and repeats, step for step, what the old code logged without the interruption.
+
+tests/data/layout1_run/ was made by the code of 051645e: `twocircuit train --config run.yaml` (lowrank codec with
+an anchor-owned basis, PowerSGD past its warm-up, the anchor with merger and swap), stopped after step 3's
+checkpoint (step_00000003 and metrics.jsonl kept); uninterrupted_metrics.jsonl is the same run left to finish.
+"""
+
+import json
+import shutil
+
+import pytest
+
+from twocircuit_jax.cli import main
+from twocircuit_jax.train.checkpoint import CheckpointManager
+
+pytestmark = pytest.mark.slow  # an end-to-end run: `make test-fast` skips it, `make test` (CI) runs it
+
+DATA = __file__.rsplit("/", 1)[0] + "/data/layout1_run"
+
+
+def _rows(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def test_layout1_checkpoint_resumes_exactly(tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(DATA, run)
+    assert "state_layout" not in CheckpointManager(run / "checkpoints").read_meta(3)  # really the old layout
+    assert main(["train", "--config", str(run / "run.yaml"), "--out", str(run), "--no-progress", "--resume"]) == 0
+    old, new = _rows(run / "uninterrupted_metrics.jsonl"), _rows(run / "metrics.jsonl")
+    assert [r["step"] for r in new] == list(range(7))
+    assert sum(r.get("anchor/fire", 0) for r in old[4:]) >= 1 and old[-1]["swap/count"] > 0
+    assert old[-1]["codec/steps"] == new[-1]["codec/steps"] == 6
+    for ro, rn in zip(old[4:], new[4:]):
+        assert set(ro) == set(rn), ro["step"]
+        for k, v in ro.items():
+            if k.startswith("time/") or not isinstance(v, (int, float)):
+                continue
+            assert rn[k] == pytest.approx(v, abs=1e-6, rel=1e-6), (ro["step"], k)
+    assert CheckpointManager(run / "checkpoints").read_meta(6)["state_layout"] == 2  # new saves use the new one
+
+
+def test_a_newer_layout_is_a_clear_error(tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(DATA, run)
+    meta = run / "checkpoints" / "step_00000003" / "meta.json"
+    meta.write_text(json.dumps(dict(json.loads(meta.read_text()), state_layout=99)))
+    rc = main(["train", "--config", str(run / "run.yaml"), "--out", str(run), "--no-progress", "--resume"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "state layout 99" in err and "step_00000003" in err and "reads layouts 1 and 2" in err
