@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     from pallas_kernels.lowrank import lowrank_reference, project_reconstruct
     from pallas_kernels.powersgd import ef_project, ef_project_reference
     from pallas_kernels.prf_mask import MaskRows, prf_mask_kernel, prf_mask_reference
-    from twocircuit_jax.fast import mask as mask_lib
+    from twocircuit_jax.fast.codecs import prf_mask as mask_lib
 
     N, H, r, F = args.tokens, args.hidden, args.rank, args.mlp
     dt = jnp.dtype(args.dtype)

@@ -78,7 +78,7 @@ def _measure(cfg, devices) -> dict:
     params = jax.eval_shape(lambda: init_params(model_cfg, jax.random.key(0)))
     state = jax.eval_shape(lambda p: init_state(p, opt), params)
     state_sh = state_shardings(state, mesh)
-    on = cfg.fast.codec != "none" or cfg.fast.grad_codec != "none"
+    on = cfg.fast.codec_type != "none" or cfg.fast.grad_codec_type != "none"
     circuit = FastCircuit(cfg, model_cfg, mesh) if on else None
     # The circuit state from shapes alone (the fast circuit's fields; the merger adds no collective: M is
     # replicated and rewrites an already-reduced gradient elementwise).
@@ -119,7 +119,7 @@ def _measure(cfg, devices) -> dict:
     rows = cfg.train.mini_batch * cfg.sampler.n // pmesh.dp_size(mesh)  # per replica, like the HLO bytes
     tokens = rows * (cfg.train.max_prompt_len + cfg.sampler.sampling.max_new_tokens)
     act = (
-        fbytes.activation_bytes(cfg.fast, tokens=tokens, hidden=model_cfg.hidden_size, boundaries=b)
+        fbytes.activation_bytes(cfg.fast.codec, tokens=tokens, hidden=model_cfg.hidden_size, boundaries=b)
         if b
         else {"comm/bytes_compressed": 0.0, "comm/bytes_dense": 0.0}
     )
@@ -159,9 +159,11 @@ def _anchor_fire_bytes(cfg, mesh, params, param_sh, circuit, cs) -> float:
 
 def dense_twin(cfg):
     """The same run with both circuits' compression off: no codec, no gradient codec, no anchor."""
+    from twocircuit_jax.config.sections import NoActivationCodec, NoGradCodec
+
     return dataclasses.replace(
         cfg,
-        fast=dataclasses.replace(cfg.fast, codec="none", grad_codec="none", use_kernel=False),
+        fast=dataclasses.replace(cfg.fast, codec=NoActivationCodec(), grad_codec=NoGradCodec()),
         anchor=dataclasses.replace(cfg.anchor, enabled=False),
     )
 

@@ -29,8 +29,8 @@ def test_there_are_shipped_configs():
 def test_overrides_and_errors(tmp_path):
     demo = os.path.join(ROOT, "configs", "demo.yaml")
     cfg = load_config(demo, ["fast.codec=prf_mask", "train.steps=3", "grpo.clip_high=0.2"])
-    assert (cfg.fast.codec, cfg.train.steps, cfg.grpo.clip_high) == ("prf_mask", 3, 0.2)
-    with pytest.raises(ConfigError, match=r"demo.yaml: fast.codec: got 'foo'; allowed"):
+    assert (cfg.fast.codec_type, cfg.train.steps, cfg.grpo.clip_high) == ("prf_mask", 3, 0.2)
+    with pytest.raises(ConfigError, match=r"demo.yaml: fast.codec.type: got 'foo'; allowed"):
         load_config(demo, ["fast.codec=foo"])
     with pytest.raises(ConfigError, match=r"train.stepz: unknown key"):
         load_config(demo, ["train.stepz=3"])

@@ -11,8 +11,8 @@ from tiny_run import FOUR_BLOCK_MODEL
 
 from twocircuit_jax.cli import main
 from twocircuit_jax.config import load_config
-from twocircuit_jax.fast import lowrank as lr
 from twocircuit_jax.fast.circuit import FastCircuit
+from twocircuit_jax.fast.codecs import lowrank as lr
 from twocircuit_jax.model import init_params
 from twocircuit_jax.model.qwen2 import forward_with_aux
 from twocircuit_jax.parallel import make_mesh

@@ -7,16 +7,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from twocircuit_jax.config.sections import FastConfig
+from twocircuit_jax.config.sections import NoActivationCodec, NoGradCodec
 from twocircuit_jax.fast.bytes import (
     activation_bytes,
     collective_bytes_from_hlo,
     combine,
-    exact_k,
     grad_allreduce_bytes,
     powersgd_plain_bytes,
 )
-from twocircuit_jax.fast.powersgd import init_powersgd, powersgd_reduce, state_specs
+from twocircuit_jax.fast.codecs.lowrank import LowRankConfig
+from twocircuit_jax.fast.codecs.prf_mask import PrfMaskConfig, keep_count as exact_k
+from twocircuit_jax.fast.codecs.sr_quant import SrQuantConfig
+from twocircuit_jax.fast.powersgd import PowerSGDConfig, init_powersgd, powersgd_reduce, state_specs
 from twocircuit_jax.parallel import dispatch
 
 R = 8
@@ -33,7 +35,7 @@ def _mesh(name):
 
 def test_activation_formulas():
     b = list(range(7))
-    cfg = FastConfig(codec="prf_mask", p=0.95, exact_k=True)
+    cfg = PrfMaskConfig(p=0.95, exact_k=True)
     assert exact_k(0.95, 1536) == 77
     m = activation_bytes(cfg, tokens=10, hidden=1536, boundaries=b)
     assert m["comm/bytes_compressed"] == 7 * 10 * 1232 / 8  # 77 values x 16 bits per token, no index bytes
@@ -43,30 +45,28 @@ def test_activation_formulas():
     assert abs(bern["comm/bytes_compressed"] - 7 * 10 * 0.05 * 1536 * 2) < 1e-6
     per_b = activation_bytes(dataclasses.replace(cfg, p_by_boundary=(0.5, 0.9)), tokens=4, hidden=20, boundaries=[1, 3])
     assert per_b["comm/elements_compressed"] == 4 * (10 + 2)
-    lr = FastConfig(codec="lowrank", rank=77, update_cadence=2)
+    lr = LowRankConfig(rank=77, update_cadence=2)
     m = activation_bytes(lr, tokens=10, hidden=1536, boundaries=b)
     assert m["comm/bytes_compressed"] == 7 * 10 * 77 * 2 + 7 * 1536 * 77 * 4 / 2
-    sr = FastConfig(codec="sr_quant", quant_bits=1, quant_block=32)
+    sr = SrQuantConfig(quant_bits=1, quant_block=32)
     m = activation_bytes(sr, tokens=3, hidden=100, boundaries=b)
     assert m["comm/bytes_compressed"] == 7 * 3 * (100 + 4 * 16) / 8
-    none = activation_bytes(FastConfig(), tokens=3, hidden=100, boundaries=b)
+    none = activation_bytes(NoActivationCodec(), tokens=3, hidden=100, boundaries=b)
     assert none["comm/bytes_ratio"] == 1.0
     tot = combine(m, none)
     assert tot["comm/bytes_dense"] == m["comm/bytes_dense"] + none["comm/bytes_dense"]
 
 
 def test_grad_formulas():
-    cfg = FastConfig(grad_codec="powersgd", grad_rank=2)
+    cfg = PowerSGDConfig(rank=2)
     d = grad_allreduce_bytes(PARAMS, cfg)
     dense = 4 * (12 * 8 + 2 * 24 * 16 + 2 * 16 + 20 * 18)
     assert d["comm/bytes_dense"] == dense
     # w: 2 layers x (24+16) x 2; head: (20+18) x 2; embed and bias uncompressed; +1 error-norm scalar.
     assert d["comm/bytes_compressed"] == 4 * (2 * 40 * 2 + 38 * 2 + 12 * 8 + 2 * 16 + 1)
-    off = grad_allreduce_bytes(PARAMS, dataclasses.replace(cfg, grad_codec="none"))
+    off = grad_allreduce_bytes(PARAMS, NoGradCodec())
     assert off["comm/bytes_compressed"] == dense and off["comm/bytes_ratio"] == 1.0
-    bf = grad_allreduce_bytes(
-        jax.tree.map(lambda x: x.astype(jnp.bfloat16), PARAMS), dataclasses.replace(cfg, grad_codec="none")
-    )
+    bf = grad_allreduce_bytes(jax.tree.map(lambda x: x.astype(jnp.bfloat16), PARAMS), NoGradCodec())
     assert bf["comm/bytes_dense"] == dense / 2
 
 
@@ -77,7 +77,7 @@ def _grads():
 
 def test_powersgd_formula_matches_hlo():
     for start_after in (0, 5):
-        cfg = FastConfig(grad_codec="powersgd", grad_rank=2, start_after=start_after)
+        cfg = PowerSGDConfig(rank=2, start_after=start_after)
         st = init_powersgd(cfg, PARAMS, R)
         specs = state_specs(st, "data")
         f = dispatch.jit(
@@ -114,8 +114,8 @@ def test_pipeline_messages_match_hlo():
     perm = [(i, i + 1) for i in range(R - 1)]
     Q = jnp.ones((H, r), jnp.float32)
     k = exact_k(0.9, H)
-    lr = FastConfig(codec="lowrank", rank=r, update_cadence=1)
-    pm = FastConfig(codec="prf_mask", p=0.9, exact_k=True)
+    lr = LowRankConfig(rank=r, update_cadence=1)
+    pm = PrfMaskConfig(p=0.9, exact_k=True)
 
     def send_lowrank(h):
         return jax.lax.ppermute((h[0] @ Q.astype(h.dtype)), "pipe", perm)  # Y = M·Q, bf16 on the wire
@@ -152,10 +152,10 @@ def test_hlo_parser_forms():
 
 def test_bytes_count_the_channels_the_mask_keeps_on_half_cases():
     """One k: at H=10, p=0.75, (1-p)H = 2.5 and the mask keeps 3 channels per token; the bytes count 3 too."""
-    from twocircuit_jax.fast.mask import mask_bits
+    from twocircuit_jax.fast.codecs.prf_mask import mask_bits
 
     for p, H in ((0.75, 10), (0.95, 30), (0.875, 4), (0.95, 1536)):
-        cfg = FastConfig(codec="prf_mask", p=p, exact_k=True)
+        cfg = PrfMaskConfig(p=p, exact_k=True)
         bits = mask_bits(
             cfg,
             [0],

@@ -18,12 +18,14 @@ from twocircuit_jax.parallel.mesh import make_mesh
 TINY = {
     "model": dict(FOUR_BLOCK_MODEL),
     "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
-    "fast": {"codec": "prf_mask", "pp_size": 4, "rank": 3},
+    "fast": {"codec": "prf_mask", "pp_size": 4},
     "train": {"train_batch": 4, "mini_batch": 2, "max_prompt_len": 12},
 }
 
 
 def cfg_with(**fast):
+    if fast.get("codec") == "lowrank":
+        fast.setdefault("rank", 3)  # below the 32-wide model's hidden size
     data = dict(TINY, fast=dict(TINY["fast"], **fast))
     return load_config(data=data)
 
@@ -49,12 +51,15 @@ def test_boundaries():
 @pytest.mark.parametrize(
     "override,field",
     [
-        ({"p": 1.0}, "fast.p"),
-        ({"p": -0.1}, "fast.p"),
-        ({"codec": "lowrank", "rank": 32}, "fast.rank"),
+        ({"p": 1.0}, "fast.codec.p"),
+        ({"p": -0.1}, "fast.codec.p"),
+        ({"codec": {"type": "prf_mask", "p": 1.0}}, "fast.codec.p"),
+        ({"codec": "lowrank", "rank": 32}, "fast.codec.rank"),
+        ({"codec": {"type": "lowrank", "rank": 3, "p": 0.5}}, "fast.codec.p"),
         ({"pp_size": 5}, "fast.pp_size"),
-        ({"codec": "foo"}, "fast.codec"),
-        ({"grad_codec": "bar"}, "fast.grad_codec"),
+        ({"codec": "foo"}, "fast.codec.type"),
+        ({"grad_codec": "bar"}, "fast.grad_codec.type"),
+        ({"grad_codec": {"type": "powersgd", "rank": 0}}, "fast.grad_codec.rank"),
     ],
 )
 def test_bad_config_names_field(override, field):
@@ -66,9 +71,13 @@ def test_bad_config_names_field(override, field):
 def test_kernel_on_cpu_without_interpret_is_an_error(mesh):
     with pytest.raises(ConfigError) as e:
         circuit(mesh, use_kernel=True)
-    assert e.value.path == "fast.use_kernel" and "no silent fallback" in str(e.value)
-    with pytest.raises(ConfigError, match="sr_quant has no Pallas kernel"):
+    assert e.value.path == "fast.codec.use_kernel" and "no silent fallback" in str(e.value)
+    with pytest.raises(ConfigError, match="no chosen codec has a Pallas kernel") as e:  # the flat shorthand
         circuit(mesh, codec="sr_quant", use_kernel=True, kernel_interpret=True)
+    assert e.value.path == "fast.use_kernel"
+    with pytest.raises(ConfigError, match="unknown key") as e:  # the section itself: sr_quant has no such knob
+        circuit(mesh, codec={"type": "sr_quant", "use_kernel": True})
+    assert e.value.path == "fast.codec.use_kernel"
     assert circuit(mesh, use_kernel=True, kernel_interpret=True).interpret  # explicit interpret mode is allowed
 
 
@@ -164,8 +173,8 @@ def test_step_bytes_match_formulas(mesh, fast):
     _, m = c.end_step(st, 1, grad)
     ticks = 2  # train_batch 4 / mini_batch 2
     tokens = 2 * 4 * (12 + 4) // 8  # per replica: a replica's share of the mini-batch
-    act = fbytes.activation_bytes(c.fcfg, tokens=tokens, hidden=32, boundaries=(0, 1, 2))
-    grad = fbytes.grad_allreduce_bytes(params, c.fcfg)
+    act = fbytes.activation_bytes(c.fcfg.codec, tokens=tokens, hidden=32, boundaries=(0, 1, 2))
+    grad = fbytes.grad_allreduce_bytes(params, c.fcfg.grad_codec)
     comp = ticks * (act["comm/bytes_compressed"] + grad["comm/bytes_compressed"])
     dense = ticks * (act["comm/bytes_dense"] + grad["comm/bytes_dense"])
     assert m["comm/bytes_compressed"] == pytest.approx(comp)

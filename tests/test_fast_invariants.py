@@ -9,9 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from tiny_run import NARROW_MODEL, circuit_state
+from tiny_run import NARROW_MODEL, circuit_state, narrow_run_config
 
-from twocircuit_jax.config.run import load_config
 from twocircuit_jax.fast.circuit import FastCircuit
 from twocircuit_jax.model.qwen2 import init_params
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
@@ -23,15 +22,7 @@ B, T, NEW = 16, 12, 6  # 16 rows over 8 replicas; the last NEW positions are the
 
 
 def run_cfg(**fast):
-    return load_config(
-        data={
-            "model": MODEL,
-            "grpo": {"kl_coef": 0.0},
-            "sampler": {"n": 4},
-            "fast": dict({"pp_size": 4, "rank": 3, "grad_rank": 2}, **fast),
-            "train": {"train_batch": 4, "mini_batch": 4, "max_prompt_len": T - NEW},
-        }
-    )
+    return narrow_run_config(**fast)
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +112,9 @@ def full_rank(setup):
     # rank 16 = the smaller side of every compressed matrix; rate 0.3 compresses all 16x16/16x32/32x16 kernels
     # and leaves the [L, 16] norms to the packed mean (the check rejects rate < 1; the test builds it directly).
     c = FastCircuit(run_cfg(grad_codec="powersgd", start_after=0), cfg.model, mesh)
-    c.fcfg = dataclasses.replace(c.fcfg, grad_rank=16, min_compression_rate=0.3)
+    c.fcfg = dataclasses.replace(
+        c.fcfg, grad_codec=dataclasses.replace(c.fcfg.grad_codec, rank=16, min_compression_rate=0.3)
+    )
     return c
 
 

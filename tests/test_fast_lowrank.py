@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from twocircuit_jax.config.sections import FastConfig
-from twocircuit_jax.fast.lowrank import (
+from twocircuit_jax.fast.codecs.lowrank import (
+    LowRankConfig,
     accumulate_sketch,
     activate_staged,
     basis_cond,
@@ -24,7 +24,7 @@ from twocircuit_jax.fast.orth import orth
 from twocircuit_jax.parallel import dispatch
 
 H, R = 16, 3
-CFG = FastConfig(codec="lowrank", rank=R, seed=5)
+CFG = LowRankConfig(rank=R, seed=5)
 
 
 def _orthonormal(Q, tol=1e-5):

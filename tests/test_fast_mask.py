@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import prf
-from twocircuit_jax.config.sections import FastConfig
-from twocircuit_jax.fast import mask
+from twocircuit_jax.fast.codecs import prf_mask as mask
+from twocircuit_jax.fast.codecs.prf_mask import PrfMaskConfig
 
 B, T, H = 4, 5, 32
 BOUNDARIES = (3, 7)
@@ -20,9 +20,9 @@ CT = jax.random.normal(jax.random.key(1), (B, T, H), jnp.float32)
 
 
 def cfg(**kw):
-    base = dict(codec="prf_mask", p=0.75, exact_k=True, rescale_mode="constant", seed=3)
+    base = dict(p=0.75, exact_k=True, rescale_mode="constant", seed=3)
     base.update(kw)
-    return FastConfig(**base)
+    return PrfMaskConfig(**base)
 
 
 _mask_bits = jax.jit(mask.mask_bits, static_argnums=(0, 1, 2, 6))  # one compile per config/shape, not per op

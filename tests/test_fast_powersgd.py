@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from twocircuit_jax.config.sections import FastConfig
 from twocircuit_jax.fast.powersgd import (
+    PowerSGDConfig,
     flat_leaves,
     init_powersgd,
     plan_leaves,
@@ -84,7 +84,7 @@ def _close(a, b, tol):
 
 
 def test_plan_rule_and_embeddings():
-    cfg = FastConfig(grad_rank=2)
+    cfg = PowerSGDConfig(rank=2)
     plan = {p.path: p for p in plan_leaves(cfg, PARAMS)}
     assert [p for p in plan] == sorted(plan)
     assert plan["layers/w"].compress and plan["layers/w"].layers == 2
@@ -98,7 +98,7 @@ def test_plan_rule_and_embeddings():
 def test_full_rank_recovers_dp_mean_and_error_identity():
     # r = min(n, m) makes P̂ span the whole column space, so Ĝ must equal the dp mean exactly (fp32 round-off).
     params = {"a": jnp.zeros((10, 5)), "s": jnp.zeros((2, 7, 5)), "t": jnp.zeros((5, 9))}
-    cfg = FastConfig(grad_rank=5, min_compression_rate=0.1, start_after=0)
+    cfg = PowerSGDConfig(rank=5, min_compression_rate=0.1, start_after=0)
     state = init_powersgd(cfg, params, R)
     assert all(p.compress for p in plan_leaves(cfg, params))
     g = _grads(1, params)
@@ -114,7 +114,7 @@ def test_full_rank_recovers_dp_mean_and_error_identity():
 
 
 def test_shard_map_matches_reference_over_two_ticks():
-    cfg = FastConfig(grad_rank=2, start_after=0)
+    cfg = PowerSGDConfig(rank=2, start_after=0)
     state = init_powersgd(cfg, PARAMS, R)
     ref_state = state
     f = _sharded(cfg, state)
@@ -139,7 +139,7 @@ def test_shard_map_matches_reference_over_two_ticks():
 
 
 def test_skip_leaves_error_memory_and_q_untouched():
-    cfg = FastConfig(grad_rank=2, start_after=0)
+    cfg = PowerSGDConfig(rank=2, start_after=0)
     state = init_powersgd(cfg, PARAMS, R)
     state = _sharded(cfg, state)(_grads(3), state)[1]  # non-zero e
     _, kept, m = _sharded(cfg, state)(_grads(4), state, skip=True)
@@ -156,7 +156,7 @@ def test_skip_leaves_error_memory_and_q_untouched():
 
 
 def test_start_after_is_plain_mean_and_error_feedback_off():
-    cfg = FastConfig(grad_rank=2, start_after=1)
+    cfg = PowerSGDConfig(rank=2, start_after=1)
     state = init_powersgd(cfg, PARAMS, R)
     f = _sharded(cfg, state)
     g = _grads(6)
@@ -174,7 +174,7 @@ def test_start_after_is_plain_mean_and_error_feedback_off():
 
 
 def test_kernel_path_matches_and_refuses_without_interpret():
-    cfg = FastConfig(grad_rank=2, start_after=0)
+    cfg = PowerSGDConfig(rank=2, start_after=0)
     state = init_powersgd(cfg, PARAMS, R)
     g = _grads(7)
     reps = [_replica(g, i) for i in range(R)]

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import prf
-from twocircuit_jax.config.sections import FastConfig
-from twocircuit_jax.fast import mask, sr_quant as sq
+from twocircuit_jax.fast.codecs import prf_mask as mask, sr_quant as sq
+from twocircuit_jax.fast.codecs.sr_quant import SrQuantConfig
 
 B, T, H, LAYER = 2, 3, 20, 5
 SID = jnp.array([9, 4], jnp.int32)
@@ -19,9 +19,9 @@ CT = jax.random.normal(jax.random.key(1), (B, T, H), jnp.float32)
 
 
 def cfg(**kw):
-    base = dict(codec="sr_quant", quant_bits=1, quant_block=8, rounding="sr", seed=7)
+    base = dict(quant_bits=1, quant_block=8, rounding="sr", seed=7)
     base.update(kw)
-    return FastConfig(**base)
+    return SrQuantConfig(**base)
 
 
 def oracle_unif(c, step, direction, sid=SID, pos=POS, width=H):

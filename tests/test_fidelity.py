@@ -8,10 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_run import NARROW_MODEL, circuit_state
+from tiny_run import NARROW_MODEL, circuit_state, narrow_run_config
 
 from twocircuit_jax.anchor.merger import init_merger, update_ema
-from twocircuit_jax.config.run import load_config
 from twocircuit_jax.fast.circuit import FastCircuit
 from twocircuit_jax.metrics.probe import grad_cosines, group_of, make_fidelity_fn
 from twocircuit_jax.model.qwen2 import init_params
@@ -24,16 +23,7 @@ B, T, NEW = 16, 12, 6
 
 
 def run_cfg(anchor=None, **fast):
-    return load_config(
-        data={
-            "model": MODEL,
-            "grpo": {"kl_coef": 0.01},
-            "sampler": {"n": 4},
-            "fast": dict({"pp_size": 4, "rank": 3, "grad_rank": 2}, **fast),
-            "anchor": anchor or {"enabled": False},
-            "train": {"train_batch": 4, "mini_batch": 4, "max_prompt_len": T - NEW},
-        }
-    )
+    return narrow_run_config(kl_coef=0.01, anchor=anchor, **fast)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +69,9 @@ def test_exact_circuits_read_one(setup):
     off = fidelity(setup)
     identity = fidelity(setup, FastCircuit(run_cfg(codec="prf_mask", p=0.0, rescale_mode="none"), cfg.model, mesh))
     full = FastCircuit(run_cfg(grad_codec="powersgd", start_after=0), cfg.model, mesh)
-    full.fcfg = dataclasses.replace(full.fcfg, grad_rank=16, min_compression_rate=0.3)
+    full.fcfg = dataclasses.replace(
+        full.fcfg, grad_codec=dataclasses.replace(full.fcfg.grad_codec, rank=16, min_compression_rate=0.3)
+    )
     psgd = fidelity(setup, full)
     for m in (off, identity, psgd):
         assert abs(m["fidelity/grad_cos"] - 1.0) < 1e-5 and abs(m["fidelity/grad_norm_ratio"] - 1.0) < 1e-4, m

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.lowrank import lowrank_fused, lowrank_reference, project_reconstruct
-from twocircuit_jax.config.sections import FastConfig
-from twocircuit_jax.fast.lowrank import init_lowrank, make_lowrank_hook
+from twocircuit_jax.fast.codecs.lowrank import LowRankConfig, init_lowrank, make_lowrank_hook
 from twocircuit_jax.fast.orth import orth
 
 # (N, H, r, dtype, block_rows): ragged N (not a multiple of the block), several blocks, rank 1, bf16.
@@ -52,7 +51,7 @@ def test_values_and_gradients_match_reference(N, H, r, dtype, bn):
 
 
 def test_leading_dims_and_codec_uses_kernel():
-    cfg = FastConfig(codec="lowrank", rank=3, use_kernel=True)
+    cfg = LowRankConfig(rank=3, use_kernel=True)
     st = init_lowrank(cfg, 16, [1])
     h = jax.random.normal(jax.random.PRNGKey(3), (2, 7, 16))
     ref, aux_r = make_lowrank_hook(st, [1], sketch=True)(1, h)

@@ -9,8 +9,8 @@ import pytest
 
 from pallas_kernels import prf
 from pallas_kernels.prf_mask import MaskRows, prf_mask_kernel, prf_mask_reference
-from twocircuit_jax.config.sections import FastConfig
-from twocircuit_jax.fast import mask
+from twocircuit_jax.fast.codecs import prf_mask as mask
+from twocircuit_jax.fast.codecs.prf_mask import PrfMaskConfig
 
 
 def make_rows(key, n, width, exact_k: bool, k=5):
@@ -87,10 +87,10 @@ def test_cpu_without_interpret_is_an_error():
     rows = make_rows(jax.random.key(0), 4, 8, False)
     with pytest.raises(RuntimeError, match="use_kernel"):
         prf_mask_kernel(jnp.ones((4, 8)), rows)
-    c = FastConfig(codec="prf_mask", use_kernel=True)
+    c = PrfMaskConfig(use_kernel=True)
     with pytest.raises(RuntimeError, match="use_kernel"):
         mask.make_mask_hook(c, (1,), 0, jnp.zeros(1, jnp.int32), jnp.zeros((1, 2), jnp.int32))(1, jnp.ones((1, 2, 8)))
-    c3 = FastConfig(codec="prf_mask", use_kernel=True, prf_impl="threefry")
+    c3 = PrfMaskConfig(use_kernel=True, prf_impl="threefry")
     with pytest.raises(ValueError, match="threefry"):
         mask.make_mask_hook(c3, (1,), 0, jnp.zeros(1, jnp.int32), jnp.zeros((1, 2), jnp.int32), interpret=True)(
             1, jnp.ones((1, 2, 8))
@@ -120,11 +120,11 @@ def codec_value_and_grad(c, h, ct, step, interpret):
     ],
 )
 def test_codec_kernel_path_matches_reference_path(exact_k, rescale, antithetic, impl, dtype):
-    kw = dict(codec="prf_mask", p=0.8, exact_k=exact_k, rescale_mode=rescale, antithetic=antithetic, prf_impl=impl)
+    kw = dict(p=0.8, exact_k=exact_k, rescale_mode=rescale, antithetic=antithetic, prf_impl=impl)
     h = jax.random.normal(jax.random.key(2), (B, T, H)).astype(dtype)
     ct = jax.random.normal(jax.random.key(3), (B, T, H)).astype(dtype)
     for step in (4, 5):  # even and odd (antithetic flip)
-        ref = codec_value_and_grad(FastConfig(**kw), h, ct, step, False)
-        ker = codec_value_and_grad(FastConfig(use_kernel=True, **kw), h, ct, step, True)
+        ref = codec_value_and_grad(PrfMaskConfig(**kw), h, ct, step, False)
+        ker = codec_value_and_grad(PrfMaskConfig(use_kernel=True, **kw), h, ct, step, True)
         for a, b in zip(ker, ref):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

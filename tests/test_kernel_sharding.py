@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from twocircuit_jax.config import FastConfig, MeshConfig
-from twocircuit_jax.fast import lowrank as lr
-from twocircuit_jax.fast.mask import make_mask_hook
+from twocircuit_jax.config import MeshConfig
+from twocircuit_jax.fast.codecs import lowrank as lr
+from twocircuit_jax.fast.codecs.lowrank import LowRankConfig
+from twocircuit_jax.fast.codecs.prf_mask import PrfMaskConfig, make_mask_hook
 from twocircuit_jax.parallel import dispatch, make_mesh
 
 MESH = None
@@ -46,8 +47,8 @@ def _run(hook_builder, h, mesh):
 def test_mask_kernel_shard_mapped_equals_reference(exact_k):
     mesh = _mesh()
     h, sid, pos = _inputs()
-    kcfg = FastConfig(codec="prf_mask", pp_size=2, p=0.75, exact_k=exact_k, use_kernel=True)
-    rcfg = FastConfig(codec="prf_mask", pp_size=2, p=0.75, exact_k=exact_k)
+    kcfg = PrfMaskConfig(p=0.75, exact_k=exact_k, use_kernel=True)
+    rcfg = PrfMaskConfig(p=0.75, exact_k=exact_k)
     (ko, kg), text = _run(lambda: make_mask_hook(kcfg, (1,), 3, sid, pos, interpret=True, mesh=mesh), h, mesh)
     (ro, rg), _ = _run(lambda: make_mask_hook(rcfg, (1,), 3, sid, pos), h, mesh)
     assert "shard_map" in text or "sdy.manual_computation" in text  # the kernel runs per device, explicitly
@@ -58,7 +59,7 @@ def test_mask_kernel_shard_mapped_equals_reference(exact_k):
 def test_lowrank_kernel_shard_mapped_equals_reference():
     mesh = _mesh()
     h, _, _ = _inputs(H=32)
-    cfg = FastConfig(codec="lowrank", pp_size=2, rank=4)
+    cfg = LowRankConfig(rank=4)
     st = lr.init_lowrank(cfg, 32, (1,))
     (ko, kg), text = _run(
         lambda: lr.make_lowrank_hook(st, (1,), sketch=False, use_kernel=True, interpret=True, mesh=mesh), h, mesh
@@ -72,7 +73,7 @@ def test_lowrank_kernel_shard_mapped_equals_reference():
 def test_rows_that_do_not_split_are_a_clear_error():
     mesh = _mesh()
     h, sid, pos = _inputs(B=1, T=3)  # 3 rows over an 8-way batch split
-    cfg = FastConfig(codec="prf_mask", pp_size=2, p=0.5, use_kernel=True)
+    cfg = PrfMaskConfig(p=0.5, use_kernel=True)
     hook = make_mask_hook(cfg, (1,), 0, sid, pos, interpret=True, mesh=mesh)
     with pytest.raises(ValueError, match="do not split"):
         dispatch.jit(lambda x: hook(1, x)[0])(h)

@@ -69,3 +69,26 @@ def circuit_state(circuit=None, params=None, step: int = 1, first_minibatch: boo
     if circuit is not None:
         cs = cs._replace(codec=circuit.init_codec_state(), grad=circuit.init_grad_state(params))
     return distinct_buffers(set_clock(cs, first_minibatch=first_minibatch))
+
+
+def narrow_run_config(kl_coef: float = 0.0, anchor=None, **fast):
+    """The fast-circuit invariant and fidelity tests' run: the narrow model, pp_size 4 (boundaries 0, 1, 2), one
+    16-row mini-batch of 12 tokens (6 response). `fast` keys use the flat shorthand; lowrank gets rank 3 and
+    PowerSGD rank 2 unless given."""
+    from twocircuit_jax.config import load_config
+
+    fast = dict(fast)
+    if fast.get("codec") == "lowrank":
+        fast.setdefault("rank", 3)
+    if fast.get("grad_codec") == "powersgd":
+        fast.setdefault("grad_rank", 2)
+    return load_config(
+        data={
+            "model": NARROW_MODEL,
+            "grpo": {"kl_coef": kl_coef},
+            "sampler": {"n": 4},
+            "fast": {"pp_size": 4, **fast},
+            "anchor": anchor or {"enabled": False},
+            "train": {"train_batch": 4, "mini_batch": 4, "max_prompt_len": 6},
+        }
+    )

@@ -5,6 +5,10 @@ replays dense updates and keeps dense optimizer moments; the sampler (twocircuit
 from the dense weights; twocircuit_jax.grpo holds the objective, twocircuit_jax.metrics the diagnostics.
 """
 
+from twocircuit_jax.fast import (
+    codecs as _codecs,  # noqa: F401  (registers the built-in codecs' config types)
+    powersgd as _powersgd,  # noqa: F401  (registers the powersgd gradient codec)
+)
 from twocircuit_jax.model.hf_io import load_hf, save_hf
 from twocircuit_jax.model.qwen2 import forward
 

@@ -28,6 +28,10 @@ class ConfigError(ValueError):
         return ConfigError(self.path, self.message, source)
 
 
+class ConfigWarning(UserWarning):
+    """A config that parses but holds something the run will not use (named in the message)."""
+
+
 def register(base: type, name: str):
     """Class decorator: register a subclass of a polymorphic section under `type: name`."""
 
@@ -40,6 +44,14 @@ def register(base: type, name: str):
 
 def registered(base: type) -> dict[str, type]:
     return dict(_REGISTRY.get(base, {}))
+
+
+def type_name(base: type, obj) -> str:
+    """The `type:` name `obj` (an instance of a subclass of polymorphic `base`) was registered under."""
+    for name, cls in _REGISTRY.get(base, {}).items():
+        if type(obj) is cls:
+            return name
+    raise KeyError(f"{type(obj).__name__} is not a registered {base.__name__}")
 
 
 def doc(text: str, symbol: str | None = None, **kw) -> dict:
@@ -132,6 +144,9 @@ def from_dict(cls, data, path: str = ""):
     if not isinstance(data, dict):
         raise ConfigError(path, f"got {data!r}; expected a mapping")
     data = dict(data)
+    upgrade = getattr(cls, "upgrade", None)  # a section may rewrite older spellings of itself first
+    if upgrade is not None:
+        data = upgrade(data, path)
     if cls in _REGISTRY:
         choices = _REGISTRY[cls]
         name = data.pop("type", getattr(cls, "default_type", None))

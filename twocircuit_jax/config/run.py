@@ -45,33 +45,25 @@ class RunConfig:
     def check(self):
         """Cross-section rules (design §4 config checks, §3 validation)."""
         f, a = self.fast, self.anchor
-        if f.codec != "none" or not self.base_model:  # a checkpoint's layer count is known only once loaded
+        if f.codec_type != "none" or not self.base_model:  # a checkpoint's layer count is known only once loaded
             require(
                 f.pp_size <= self.model.num_layers,
                 "fast.pp_size",
                 f"got {f.pp_size}; must not exceed model.num_layers={self.model.num_layers}",
             )
-        if f.p_by_boundary:
-            require(
-                len(f.p_by_boundary) == f.pp_size - 1,
-                "fast.p_by_boundary",
-                f"got {len(f.p_by_boundary)} values; need pp_size - 1 = {f.pp_size - 1}",
-            )
-        if f.codec == "lowrank":
-            require(
-                f.rank < self.model.hidden_size,
-                "fast.rank",
-                f"got {f.rank}; must be below model.hidden_size={self.model.hidden_size}",
-            )
-        if f.codec == "sr_quant" and f.subset_k:
-            require(f.subset_k <= self.model.hidden_size, "fast.subset_k", "must not exceed model.hidden_size")
+        fits = getattr(f.codec, "check_fits", None)  # the codec's own rules against the model and the stages
+        if fits is not None:
+            try:
+                fits(self.model, f.pp_size)
+            except ConfigError as e:
+                raise ConfigError(f"fast.codec.{e.path}", e.message) from None
         if a.owns_q is True:
-            require(f.codec == "lowrank", "anchor.owns_q", "owns_q: true needs fast.codec: lowrank")
+            require(f.codec_type == "lowrank", "anchor.owns_q", "owns_q: true needs fast.codec: {type: lowrank}")
         if a.warmup_mode == "q_only":
             require(
-                f.codec == "lowrank" and self.anchor_owns_q,
+                f.codec_type == "lowrank" and self.anchor_owns_q,
                 "anchor.warmup_mode",
-                "q_only needs fast.codec: lowrank with an anchor-owned basis",
+                "q_only needs fast.codec: {type: lowrank} with an anchor-owned basis",
             )
         ticks_per_step = self.train.train_batch // self.train.mini_batch
         require(ticks_per_step >= 1, "train.mini_batch", "must not exceed train.batch")
@@ -79,7 +71,7 @@ class RunConfig:
     @property
     def anchor_owns_q(self) -> bool:
         if self.anchor.owns_q == "auto":  # design §4: the anchor owns the basis iff the codec is lowrank
-            return self.fast.codec == "lowrank" and self.anchor.enabled
+            return self.fast.codec_type == "lowrank" and self.anchor.enabled
         return self.anchor.owns_q is True
 
     @property
@@ -139,9 +131,13 @@ def _read_yaml(path: str) -> dict:
 
 
 def _merge(a: dict, b: dict) -> dict:
+    """b's keys over a's, nested sections merged; a polymorphic section whose `type` changes is replaced whole
+    (the other type's fields would not fit)."""
     out = dict(a)
     for k, v in b.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "options" else v
+        old = out.get(k)
+        same_type = not (isinstance(old, dict) and isinstance(v, dict) and "type" in v and v["type"] != old.get("type"))
+        out[k] = _merge(old, v) if isinstance(v, dict) and isinstance(old, dict) and k != "options" and same_type else v
     return out
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from twocircuit_jax.config.base import doc, register, require
+from twocircuit_jax.config.base import ConfigError, ConfigWarning, doc, register, registered, require, type_name
 
 
 @dataclass(frozen=True)
@@ -151,59 +153,107 @@ class GRPOConfig:
 
 
 @dataclass(frozen=True)
-class FastConfig:
-    """The fast circuit (design §3). `codec: none` is the dense trainer, bit for bit."""
+class ActivationCodecConfig:
+    """The codec at the pipeline boundaries (design §3.2-3.4); the subclass is chosen by `type:`. Each codec registers
+    its own section beside its code in twocircuit_jax/fast/codecs/ (`codecs.register_activation`)."""
 
-    codec: Literal["none", "prf_mask", "lowrank", "sr_quant"] = "none"
-    grad_codec: Literal["none", "powersgd"] = "none"
+    default_type = "none"
+
+
+@register(ActivationCodecConfig, "none")
+@dataclass(frozen=True)
+class NoActivationCodec(ActivationCodecConfig):
+    """No activation codec: every forward is dense."""
+
+
+@dataclass(frozen=True)
+class GradCodecConfig:
+    """The data-parallel gradient codec (design §3.5); the subclass is chosen by `type:`."""
+
+    default_type = "none"
+
+
+@register(GradCodecConfig, "none")
+@dataclass(frozen=True)
+class NoGradCodec(GradCodecConfig):
+    """No gradient codec: XLA's plain data-parallel mean."""
+
+
+@dataclass(frozen=True)
+class FastConfig:
+    """The fast circuit (design §3). `codec: {type: none}` with `grad_codec: {type: none}` is the dense trainer, bit
+    for bit. Each codec's knobs live in its own section; the flat keys of earlier configs (`codec: prf_mask`,
+    `p: 0.9`, `grad_rank: 4`, ...) are still read and moved into the section they belong to (see `upgrade`)."""
+
+    codec: ActivationCodecConfig = field(default_factory=NoActivationCodec)
+    grad_codec: GradCodecConfig = field(default_factory=NoGradCodec)
     pp_size: int = field(default=8, metadata=doc("logical pipeline stages; boundaries = pp_size - 1"))
-    seed: int = 0
     codec_old_logprob: bool = True
     codec_reference: bool = True
-    use_kernel: bool = field(
-        default=False, metadata=doc("Pallas kernel instead of the jnp reference; error if it cannot run")
-    )
     kernel_interpret: bool = field(
         default=False, metadata=doc("run the Pallas kernels in interpret mode (CPU tests; slow)")
     )
-    # PRF mask
-    p: float = field(default=0.95, metadata=doc("masked fraction", "p"))
-    exact_k: bool = True
-    rescale_mode: Literal["none", "constant", "rms_match"] = "constant"
-    antithetic: bool = False
-    p_by_boundary: tuple[float, ...] = ()
-    prf_impl: Literal["u32pair", "x64", "threefry"] = "u32pair"
-    # low-rank projector
-    rank: int = field(default=77, metadata=doc("rank of the activation projector", "r"))
-    update_cadence: int = 1
-    warm_start: bool = True
-    sync_basis: bool = True
-    reortho_eps: float = 1e-6
-    bootstrap: bool = True
-    # stochastic-rounding quantizer
-    quant_bits: int = 1
-    quant_block: int = 32
-    rounding: Literal["sr", "rn"] = "sr"
-    subset_k: int = 0
-    # gradient PowerSGD
-    grad_rank: int = field(default=4, metadata=doc("PowerSGD rank", "r"))
-    min_compression_rate: float = 2.0
-    start_after: int = field(default=100, metadata=doc("plain all-reduce for the first N steps"))
-    error_feedback: bool = True
-    compress_embeddings: bool = False
+
+    @property
+    def codec_type(self) -> str:
+        return type_name(ActivationCodecConfig, self.codec)
+
+    @property
+    def grad_codec_type(self) -> str:
+        return type_name(GradCodecConfig, self.grad_codec)
+
+    @staticmethod
+    def upgrade(data: dict, path: str = "fast") -> dict:
+        """Move flat codec keys into the codec sections: `codec: lowrank` → `codec: {type: lowrank}`, `rank: 8` →
+        `codec.rank`, `grad_rank: 4` → `grad_codec.rank`; `seed`, `use_kernel`, `warm_start` and `reortho_eps` go to
+        every section that has them. A flat key wins over the section's own (it is usually a `--set`). A flat key
+        no chosen codec has is dropped with a ConfigWarning naming it (it was inert in the flat form too)."""
+        data = dict(data)
+        sections = {}
+        for key, base in (("codec", ActivationCodecConfig), ("grad_codec", GradCodecConfig)):
+            v = data.get(key)
+            if v is not None and not isinstance(v, (str, dict)):
+                raise ConfigError(f"{path}.{key}", f"got {v!r}; expected a codec name or a section with a type: key")
+            sec = {"type": v} if isinstance(v, str) else dict(v or {})
+            sec.setdefault("type", base.default_type)
+            sections[key] = (sec, base)
+        own = {f.name for f in dataclasses.fields(FastConfig)}
+        known = {
+            f.name
+            for b in (ActivationCodecConfig, GradCodecConfig)
+            for c in registered(b).values()
+            for f in dataclasses.fields(c)
+        } | {"grad_rank"}
+        for k in [k for k in data if k not in own and k in known]:
+            v, placed = data.pop(k), False
+            for key, (sec, base) in sections.items():
+                cls = registered(base).get(sec["type"])
+                names = {f.name for f in dataclasses.fields(cls)} if cls else set()
+                target = {"grad_rank": "rank" if key == "grad_codec" else None}.get(k, k)
+                if k == "rank" and key == "grad_codec":
+                    target = None  # flat `rank` was the activation projector's; PowerSGD's was `grad_rank`
+                if target in names:
+                    sec[target] = v
+                    placed = True
+            if not placed and k == "use_kernel" and v:
+                raise ConfigError(
+                    f"{path}.use_kernel",
+                    f"no chosen codec has a Pallas kernel (codec: {sections['codec'][0]['type']}, grad_codec: "
+                    f"{sections['grad_codec'][0]['type']}); there is no silent fallback",
+                )
+            if not placed:
+                warnings.warn(
+                    f"{path}.{k}: ignored; no chosen codec has it (codec: {sections['codec'][0]['type']}, "
+                    f"grad_codec: {sections['grad_codec'][0]['type']})",
+                    ConfigWarning,
+                    stacklevel=2,
+                )
+        for key, (sec, _) in sections.items():
+            data[key] = sec
+        return data
 
     def check(self):
         require(self.pp_size >= 1, "pp_size", f"got {self.pp_size}; must be >= 1")
-        require(0 <= self.p < 1, "p", f"got {self.p}; allowed [0, 1)")
-        for i, q in enumerate(self.p_by_boundary):
-            require(0 <= q < 1, f"p_by_boundary[{i}]", f"got {q}; allowed [0, 1)")
-        require(self.rank >= 1, "rank", f"got {self.rank}; must be >= 1")
-        require(self.grad_rank >= 1, "grad_rank", f"got {self.grad_rank}; must be >= 1")
-        require(self.quant_bits in (1, 2, 4, 8), "quant_bits", f"got {self.quant_bits}; allowed 1, 2, 4, 8")
-        require(self.quant_block >= 1, "quant_block", f"got {self.quant_block}; must be >= 1")
-        require(self.update_cadence >= 1, "update_cadence", f"got {self.update_cadence}; must be >= 1")
-        require(self.min_compression_rate >= 1, "min_compression_rate", "must be >= 1")
-        require(self.start_after >= 0, "start_after", f"got {self.start_after}; must be >= 0")
 
 
 @dataclass(frozen=True)

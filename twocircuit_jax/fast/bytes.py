@@ -9,14 +9,15 @@ the wire (`act_bytes`), bases fp32.
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Optional, Sequence
 
 import numpy as np
 
+from twocircuit_jax.config.base import type_name
+from twocircuit_jax.config.sections import GradCodecConfig
+from twocircuit_jax.fast.codecs.base import make_activation_codec, wire_result as _result
 from twocircuit_jax.fast.leaf_plan import flat_leaves, plan_leaves
-from twocircuit_jax.fast.mask import keep_count
 
 _DTYPE_BYTES = {
     "pred": 1,
@@ -47,78 +48,33 @@ COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", 
 ERROR_NORM_BYTES = 4  # powersgd packs one fp32 scalar (‖e‖²) into its uncompressed mean
 
 
-def _result(compressed: float, dense: float, el_c: float, el_d: float) -> dict:
-    return {
-        "comm/bytes_compressed": float(compressed),
-        "comm/bytes_dense": float(dense),
-        "comm/bytes_ratio": float(compressed) / float(dense) if dense else 1.0,
-        "comm/elements_compressed": float(el_c),
-        "comm/elements_dense": float(el_d),
-    }
-
-
-# The mask's own k (half up, at least 1): the bytes counted are the channels the mask keeps, by construction.
-exact_k = keep_count
-
-
-def activation_bytes(
-    cfg,
-    *,
-    tokens: int,
-    hidden: int,
-    boundaries: Sequence[int],
-    act_bytes: int = 2,
-    codec: Optional[str] = None,
-    basis_bytes: int = 4,
-) -> dict:
-    """Per-step boundary traffic of the codec (cfg.codec unless `codec` given) for `tokens` tokens (N).
-
-    prf_mask: (1−p)·H values/token (exact_k: k values), no index bytes (the receiver regenerates the mask);
-    lowrank: N·r per boundary plus the basis broadcast n_b·H·r fp32 amortised over `update_cadence` steps;
-    sr_quant: H·bits + ⌈H/block⌉·16 bits per token; none: dense. Dense equivalent: N·H·act_bytes per boundary.
-    """
-    codec = codec or cfg.codec
-    nb = len(boundaries)
-    N, H = int(tokens), int(hidden)
-    el_d = nb * N * H
-    dense = el_d * act_bytes
-    if codec == "none":
-        return _result(dense, dense, el_d, el_d)
-    if codec == "prf_mask":
-        ps = list(cfg.p_by_boundary) or [cfg.p] * nb
-        if len(ps) != nb:
-            raise ValueError(f"p_by_boundary has {len(ps)} entries for {nb} boundaries")
-        per_tok = [exact_k(p, H) if cfg.exact_k else (1.0 - p) * H for p in ps]
-        el_c = N * sum(per_tok)
-        return _result(el_c * act_bytes, dense, el_c, el_d)
-    if codec == "lowrank":
-        r = cfg.rank
-        el_msg = nb * N * r
-        el_basis = nb * H * r / cfg.update_cadence
-        return _result(el_msg * act_bytes + el_basis * basis_bytes, dense, el_msg + el_basis, el_d)
-    if codec == "sr_quant":
-        bits_tok = H * cfg.quant_bits + math.ceil(H / cfg.quant_block) * 16
-        el_c = nb * N * H  # every channel travels, at `bits` each, plus one 16-bit scale per block
-        return _result(nb * N * bits_tok / 8.0, dense, el_c, el_d)
-    raise ValueError(f"activation_bytes: unknown codec {codec!r}")
+def activation_bytes(codec_cfg, *, tokens: int, hidden: int, boundaries: Sequence[int], act_bytes: int = 2) -> dict:
+    """Boundary traffic of one gradient-bearing forward of `tokens` tokens (N) under the codec section `codec_cfg`
+    (`fast.codec`): the codec's own `wire_bytes`; no codec sends N·H·act_bytes per boundary (the dense figure)."""
+    codec = make_activation_codec(codec_cfg, hidden=hidden, boundaries=boundaries)
+    if codec is None:
+        el_d = len(boundaries) * int(tokens) * int(hidden)
+        return _result(el_d * act_bytes, el_d * act_bytes, el_d, el_d)
+    return codec.wire_bytes(tokens, hidden, boundaries, act_bytes)
 
 
 def grad_allreduce_bytes(params_like, cfg, *, powersgd: Optional[bool] = None) -> dict:
-    """Per-replica bytes of one dp gradient reduction (logical, as in design §3.6).
+    """Per-replica bytes of one dp gradient reduction (logical, as in design §3.6); `cfg` is the `fast.grad_codec`
+    section.
 
-    Dense: Σ size·bytes(dtype). PowerSGD (cfg.grad_codec == "powersgd" unless `powersgd` given): per compressible
+    Dense: Σ size·bytes(dtype). PowerSGD (a powersgd section unless `powersgd` given): per compressible
     leaf L·(n+m)·r·4 (P sum + Q mean), plus every other leaf in fp32 and the 4-byte error-norm scalar that our
     packed mean carries. The powersgd=False case with the powersgd packing is `plain`: all leaves fp32 + 4.
     """
     leaves = flat_leaves(params_like)
     dense = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves.values())
     el_d = sum(int(np.prod(x.shape)) for x in leaves.values())
-    use = (cfg.grad_codec == "powersgd") if powersgd is None else powersgd
+    use = (type_name(GradCodecConfig, cfg) == "powersgd") if powersgd is None else powersgd
     if not use:
         return _result(dense, dense, el_d, el_d)
     el_c = 0
     for p in plan_leaves(cfg, params_like):
-        el_c += p.layers * (p.n + p.m) * cfg.grad_rank if p.compress else int(np.prod(p.shape))
+        el_c += p.layers * (p.n + p.m) * cfg.rank if p.compress else int(np.prod(p.shape))
     return _result(el_c * 4 + ERROR_NORM_BYTES, dense, el_c + 1, el_d)
 
 

@@ -1,18 +1,19 @@
-"""The fast circuit as the GRPO loop sees it (design §2, §3): one object that owns the codec choice.
+"""The fast circuit as the GRPO loop sees it (design §2, §3): the chosen codecs behind one object.
 
-It holds configuration and host counters only; its array state lives in the circuit state the loop threads through
-the step (train/circuit_state.py): `cs.codec` (the activation codec's state: the low-rank basis, or None) and
-`cs.grad` (PowerSGD's state, or None). Contract with train/loop.py and train/grpo_step.py:
+The activation codec is whichever class registered `fast.codec.type` (fast/codecs/); the gradient codec is PowerSGD
+or XLA's plain mean. This object holds configuration and host counters only; the array state lives in the circuit
+state the loop threads through the step (train/circuit_state.py): `cs.codec` (the activation codec's state: the
+low-rank basis, or None) and `cs.grad` (PowerSGD's state, or None). Contract with train/loop.py and grpo_step.py:
   init_codec_state() / init_grad_state(params_like)    the two fields, placed on the mesh
   applies(tag) / hook(codec_state, tag, step, sample_ids, positions, attention_mask) -> (hook_fn, hook_layers)
                                     traced inside jit; `step` is gs (the PRF step key), never the tick
   summarize(aux_by_layer)           scalar codec metrics inside the jitted loss
-  absorb_aux(codec_state, aux)      traced inside the step: folds the train forward's sketch into the basis
+  absorb_aux(codec_state, aux)      traced inside the step: the codec folds the train forward's aux in
   grad_fn(param_shardings)          None (XLA's implicit dp mean) or the PowerSGD shard_map factory
   tick_done()                       host, after each tick (counters)
-  end_step(codec_state, gs, grad_state)   host, after the last tick: refresh/activate the basis, bytes, counters
-The basis changes only in end_step (or `activate_basis`, which refuses to run mid-step), so no forward inside a
-step sees a new basis (design §2 step 5).
+  end_step(codec_state, gs, grad_state)   host, after the last tick: the codec's update, bytes, counters
+The codec state may change between forwards only in end_step (or `activate_basis`, which refuses to run mid-step),
+so no forward inside a step sees a new basis (design §2 step 5).
 """
 
 from __future__ import annotations
@@ -22,16 +23,12 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from twocircuit_jax.config.base import ConfigError
-from twocircuit_jax.fast import bytes as fbytes, lowrank as lr, powersgd as psgd
+from twocircuit_jax.fast import bytes as fbytes, powersgd as psgd
 from twocircuit_jax.fast.boundaries import boundary_layers
-from twocircuit_jax.fast.mask import make_mask_hook
-from twocircuit_jax.fast.sr_quant import make_quant_hook
-from twocircuit_jax.parallel import dispatch
+from twocircuit_jax.fast.codecs import OLD, REF, TRAIN, Path, make_activation_codec
 from twocircuit_jax.parallel.mesh import BATCH_AXES, dp_size
 
-TRAIN, OLD, REF, DENSE = "train", "old_logprob", "ref_logprob", "dense"
-CODECS = ("none", "prf_mask", "lowrank", "sr_quant")
-GRAD_CODECS = ("none", "powersgd")
+DENSE = "dense"
 
 
 def _rel_err(h, out, attention_mask):
@@ -46,22 +43,27 @@ class FastCircuit:
     def __init__(self, run_cfg, model_cfg, mesh):
         f = run_cfg.fast
         self.run_cfg, self.fcfg, self.model_cfg, self.mesh = run_cfg, f, model_cfg, mesh
-        if f.codec not in CODECS:
-            raise ConfigError("fast.codec", f"got {f.codec!r}; allowed {', '.join(CODECS)}")
-        if f.grad_codec not in GRAD_CODECS:
-            raise ConfigError("fast.grad_codec", f"got {f.grad_codec!r}; allowed {', '.join(GRAD_CODECS)}")
         try:
             self.boundaries = boundary_layers(model_cfg.num_layers, f.pp_size)
         except ValueError as e:
             raise ConfigError("fast.pp_size", str(e)) from None
-        self.has_activation_codec = f.codec != "none"
-        self.owns_basis = f.codec == "lowrank" and not run_cfg.anchor_owns_q
         self.interpret = bool(f.kernel_interpret)
-        self._check_kernel()
-        if f.codec == "lowrank" and not f.rank < model_cfg.hidden_size:
-            raise ConfigError("fast.rank", f"got {f.rank}; must be below model.hidden_size={model_cfg.hidden_size}")
+        self.powersgd = isinstance(f.grad_codec, psgd.PowerSGDConfig)
+        try:
+            self.codec = make_activation_codec(
+                f.codec,
+                hidden=model_cfg.hidden_size,
+                boundaries=self.boundaries,
+                mesh=mesh,
+                interpret=self.interpret,
+                owns_basis=not run_cfg.anchor_owns_q,
+            )
+        except ValueError as e:
+            raise ConfigError("fast.codec", str(e)) from None
+        self.has_activation_codec = self.codec is not None
+        self._check_kernels()
         self.dp = dp_size(mesh)
-        if f.grad_codec == "powersgd" and (mesh.shape["fsdp"] != 1 or mesh.shape["tensor"] != 1):
+        if self.powersgd and (mesh.shape["fsdp"] != 1 or mesh.shape["tensor"] != 1):
             raise ConfigError(
                 "fast.grad_codec",
                 "powersgd needs replicated parameters: set mesh.fsdp=1 and "
@@ -80,40 +82,42 @@ class FastCircuit:
         self.steps = 0  # host counter: end_step calls
         self._mid_step = False
         self._params_like = None
-        self._bootstrap_jit = self._absorb_jit = None
 
-    def _check_kernel(self):
+    @property
+    def owns_basis(self) -> bool:
+        return bool(getattr(self.codec, "owns_basis", False))
+
+    def _check_kernels(self):
+        """A kernel asked for must be able to run: there is no silent fallback to the jnp reference."""
         f = self.fcfg
-        if not f.use_kernel:
-            return
-        if f.codec == "sr_quant":
-            raise ConfigError("fast.use_kernel", "sr_quant has no Pallas kernel; set fast.use_kernel=false")
-        if f.codec == "none" and f.grad_codec == "none":
-            raise ConfigError("fast.use_kernel", "no codec is on, so there is no kernel to use")
-        if jax.default_backend() == "cpu" and not self.interpret:
+        asked = [
+            (path, sec)
+            for path, sec in (("fast.codec.use_kernel", f.codec), ("fast.grad_codec.use_kernel", f.grad_codec))
+            if getattr(sec, "use_kernel", False)
+        ]
+        if self.codec is not None and getattr(f.codec, "use_kernel", False) and not self.codec.has_kernel:
+            raise ConfigError("fast.codec.use_kernel", f"{f.codec_type} has no Pallas kernel; set it false")
+        if asked and jax.default_backend() == "cpu" and not self.interpret:
             raise ConfigError(
-                "fast.use_kernel",
-                "the Pallas kernels cannot be compiled on the CPU backend; set "
-                "fast.use_kernel=false (jnp reference) or fast.kernel_interpret=true "
-                "(interpret mode, tests only); there is no silent fallback",
+                asked[0][0],
+                "the Pallas kernels cannot be compiled on the CPU backend; set it false (jnp reference) or "
+                "fast.kernel_interpret=true (interpret mode, tests only); there is no silent fallback",
             )
 
     # --- state ------------------------------------------------------------------------------------------------
     def init_codec_state(self):
-        """The activation codec's state, replicated: a LowRankState for lowrank, None for the stateless codecs."""
-        if self.fcfg.codec != "lowrank":
-            return None
-        low = lr.init_lowrank(self.fcfg, self.model_cfg.hidden_size, self.boundaries)
-        return jax.device_put(low, NamedSharding(self.mesh, P()))
+        """The activation codec's state, replicated (the low-rank basis), or None for a stateless codec."""
+        st = self.codec.init() if self.codec is not None else None
+        return None if st is None else jax.device_put(st, NamedSharding(self.mesh, P()))
 
     def init_grad_state(self, params_like=None):
         """PowerSGD's state (Q replicated, the per-replica error memory split over dp), or None."""
         if params_like is not None:
             self._params_like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_like)
-        if self.fcfg.grad_codec != "powersgd":
+        if not self.powersgd:
             return None
         like = params_like if params_like is not None else self._params_shapes()
-        g = psgd.init_powersgd(self.fcfg, like, self.dp)
+        g = psgd.init_powersgd(self.fcfg.grad_codec, like, self.dp)
         return jax.device_put(g, self.grad_state_shardings(g))
 
     def grad_state_shardings(self, grad_state):
@@ -141,88 +145,38 @@ class FastCircuit:
         """(hook_fn, hook_layers) for one forward. A dense-path tag is a hard error (design §3.1)."""
         if tag == DENSE or not self.applies(tag):
             raise ValueError(
-                f"fast circuit: no codec may act on the {tag!r} path (fast.codec={self.fcfg.codec}, "
+                f"fast circuit: no codec may act on the {tag!r} path (fast.codec={self.fcfg.codec_type}, "
                 f"codec_old_logprob={self.fcfg.codec_old_logprob}, "
                 f"codec_reference={self.fcfg.codec_reference})"
             )
-        f, b = self.fcfg, self.boundaries
-        if f.codec == "lowrank":
-            fn = lr.make_lowrank_hook(
-                codec_state,
-                b,
-                sketch=(tag == TRAIN and self.owns_basis),
-                attention_mask=attention_mask,
-                cfg=f,
-                interpret=self.interpret,
-                mesh=self.mesh,
-            )
-            return fn, b
-        if f.codec == "prf_mask":
-            inner = make_mask_hook(
-                f, b, step, sample_ids, positions, attention_mask, interpret=self.interpret, mesh=self.mesh
-            )
-        else:
-            inner = make_quant_hook(f, b, step, sample_ids, positions, attention_mask)
+        path = Path(tag, step, sample_ids, positions, attention_mask)
 
         def fn(layer, h):
-            out, aux = inner(layer, h)
-            aux = dict(aux)
-            aux["recon_rel_err"] = (
-                aux.pop("quant_rel_err", None) if "quant_rel_err" in aux else _rel_err(h, out, attention_mask)
-            )
+            out, aux = self.codec.hook(codec_state, layer, h, path)
+            if "recon_rel_err" not in aux:
+                aux = dict(aux, recon_rel_err=_rel_err(h, out, attention_mask))
             return out, aux
-
-        return fn, b
-
-    def basis_sketcher(self, basis_state, attention_mask):
-        """A dense pass that only sketches: activations pass unchanged, the aux carries the sketch Mᵀ(M·Q_start)
-        per boundary (`absorb_sketch` folds it into the basis). The anchor's fire takes it from the loop."""
-        inner = lr.make_lowrank_hook(
-            basis_state, self.boundaries, sketch=True, attention_mask=attention_mask, encode=False
-        )
-
-        def fn(layer, h):  # the sketch only: the codec's error would cost a projection that nobody reads here
-            h, aux = inner(layer, h)
-            return h, {"sketch": aux["sketch"], "tokens": aux["tokens"]}
 
         return fn, self.boundaries
 
+    # --- the low-rank basis, when the codec learns one (wired by the loop) --------------------------------------
+    def basis_sketcher(self, basis_state, attention_mask):
+        """A dense pass that only sketches (the anchor's fire takes it from the loop); see LowRankCodec.sketcher."""
+        return self.codec.sketcher(basis_state, attention_mask)
+
     def absorb_sketch(self, codec_state, sketch):
-        """Fold a dense pass's sketch (summed over the global batch) into the basis: one power-iteration step,
-        staged; `activate` publishes it after the step's last tick. One small jitted program."""
-        if self._absorb_jit is None:
-            self._absorb_jit = dispatch.jit(
-                lambda low, aux: lr.refresh_basis(lr.accumulate_sketch(low, aux), self.fcfg, axis_name=None)
-            )
-        return self._absorb_jit(codec_state, sketch)
+        """Fold a dense pass's sketch in: one power-iteration step, staged until end_step."""
+        return self.codec.absorb_sketch(codec_state, sketch)
 
     def bootstrap(self, codec_state, params, batch):
-        """`fast.bootstrap` with the low-rank codec (either owner): before the first compressed forward, one discarded
-        dense no-grad pass over the first batch sketches against Q0, and one power-iteration step publishes Q1,
-        active at once (no codec forward has run yet, so no step sees two bases). Returns (state, metrics)."""
-        if not (self.fcfg.codec == "lowrank" and self.fcfg.bootstrap):
+        """Before the first compressed forward of a fresh run: the codec's bootstrap, if it has one. Returns
+        (state, metrics)."""
+        boot = getattr(self.codec, "bootstrap", None)
+        if boot is None:
             return codec_state, {}
         if self._mid_step:
             raise RuntimeError("lowrank bootstrap must run before the first compressed forward of the run")
-        if self._bootstrap_jit is None:
-            from twocircuit_jax.model.qwen2 import forward_with_aux
-
-            def sketch(params, batch, st):
-                hook, layers = self.basis_sketcher(st, batch["attention_mask"])
-                _, aux = forward_with_aux(
-                    self.model_cfg,
-                    jax.lax.stop_gradient(params),
-                    batch["tokens"],
-                    batch["attention_mask"],
-                    hook=hook,
-                    hook_layers=layers,
-                )
-                return aux
-
-            self._bootstrap_jit = dispatch.jit(sketch)
-        aux = self._bootstrap_jit(params, batch, codec_state)  # cost: one dense forward, no backward
-        low = lr.accumulate_sketch(codec_state, aux)
-        return lr.activate_staged(lr.refresh_basis(low, self.fcfg, axis_name=None)), {"codec/bootstrapped": 1}
+        return boot(codec_state, params, batch, self.model_cfg)
 
     # --- metrics ----------------------------------------------------------------------------------------------
     def summarize(self, aux_by_layer) -> dict:
@@ -246,11 +200,9 @@ class FastCircuit:
 
     # --- per tick and per step --------------------------------------------------------------------------------
     def absorb_aux(self, codec_state, aux):
-        """Traced inside the train step: a fast-owned basis adds the train forward's sketch (summed over the global
-        batch) to its running V; every other codec state passes through."""
-        if not self.owns_basis:
-            return codec_state
-        return lr.accumulate_sketch(codec_state, aux)
+        """Traced inside the train step: the codec folds the train forward's aux (summed over the global batch) into
+        its state (a fast-owned basis adds its sketch); a stateless codec passes it through."""
+        return self.codec.absorb(codec_state, aux) if self.codec is not None else codec_state
 
     def tick_done(self):
         """Host, after each tick: one more train-path codec forward ran; the step has started."""
@@ -260,7 +212,9 @@ class FastCircuit:
 
     def stage_basis(self, codec_state, Q_new: dict):
         """Stage a new basis (anchor-owned case); it becomes active in end_step only."""
-        return lr.stage(codec_state, Q_new)
+        from twocircuit_jax.fast.codecs.lowrank import stage
+
+        return stage(codec_state, Q_new)
 
     def activate_basis(self, codec_state):
         """Staged -> active. Refuses inside a step: every forward of a step must see the same basis."""
@@ -269,24 +223,17 @@ class FastCircuit:
                 "lowrank: a staged basis may become active only after the step's last mini-batch "
                 "(design §2 step 5); call end_step"
             )
-        return lr.activate_staged(codec_state)
+        from twocircuit_jax.fast.codecs.lowrank import activate_staged
+
+        return activate_staged(codec_state)
 
     def end_step(self, codec_state, gs: int, grad_state=None):
-        """Host, after the step's last tick: (codec_state', metrics). Refreshes a fast-owned basis when due and
-        activates a staged one; reports the basis health, counters and the step's logical bytes."""
-        metrics = {}
-        if self.fcfg.codec == "lowrank":
-            if self.owns_basis and lr.refresh_due(self.fcfg, gs):
-                # The sketch already is the sum over dp: it was contracted over the global batch inside jit
-                # (or psum-ed in the PowerSGD shard_map), so no axis_name here.
-                codec_state = lr.refresh_basis(codec_state, self.fcfg, axis_name=None)
-            self._mid_step = False
-            codec_state = self.activate_basis(codec_state)
-            m = lr.lowrank_metrics(codec_state)
-            metrics.update({k: float(v) for k, v in m.items()})
-            for b in self.boundaries:
-                metrics[f"codec/basis_cond/{b}"] = float(lr.basis_cond(codec_state.Q[b]))
+        """Host, after the step's last tick: (codec_state', metrics). The codec's update (a basis refresh when due
+        and the activation of a staged one), counters, and the step's logical bytes."""
         self._mid_step = False
+        metrics = {}
+        if self.codec is not None:
+            codec_state, metrics = self.codec.update(codec_state, gs)
         self.steps += 1
         metrics["codec/steps"] = self.steps
         metrics.update({f"codec/applications/{k}": v for k, v in self.applications.items()})
@@ -298,22 +245,17 @@ class FastCircuit:
         ticks = self.ticks_per_step
         parts = []
         if self.boundaries:
-            a = fbytes.activation_bytes(
-                self.fcfg,
-                tokens=self.tokens_per_tick // self.dp,
-                hidden=self.model_cfg.hidden_size,
-                boundaries=self.boundaries,
-            )
+            tokens, hidden = self.tokens_per_tick // self.dp, self.model_cfg.hidden_size
+            if self.codec is not None:
+                a = self.codec.wire_bytes(tokens, hidden, self.boundaries)
+            else:
+                a = fbytes.activation_bytes(self.fcfg.codec, tokens=tokens, hidden=hidden, boundaries=self.boundaries)
             parts.append({k: v * ticks for k, v in a.items()})
         if self.dp > 1:
             like = self._params_like if self._params_like is not None else self._params_shapes()
             self._params_like = like
-            g = fbytes.grad_allreduce_bytes(like, self.fcfg)
-            if (
-                self.fcfg.grad_codec == "powersgd"
-                and grad_state is not None
-                and int(grad_state.step) <= self.fcfg.start_after
-            ):
+            g = fbytes.grad_allreduce_bytes(like, self.fcfg.grad_codec)
+            if self.powersgd and grad_state is not None and int(grad_state.step) <= self.fcfg.grad_codec.start_after:
                 # the last tick of this step still took the plain-mean branch (warm-up)
                 g = dict(g, **{"comm/bytes_compressed": fbytes.powersgd_plain_bytes(like)})
             parts.append({k: v * ticks for k, v in g.items()})
@@ -325,8 +267,8 @@ class FastCircuit:
     # --- gradient codec ---------------------------------------------------------------------------------------
     def grad_fn(self, param_shardings):
         """None: XLA's implicit dp mean. PowerSGD: a shard_map over the batch axes around value_and_grad."""
-        if self.fcfg.grad_codec != "powersgd":
+        if not self.powersgd:
             return None
         from twocircuit_jax.fast.grad_fn import make_powersgd_grad_fn
 
-        return make_powersgd_grad_fn(self.fcfg, self.mesh, interpret=self.interpret)
+        return make_powersgd_grad_fn(self.fcfg.grad_codec, self.mesh, interpret=self.interpret)

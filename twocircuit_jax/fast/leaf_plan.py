@@ -39,7 +39,7 @@ def plan_leaves(cfg, params_like) -> list[LeafPlan]:
             L = 1
             for d in shape[:-2]:
                 L *= d
-            if (n + m) * cfg.grad_rank * cfg.min_compression_rate < n * m:
+            if (n + m) * cfg.rank * cfg.min_compression_rate < n * m:
                 out.append(LeafPlan(path, shape, True, L, n, m))
                 continue
         out.append(LeafPlan(path, shape, False, 0, 0, 0))

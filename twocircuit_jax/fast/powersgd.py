@@ -17,6 +17,7 @@ multiplied by the replica count (replica i owns rows [i·n0, (i+1)·n0)), so sha
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import jax
@@ -25,12 +26,35 @@ from jax.sharding import PartitionSpec
 
 from pallas_kernels.lowrank import check_can_run
 from pallas_kernels.powersgd import ef_project
+from twocircuit_jax.config.base import doc, register, require
+from twocircuit_jax.config.sections import GradCodecConfig
 from twocircuit_jax.fast.bytes import grad_allreduce_bytes, powersgd_plain_bytes
 from twocircuit_jax.fast.leaf_plan import LeafPlan, flat_leaves, plan_leaves  # noqa: F401  (LeafPlan: re-export)
 from twocircuit_jax.fast.orth import orth
 
 F32 = jnp.float32
 _SALT = 0x50575344  # "PWSD": keeps the Q₀ and refill keys apart from other users of cfg.seed
+
+
+@register(GradCodecConfig, "powersgd")
+@dataclass(frozen=True)
+class PowerSGDConfig(GradCodecConfig):
+    """`fast.grad_codec: {type: powersgd}`: rank-r PowerSGD with error feedback on the data-parallel reduction."""
+
+    rank: int = field(default=4, metadata=doc("PowerSGD rank", "r"))
+    min_compression_rate: float = field(default=2.0, metadata=doc("compress a matrix only if it shrinks this much"))
+    start_after: int = field(default=100, metadata=doc("plain all-reduce for the first N reduces"))
+    error_feedback: bool = True
+    compress_embeddings: bool = False
+    warm_start: bool = field(default=True, metadata=doc("Q starts from the last step's Q, else a fresh draw"))
+    reortho_eps: float = 1e-6
+    seed: int = field(default=0, metadata=doc("seed of the shared Q draws"))
+    use_kernel: bool = field(default=False, metadata=doc("the Pallas projection kernel; error if it cannot run"))
+
+    def check(self):
+        require(self.rank >= 1, "rank", f"got {self.rank}; must be >= 1")
+        require(self.min_compression_rate >= 1, "min_compression_rate", "must be >= 1")
+        require(self.start_after >= 0, "start_after", f"got {self.start_after}; must be >= 0")
 
 
 class PowerSGDState(NamedTuple):
@@ -42,7 +66,7 @@ class PowerSGDState(NamedTuple):
 def _fresh_q(cfg, idx: int, p: LeafPlan, step) -> jax.Array:
     """Shared normal draw [..., m, r] for leaf idx at `step` (0: Q₀). Same key on every replica -> replicated."""
     key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(cfg.seed ^ _SALT), idx), step)
-    return jax.random.normal(key, p.shape[:-2] + (p.m, cfg.grad_rank), F32)
+    return jax.random.normal(key, p.shape[:-2] + (p.m, cfg.rank), F32)
 
 
 def init_powersgd(cfg, params_like, n_replicas: int = 1) -> PowerSGDState:

@@ -12,11 +12,13 @@ import html
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 
 import yaml
 
-from twocircuit_jax.config.base import ConfigError
+from twocircuit_jax.config.base import ConfigError, ConfigWarning
+from twocircuit_jax.config.sections import FastConfig
 
 CODEC_ORDER = ("prf_mask", "lowrank", "sr_quant")
 STRENGTH_KEY = {"prf_mask": ("p", "p"), "lowrank": ("rank", "r"), "sr_quant": ("quant_bits", "bits")}
@@ -44,13 +46,16 @@ class Run:
 
     def __post_init__(self) -> None:
         sec = lambda k: self.config.get(k) if isinstance(self.config.get(k), dict) else {}  # noqa: E731
-        fast = sec("fast")
-        self.codec: str = str(fast.get("codec", "none"))
+        with warnings.catch_warnings():  # a run folder's own config: its inert flat keys (older runs) are no news
+            warnings.simplefilter("ignore", ConfigWarning)
+            fast = FastConfig.upgrade(sec("fast"))  # older runs saved flat keys: the same sections either way
+        codec = fast["codec"]
+        self.codec: str = str(codec["type"])
         self.anchor: bool = bool(sec("anchor").get("enabled", False))
         self.hidden: int | None = sec("model").get("hidden_size")
         key, short = STRENGTH_KEY.get(self.codec, (None, None))
-        self.strength: float | None = fast.get(key) if key else None
-        grad = fast.get("grad_codec") or "none"
+        self.strength: float | None = codec.get(key) if key else None
+        grad = fast["grad_codec"]["type"]
         # e.g. "lowrank r=8"; a gradient codec is appended ("+powersgd"): a different compression, a different row
         self.codec_label = (
             self.codec

@@ -105,7 +105,7 @@ class GRPOTrainer:
         """Fast circuit and anchor when the config turns them on (None = absent, not merely idle), and the circuit
         state with its shardings: every field exists from tick 1, so the step compiles once."""
         codec_state = grad_state = merger = moments = None
-        if self.cfg.fast.codec != "none" or self.cfg.fast.grad_codec != "none":
+        if self.cfg.fast.codec_type != "none" or self.cfg.fast.grad_codec_type != "none":
             from twocircuit_jax.fast.circuit import FastCircuit
 
             self.codec = FastCircuit(self.cfg, self.model_cfg, self.mesh)

@@ -6,12 +6,14 @@ train and reference forwards, every mini-batch, any padding and `jax.checkpoint`
 same bits. The backward message is grad * g * m through ordinary autodiff (no straight-through estimator).
 
 Shape: an (empty) `MaskState` plus pure functions; `make_mask_hook` closes over the traced per-batch context.
+`PrfMaskCodec` (bottom) is the registered codec, `PrfMaskConfig` its `fast.codec` section.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +22,9 @@ import numpy as np
 from pallas_kernels import prf
 from pallas_kernels.prf_mask import MaskRows, prf_mask_kernel
 from pallas_kernels.sharding import shard_rows
+from twocircuit_jax.config.base import doc, require
+from twocircuit_jax.config.sections import ActivationCodecConfig
+from twocircuit_jax.fast.codecs.base import ActivationCodec, register_activation, wire_result
 
 RESCALE_MODES = ("none", "constant", "rms_match")
 RMS_EPS = 1e-8
@@ -189,3 +194,59 @@ def make_mask_hook(cfg, boundaries, step, sample_ids, positions, attention_mask=
         return out, {"mask_ratio": ratio}
 
     return hook
+
+
+# ----------------------------------------------------------------------------------------------- the codec
+@dataclass(frozen=True)
+class PrfMaskConfig(ActivationCodecConfig):
+    """`fast.codec: {type: prf_mask}`: a random channel mask regenerated from a stateless PRF key (design §3.2)."""
+
+    p: float = field(default=0.95, metadata=doc("masked fraction", "p"))
+    exact_k: bool = field(default=True, metadata=doc("keep exactly k = round((1-p)H) channels per token"))
+    rescale_mode: Literal["none", "constant", "rms_match"] = "constant"
+    antithetic: bool = field(default=False, metadata=doc("odd steps use the complement of the even step's bits"))
+    p_by_boundary: tuple[float, ...] = field(default=(), metadata=doc("one p per boundary; () = p everywhere"))
+    prf_impl: Literal["u32pair", "x64", "threefry"] = "u32pair"
+    seed: int = field(default=0, metadata=doc("PRF seed"))
+    use_kernel: bool = field(default=False, metadata=doc("the Pallas mask kernel; error if it cannot run"))
+
+    def check(self):
+        require(0 <= self.p < 1, "p", f"got {self.p}; allowed [0, 1)")
+        for i, q in enumerate(self.p_by_boundary):
+            require(0 <= q < 1, f"p_by_boundary[{i}]", f"got {q}; allowed [0, 1)")
+
+    def check_fits(self, model, pp_size: int):
+        if self.p_by_boundary:
+            require(
+                len(self.p_by_boundary) == pp_size - 1,
+                "p_by_boundary",
+                f"got {len(self.p_by_boundary)} values; need fast.pp_size - 1 = {pp_size - 1}",
+            )
+
+
+@register_activation("prf_mask")
+class PrfMaskCodec(ActivationCodec):
+    config = PrfMaskConfig
+    has_kernel = True
+
+    def hook(self, state, layer, h, path):
+        fn = make_mask_hook(
+            self.cfg,
+            self.boundaries,
+            path.step,
+            path.sample_ids,
+            path.positions,
+            path.attention_mask,
+            interpret=self.interpret,
+            mesh=self.mesh,
+        )
+        return fn(self.check_layer(layer), h)
+
+    def wire_bytes(self, tokens, hidden, boundaries, act_bytes=2):
+        """(1−p)·H values per token (exact_k: k values); no index bytes: the receiver regenerates the mask."""
+        nb, N, H = len(boundaries), int(tokens), int(hidden)
+        ps = list(self.cfg.p_by_boundary) or [self.cfg.p] * nb
+        if len(ps) != nb:
+            raise ValueError(f"p_by_boundary has {len(ps)} entries for {nb} boundaries")
+        el_c = N * sum(keep_count(p, H) if self.cfg.exact_k else (1.0 - p) * H for p in ps)
+        return wire_result(el_c * act_bytes, nb * N * H * act_bytes, el_c, nb * N * H)

@@ -11,10 +11,12 @@ Basis life cycle, all pure (optax shape, no module state):
   refresh_basis(state, cfg, axis_name)          psum V over dp, Q_next = orth(V), clear V, stage Q_next
   activate_staged(state)                        after the step's last mini-batch (design §2 step 5)
 No forward inside a step sees a new basis: `Q` changes only in `activate_staged`.
+`LowRankCodec` (bottom) is the registered codec, `LowRankConfig` its `fast.codec` section.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Sequence
 
 import jax
@@ -23,7 +25,11 @@ import numpy as np
 
 from pallas_kernels.lowrank import check_can_run, lowrank_reference, project_reconstruct
 from pallas_kernels.sharding import shard_rows
+from twocircuit_jax.config.base import doc, require
+from twocircuit_jax.config.sections import ActivationCodecConfig
+from twocircuit_jax.fast.codecs.base import TRAIN, ActivationCodec, register_activation, wire_result
 from twocircuit_jax.fast.orth import orth
+from twocircuit_jax.parallel import dispatch
 
 F32 = jnp.float32
 
@@ -213,3 +219,126 @@ def lowrank_metrics(state: LowRankState, aux_by_layer: Optional[dict] = None) ->
     if aux_by_layer:
         m["codec/recon_rel_err"] = jnp.mean(jnp.stack([aux_by_layer[b]["recon_rel_err"] for b in sorted(aux_by_layer)]))
     return m
+
+
+# ----------------------------------------------------------------------------------------------- the codec
+@dataclass(frozen=True)
+class LowRankConfig(ActivationCodecConfig):
+    """`fast.codec: {type: lowrank}`: project each boundary message on a learned r-dimensional basis (design §3.3)."""
+
+    rank: int = field(default=77, metadata=doc("rank of the activation projector", "r"))
+    update_cadence: int = field(default=1, metadata=doc("GRPO steps between refreshes of a fast-owned basis"))
+    warm_start: bool = field(default=True, metadata=doc("power iteration starts from the newest basis, else Q0"))
+    sync_basis: bool = True
+    reortho_eps: float = 1e-6
+    bootstrap: bool = field(default=True, metadata=doc("publish Q1 from one dense sketch before the first step"))
+    seed: int = field(default=0, metadata=doc("host seed of Q0"))
+    use_kernel: bool = field(default=False, metadata=doc("the Pallas projector kernel; error if it cannot run"))
+
+    def check(self):
+        require(self.rank >= 1, "rank", f"got {self.rank}; must be >= 1")
+        require(self.update_cadence >= 1, "update_cadence", f"got {self.update_cadence}; must be >= 1")
+
+    def check_fits(self, model, pp_size: int):
+        require(
+            self.rank < model.hidden_size,
+            "rank",
+            f"got {self.rank}; must be below model.hidden_size={model.hidden_size}",
+        )
+
+
+@register_activation("lowrank")
+class LowRankCodec(ActivationCodec):
+    """The codec's state is the basis (`LowRankState`). Who sketches it: the train forward (`owns_basis`, refreshed
+    in `update` every `update_cadence` steps) or an external dense pass (the anchor's fire, through `sketcher` and
+    `absorb_sketch`)."""
+
+    config = LowRankConfig
+    has_kernel = True
+
+    def __init__(self, cfg, *, owns_basis: bool = True, **kw):
+        super().__init__(cfg, **kw)
+        self.owns_basis = bool(owns_basis)
+        if not cfg.rank < self.hidden:
+            raise ValueError(f"fast.codec.rank: got {cfg.rank}; must be below the hidden size {self.hidden}")
+        self._absorb_jit = self._bootstrap_jit = None
+
+    def init(self):
+        return init_lowrank(self.cfg, self.hidden, self.boundaries)
+
+    def hook(self, state, layer, h, path):
+        fn = make_lowrank_hook(
+            state,
+            self.boundaries,
+            sketch=(path.tag == TRAIN and self.owns_basis),
+            attention_mask=path.attention_mask,
+            cfg=self.cfg,
+            interpret=self.interpret,
+            mesh=self.mesh,
+        )
+        return fn(self.check_layer(layer), h)
+
+    def absorb(self, state, aux_by_layer):
+        """A fast-owned basis adds the train forward's sketch (summed over the global batch) to its running V."""
+        return accumulate_sketch(state, aux_by_layer) if self.owns_basis else state
+
+    def update(self, state, gs):
+        """After the step's last tick: refresh a fast-owned basis when due, activate a staged one, report health."""
+        if self.owns_basis and refresh_due(self.cfg, gs):
+            # The sketch already is the sum over dp (contracted over the global batch inside jit, or psum-ed in the
+            # PowerSGD shard_map), so no axis_name here.
+            state = refresh_basis(state, self.cfg, axis_name=None)
+        state = activate_staged(state)
+        metrics = {k: float(v) for k, v in lowrank_metrics(state).items()}
+        metrics.update({f"codec/basis_cond/{b}": float(basis_cond(state.Q[b])) for b in self.boundaries})
+        return state, metrics
+
+    def sketcher(self, state, attention_mask):
+        """(hook, layers) for a dense pass that only sketches: activations pass unchanged, the aux carries the sketch
+        Mᵀ(M·Q_start) per boundary (`absorb_sketch` folds it in). The anchor's fire takes it from the loop."""
+        inner = make_lowrank_hook(state, self.boundaries, sketch=True, attention_mask=attention_mask, encode=False)
+
+        def fn(layer, h):  # the sketch only: the codec's error would cost a projection that nobody reads here
+            h, aux = inner(layer, h)
+            return h, {"sketch": aux["sketch"], "tokens": aux["tokens"]}
+
+        return fn, self.boundaries
+
+    def absorb_sketch(self, state, sketch):
+        """Fold a dense pass's sketch (summed over the global batch) in: one power-iteration step, staged; `update`
+        activates it after the step's last tick. One small jitted program."""
+        if self._absorb_jit is None:
+            cfg = self.cfg
+            self._absorb_jit = dispatch.jit(
+                lambda low, aux: refresh_basis(accumulate_sketch(low, aux), cfg, axis_name=None)
+            )
+        return self._absorb_jit(state, sketch)
+
+    def bootstrap(self, state, params, batch, model_cfg):
+        """`bootstrap` (either owner): before the first compressed forward, one discarded dense no-grad pass over the
+        first batch sketches against Q0 and one power-iteration step publishes Q1, active at once (no codec forward
+        has run yet, so no step sees two bases). Cost: one dense forward, no backward. Returns (state, metrics)."""
+        if not self.cfg.bootstrap:
+            return state, {}
+        if self._bootstrap_jit is None:
+            from twocircuit_jax.model.qwen2 import forward_with_aux
+
+            def sketch(params, batch, st):
+                hook, layers = self.sketcher(st, batch["attention_mask"])
+                p = jax.lax.stop_gradient(params)
+                return forward_with_aux(
+                    model_cfg, p, batch["tokens"], batch["attention_mask"], hook=hook, hook_layers=layers
+                )[1]
+
+            self._bootstrap_jit = dispatch.jit(sketch)
+        aux = self._bootstrap_jit(params, batch, state)
+        low = accumulate_sketch(state, aux)
+        return activate_staged(refresh_basis(low, self.cfg, axis_name=None)), {"codec/bootstrapped": 1}
+
+    def wire_bytes(self, tokens, hidden, boundaries, act_bytes=2, basis_bytes=4):
+        """N·r per boundary, plus the basis broadcast n_b·H·r fp32 amortised over `update_cadence` steps."""
+        nb, N, H, r = len(boundaries), int(tokens), int(hidden), self.cfg.rank
+        el_msg, el_basis = nb * N * r, nb * H * r / self.cfg.update_cadence
+        return wire_result(
+            el_msg * act_bytes + el_basis * basis_bytes, nb * N * H * act_bytes, el_msg + el_basis, nb * N * H
+        )

@@ -12,13 +12,18 @@ channel subset (chosen by the mask's u, never by value), quantizes it and rescal
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+import math
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import prf
-from twocircuit_jax.fast import mask as mask_lib
+from twocircuit_jax.config.base import doc, require
+from twocircuit_jax.config.sections import ActivationCodecConfig
+from twocircuit_jax.fast.codecs import prf_mask as mask_lib
+from twocircuit_jax.fast.codecs.base import ActivationCodec, register_activation, wire_result
 
 ROUNDINGS = ("sr", "rn")
 FORWARD, BACKWARD = 0, 1
@@ -136,3 +141,42 @@ def make_quant_hook(cfg, boundaries, step, sample_ids, positions, attention_mask
         return out, {"quant_rel_err": rel}
 
     return hook
+
+
+# ----------------------------------------------------------------------------------------------- the codec
+@dataclass(frozen=True)
+class SrQuantConfig(ActivationCodecConfig):
+    """`fast.codec: {type: sr_quant}`: blockwise stochastic-rounding quantizer (design §3.4, an ablation). Its
+    uniforms come from the prf_mask key, so it shares the mask's `seed`, `prf_impl` and `antithetic`."""
+
+    quant_bits: int = field(default=1, metadata=doc("bits per channel"))
+    quant_block: int = field(default=32, metadata=doc("channels per scale"))
+    rounding: Literal["sr", "rn"] = "sr"
+    subset_k: int = field(default=0, metadata=doc("quantize only k channels of a PRF subset; 0 = all"))
+    prf_impl: Literal["u32pair", "x64", "threefry"] = "u32pair"
+    antithetic: bool = False
+    seed: int = field(default=0, metadata=doc("PRF seed"))
+
+    def check(self):
+        require(self.quant_bits in (1, 2, 4, 8), "quant_bits", f"got {self.quant_bits}; allowed 1, 2, 4, 8")
+        require(self.quant_block >= 1, "quant_block", f"got {self.quant_block}; must be >= 1")
+
+    def check_fits(self, model, pp_size: int):
+        if self.subset_k:
+            require(self.subset_k <= model.hidden_size, "subset_k", "must not exceed model.hidden_size")
+
+
+@register_activation("sr_quant")
+class SrQuantCodec(ActivationCodec):
+    config = SrQuantConfig
+
+    def hook(self, state, layer, h, path):
+        fn = make_quant_hook(self.cfg, self.boundaries, path.step, path.sample_ids, path.positions, path.attention_mask)
+        out, aux = fn(self.check_layer(layer), h)
+        return out, {"recon_rel_err": aux["quant_rel_err"]}
+
+    def wire_bytes(self, tokens, hidden, boundaries, act_bytes=2):
+        """Every channel at `quant_bits` each, plus one 16-bit scale per block of `quant_block` channels."""
+        nb, N, H = len(boundaries), int(tokens), int(hidden)
+        bits_tok = H * self.cfg.quant_bits + math.ceil(H / self.cfg.quant_block) * 16
+        return wire_result(nb * N * bits_tok / 8.0, nb * N * H * act_bytes, nb * N * H, nb * N * H)

@@ -1,0 +1,136 @@
+"""Codecs behind one interface: a codec registered from this file (one class, one config section) is chosen by
+`fast.codec.type`, parsed with its own fields, and runs a train step; the flat shorthand keys land in the sections."""
+
+import warnings
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from tiny_run import NARROW_MODEL, circuit_state
+
+from twocircuit_jax.config import load_config
+from twocircuit_jax.config.base import ConfigError, ConfigWarning, require
+from twocircuit_jax.config.sections import ActivationCodecConfig
+from twocircuit_jax.fast.circuit import FastCircuit
+from twocircuit_jax.fast.codecs import ActivationCodec, activation_codecs, register_activation
+from twocircuit_jax.fast.codecs.base import wire_result
+from twocircuit_jax.model.qwen2 import init_params
+from twocircuit_jax.parallel import dispatch, mesh as pmesh
+from twocircuit_jax.train.grpo_step import OLD, make_grpo_loss, make_logp_fn
+from twocircuit_jax.train.step import build_train_step, init_state, state_shardings
+
+
+@dataclass(frozen=True)
+class ScaleConfig(ActivationCodecConfig):
+    """A toy codec: every boundary message is multiplied by `scale`."""
+
+    scale: float = 0.5
+
+    def check(self):
+        require(0 < self.scale <= 1, "scale", f"got {self.scale}; allowed (0, 1]")
+
+
+@register_activation("toy_scale")
+class ScaleCodec(ActivationCodec):
+    config = ScaleConfig
+
+    def hook(self, state, layer, h, path):
+        self.check_layer(layer)
+        return h * jnp.asarray(self.cfg.scale, h.dtype), {"mask_ratio": jnp.float32(0.0)}
+
+    def wire_bytes(self, tokens, hidden, boundaries, act_bytes=2):
+        el = len(boundaries) * tokens * hidden
+        return wire_result(el * act_bytes, el * act_bytes, el, el)
+
+
+B, T, NEW = 16, 12, 6
+
+
+def _cfg(**fast):
+    return load_config(
+        data={
+            "model": NARROW_MODEL,
+            "mesh": {"data": -1},
+            "sampler": {"n": 4},
+            "grpo": {"kl_coef": 0.0},
+            "fast": {"pp_size": 4, **fast},
+            "train": {"train_batch": 4, "mini_batch": 4, "max_prompt_len": T - NEW},
+        }
+    )
+
+
+def test_a_registered_codec_parses_and_runs_a_step():
+    assert "toy_scale" in activation_codecs()
+    cfg = _cfg(codec={"type": "toy_scale", "scale": 0.5})
+    assert isinstance(cfg.fast.codec, ScaleConfig) and cfg.fast.codec_type == "toy_scale"
+    with pytest.raises(ConfigError) as e:
+        _cfg(codec={"type": "toy_scale", "scale": 2.0})
+    assert e.value.path == "fast.codec.scale"
+    with pytest.raises(ConfigError, match="toy_scale"):  # the allowed types name the new one
+        _cfg(codec={"type": "nope"})
+
+    mesh = pmesh.make_mesh(cfg.mesh)
+    params = init_params(cfg.model, jax.random.key(0), std=0.3)
+    circuit = FastCircuit(cfg, cfg.model, mesh)
+    assert circuit.boundaries == (0, 1, 2) and circuit.applies("train")
+    k = jax.random.split(jax.random.PRNGKey(3), 2)
+    resp = np.zeros((B, T), np.float32)
+    resp[:, T - NEW :] = 1.0
+    batch = {
+        "tokens": jax.random.randint(k[0], (B, T), 3, 100, jnp.int32),
+        "attention_mask": jnp.ones((B, T), jnp.int32),
+        "response_mask": jnp.asarray(resp),
+        "advantages": jax.random.normal(k[1], (B,)),
+        "sample_id": jnp.arange(B, dtype=jnp.int32),
+    }
+    batch = jax.device_put(batch, pmesh.batch_shardings(batch, mesh))
+    cs = circuit_state(circuit, params)
+    batch["old_logp"] = dispatch.jit(make_logp_fn(cfg.model, circuit, OLD))(params, batch, cs)[0]
+    opt = optax.sgd(0.1)
+    state = init_state(jax.tree.map(jnp.copy, params), opt)
+    sh = state_shardings(state, mesh)
+    step = build_train_step(
+        make_grpo_loss(cfg.model, cfg.grpo, NEW, circuit), opt, sh, mesh, absorb_aux=circuit.absorb_aux
+    )
+    new, _, m = step(jax.device_put(state, sh), cs, batch)
+    # the codec acted in the train forward at every boundary: |h - h/2| / |h| is exactly 1/2
+    for b in (0, 1, 2):
+        assert float(m[f"codec/recon_rel_err/{b}"]) == pytest.approx(0.5, rel=1e-6)
+    assert np.isfinite(float(m["loss"])) and int(new.tick) == 1
+    assert all(np.ndim(v) == 0 for v in m.values())  # metrics leave the step as scalars only
+
+
+def test_flat_shorthand_lands_in_the_sections():
+    flat = _cfg(codec="prf_mask", p=0.5, seed=3, grad_codec="powersgd", grad_rank=2, start_after=0)
+    nested = _cfg(
+        codec={"type": "prf_mask", "p": 0.5, "seed": 3},
+        grad_codec={"type": "powersgd", "rank": 2, "start_after": 0, "seed": 3},
+    )
+    assert flat == nested
+    # a flat key (a --set) wins over the section's own value
+    assert _cfg(codec={"type": "prf_mask", "p": 0.9}, p=0.5).fast.codec.p == 0.5
+    # a flat key no chosen codec has: dropped with a warning naming it (it was inert in the flat form too)
+    with pytest.warns(ConfigWarning, match=r"fast\.rank: ignored"):
+        cfg = _cfg(codec="prf_mask", rank=3)
+    assert not hasattr(cfg.fast.codec, "rank")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _cfg(codec={"type": "lowrank", "rank": 3})  # the section form warns about nothing
+
+
+def test_a_base_config_section_of_another_type_is_replaced(tmp_path):
+    (tmp_path / "base.yaml").write_text("fast: {codec: {type: prf_mask, p: 0.5}, pp_size: 4}\n")
+    (tmp_path / "child.yaml").write_text("base: base.yaml\nfast: {codec: {type: lowrank, rank: 3}}\n")
+    (tmp_path / "tweak.yaml").write_text("base: base.yaml\nfast: {codec: {p: 0.75}}\n")
+    child = load_config(str(tmp_path / "child.yaml"))
+    assert child.fast.codec_type == "lowrank" and child.fast.codec.rank == 3 and child.fast.pp_size == 4
+    assert load_config(str(tmp_path / "tweak.yaml")).fast.codec.p == 0.75  # same type: merged key by key
+
+
+def test_a_codec_that_is_neither_a_name_nor_a_section_is_an_error():
+    with pytest.raises(ConfigError) as e:
+        _cfg(codec=5)
+    assert e.value.path == "fast.codec" and "expected a codec name" in e.value.message

@@ -1,0 +1,118 @@
+"""The activation-codec interface and its registry (design §3).
+
+A codec is one class in one file of this folder, registered with its config section:
+
+    @register_activation("my_codec")
+    class MyCodec(ActivationCodec):
+        config = MyCodecConfig          # a frozen dataclass subclassing config.sections.ActivationCodecConfig
+
+`fast.codec: {type: my_codec, ...}` then parses into `MyCodecConfig` and the fast circuit builds `MyCodec` from it.
+Registration happens on import: the built-in codecs are imported by `twocircuit_jax.fast.codecs`; a codec defined
+elsewhere (a test, a user module) registers when its module is imported, before the config is loaded.
+
+Contract (all array work pure and jittable; `state` is the codec's field of the circuit state, `cs.codec`):
+  init() -> state                     fp32 pytree placed by the caller (None for a stateless codec)
+  hook(state, layer, h, path) -> (h̃, aux)   traced inside every codec-view forward at each boundary `layer`;
+                                      `path` (a `Path`) says which forward and carries the per-batch PRF context;
+                                      aux holds scalars (`recon_rel_err`, `mask_ratio`, ...) and, for codecs that
+                                      learn from the activations, summable arrays (the low-rank sketch)
+  absorb(state, aux_by_layer) -> state   traced inside the train step: folds the train forward's aux into the state
+  update(state, gs) -> (state, metrics)  host, after the step's last tick (the basis refresh)
+  wire_bytes(tokens, hidden, boundaries, act_bytes) -> dict   logical bytes of one forward's boundary messages
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, NamedTuple, Optional, Sequence
+
+import jax
+
+from twocircuit_jax.config.base import register
+from twocircuit_jax.config.sections import ActivationCodecConfig, NoActivationCodec
+
+TRAIN, OLD, REF = "train", "old_logprob", "ref_logprob"
+
+
+class Path(NamedTuple):
+    """One codec-view forward, as each boundary sees it."""
+
+    tag: str  # TRAIN, OLD or REF (static)
+    step: jax.Array  # [] int32 GRPO step gs: the PRF step key
+    sample_ids: jax.Array  # [B] int32 row in the global step batch
+    positions: jax.Array  # [B, T] int32 counted from each row's first real token
+    attention_mask: jax.Array  # [B, T] 1 on real tokens (keeps padding out of metrics and sketches)
+
+
+def wire_result(compressed: float, dense: float, el_c: float, el_d: float) -> dict:
+    return {
+        "comm/bytes_compressed": float(compressed),
+        "comm/bytes_dense": float(dense),
+        "comm/bytes_ratio": float(compressed) / float(dense) if dense else 1.0,
+        "comm/elements_compressed": float(el_c),
+        "comm/elements_dense": float(el_d),
+    }
+
+
+class ActivationCodec:
+    """Base class: stateless, nothing to absorb or update; subclasses override `hook` and `wire_bytes`."""
+
+    config: ClassVar[type]  # the config section class this codec is built from
+    has_kernel: ClassVar[bool] = False  # a Pallas kernel exists (fast.codec.use_kernel may be true)
+
+    def __init__(self, cfg, *, hidden: int, boundaries: Sequence[int], mesh=None, interpret: bool = False, **_):
+        self.cfg, self.hidden, self.boundaries = cfg, int(hidden), tuple(int(b) for b in boundaries)
+        self.mesh, self.interpret = mesh, bool(interpret)
+
+    def init(self) -> Any:
+        return None
+
+    def hook(self, state, layer: int, h: jax.Array, path: Path):
+        raise NotImplementedError
+
+    def absorb(self, state, aux_by_layer: dict):
+        return state
+
+    def update(self, state, gs: int):
+        return state, {}
+
+    def wire_bytes(self, tokens: int, hidden: int, boundaries: Sequence[int], act_bytes: int = 2) -> dict:
+        raise NotImplementedError
+
+    def check_layer(self, layer: int) -> int:
+        layer = int(layer)
+        if layer not in self.boundaries:
+            raise ValueError(
+                f"{type(self).__name__}: layer {layer} is not a boundary; boundaries are {self.boundaries}"
+            )
+        return layer
+
+
+_ACTIVATION: dict[str, type] = {}
+
+
+def register_activation(name: str):
+    """Class decorator: register a codec under `fast.codec.type: name`, with its config section (`cls.config`)."""
+
+    def deco(cls):
+        if not issubclass(cls.config, ActivationCodecConfig):
+            raise TypeError(f"{cls.__name__}.config must subclass ActivationCodecConfig")
+        register(ActivationCodecConfig, name)(cls.config)
+        _ACTIVATION[name] = cls
+        cls.name = name
+        return cls
+
+    return deco
+
+
+def activation_codecs() -> dict[str, type]:
+    return dict(_ACTIVATION)
+
+
+def make_activation_codec(cfg, **kw) -> Optional[ActivationCodec]:
+    """The codec object for config section `cfg` (None for `type: none`)."""
+    if isinstance(cfg, NoActivationCodec):
+        return None
+    for cls in _ACTIVATION.values():
+        if type(cfg) is cls.config:
+            return cls(cfg, **kw)
+    raise KeyError(f"no codec is registered for {type(cfg).__name__}; registered: {', '.join(sorted(_ACTIVATION))}")
