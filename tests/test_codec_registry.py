@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from tiny_run import NARROW_MODEL, circuit_state
+from tiny_run import NARROW_MODEL, circuit_state, narrow_batch
 
 from twocircuit_jax.config import load_config
 from twocircuit_jax.config.base import ConfigError, ConfigWarning, require
@@ -49,7 +49,7 @@ class ScaleCodec(ActivationCodec):
 B, T, NEW = 16, 12, 6
 
 
-def _cfg(**fast):
+def _cfg(**fast):  # the narrow run of tiny_run, with kl off (no reference pass here)
     return load_config(
         data={
             "model": NARROW_MODEL,
@@ -76,16 +76,7 @@ def test_a_registered_codec_parses_and_runs_a_step():
     params = init_params(cfg.model, jax.random.key(0), std=0.3)
     circuit = FastCircuit(cfg, cfg.model, mesh)
     assert circuit.boundaries == (0, 1, 2) and circuit.applies("train")
-    k = jax.random.split(jax.random.PRNGKey(3), 2)
-    resp = np.zeros((B, T), np.float32)
-    resp[:, T - NEW :] = 1.0
-    batch = {
-        "tokens": jax.random.randint(k[0], (B, T), 3, 100, jnp.int32),
-        "attention_mask": jnp.ones((B, T), jnp.int32),
-        "response_mask": jnp.asarray(resp),
-        "advantages": jax.random.normal(k[1], (B,)),
-        "sample_id": jnp.arange(B, dtype=jnp.int32),
-    }
+    batch, _ = narrow_batch()
     batch = jax.device_put(batch, pmesh.batch_shardings(batch, mesh))
     cs = circuit_state(circuit, params)
     batch["old_logp"] = dispatch.jit(make_logp_fn(cfg.model, circuit, OLD))(params, batch, cs)[0]

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from tiny_run import NARROW_MODEL, circuit_state, narrow_run_config
+from tiny_run import circuit_state, narrow_batch, narrow_run_config
 
 from twocircuit_jax.fast.circuit import FastCircuit
 from twocircuit_jax.model.qwen2 import init_params
@@ -17,7 +17,6 @@ from twocircuit_jax.parallel import dispatch, mesh as pmesh
 from twocircuit_jax.train.grpo_step import OLD, make_grpo_loss, make_logp_fn
 from twocircuit_jax.train.step import build_train_step, init_state, state_shardings
 
-MODEL = dict(NARROW_MODEL)
 B, T, NEW = 16, 12, 6  # 16 rows over 8 replicas; the last NEW positions are the response
 
 
@@ -30,16 +29,7 @@ def setup():
     cfg = run_cfg()
     mesh = pmesh.make_mesh(cfg.mesh)
     params = init_params(cfg.model, jax.random.key(0), std=0.3)  # a peaked policy, so the codec shows
-    k = jax.random.split(jax.random.PRNGKey(3), 2)
-    resp = np.zeros((B, T), np.float32)
-    resp[:, T - NEW :] = 1.0  # every replica holds the same number of loss tokens
-    batch = {
-        "tokens": jax.random.randint(k[0], (B, T), 3, 100, jnp.int32),
-        "attention_mask": jnp.ones((B, T), jnp.int32),
-        "response_mask": jnp.asarray(resp),
-        "advantages": jax.random.normal(k[1], (B,)),
-        "sample_id": jnp.arange(B, dtype=jnp.int32),
-    }
+    batch, _ = narrow_batch()  # every replica holds the same number of loss tokens
     return cfg, mesh, params, batch
 
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_run import NARROW_MODEL, circuit_state, narrow_run_config
+from tiny_run import circuit_state, narrow_batch, narrow_run_config
 
 from twocircuit_jax.anchor.merger import init_merger, update_ema
 from twocircuit_jax.fast.circuit import FastCircuit
@@ -18,7 +18,6 @@ from twocircuit_jax.parallel import dispatch, mesh as pmesh
 from twocircuit_jax.train.grpo_step import OLD, make_grpo_loss, make_logp_fn
 from twocircuit_jax.train.step import default_grad_fn
 
-MODEL = dict(NARROW_MODEL)
 B, T, NEW = 16, 12, 6
 
 
@@ -32,19 +31,8 @@ def setup():
     mesh = pmesh.make_mesh(cfg.mesh)
     ref = init_params(cfg.model, jax.random.key(0), std=0.3)
     params = jax.tree.map(lambda x: x * 1.05, ref)
-    k = jax.random.split(jax.random.PRNGKey(3), 3)
-    resp = np.zeros((B, T), np.float32)
-    resp[:, T - NEW :] = 1.0
-    batch = {
-        "tokens": jax.random.randint(k[0], (B, T), 3, 100, jnp.int32),
-        "attention_mask": jnp.ones((B, T), jnp.int32),
-        "response_mask": jnp.asarray(resp),
-        "advantages": jax.random.normal(k[1], (B,)),
-        "sample_id": jnp.arange(B, dtype=jnp.int32),
-        "old_logp": jnp.zeros((B, T)),
-        "sampler_logp": -jax.random.uniform(k[2], (B, T)),
-        "ref_logp": jnp.zeros((B, T)),
-    }
+    batch, k = narrow_batch(3)
+    batch.update(old_logp=jnp.zeros((B, T)), sampler_logp=-jax.random.uniform(k[2], (B, T)), ref_logp=jnp.zeros((B, T)))
     batch = jax.device_put(batch, pmesh.batch_shardings(batch, mesh))
     # As the loop does with codecs off: ℓ_ref from the reference weights.
     batch["ref_logp"] = dispatch.jit(make_logp_fn(cfg.model, None, OLD))(ref, batch, circuit_state())[0]

@@ -92,3 +92,24 @@ def narrow_run_config(kl_coef: float = 0.0, anchor=None, **fast):
             "train": {"train_batch": 4, "mini_batch": 4, "max_prompt_len": 6},
         }
     )
+
+
+def narrow_batch(n_keys: int = 2):
+    """(batch, keys): the narrow run's 16 × 12 mini-batch (the last 6 tokens the response, every row the same
+    number of loss tokens) from the keys split(PRNGKey(3), n_keys); k[0] draws the tokens, k[1] the advantages."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    B, T, new = 16, 12, 6
+    k = jax.random.split(jax.random.PRNGKey(3), n_keys)
+    resp = np.zeros((B, T), np.float32)
+    resp[:, T - new :] = 1.0
+    batch = {
+        "tokens": jax.random.randint(k[0], (B, T), 3, 100, jnp.int32),
+        "attention_mask": jnp.ones((B, T), jnp.int32),
+        "response_mask": jnp.asarray(resp),
+        "advantages": jax.random.normal(k[1], (B,)),
+        "sample_id": jnp.arange(B, dtype=jnp.int32),
+    }
+    return batch, k
