@@ -47,7 +47,7 @@ def test_bootstrap_publishes_the_power_iteration_of_a_dense_sketch():
     _, aux = forward_with_aux(
         cfg.model, params, batch["tokens"], batch["attention_mask"], hook=hook, hook_layers=layers
     )
-    ref = lr.activate_staged(lr.refresh_basis(lr.accumulate_sketch(st0, aux), cfg.fast))
+    ref = lr.activate_staged(lr.refresh_basis(lr.accumulate_sketch(st0, aux), cfg.fast.codec))
     for b in fc.boundaries:
         np.testing.assert_allclose(np.asarray(st1.Q[b]), np.asarray(ref.Q[b]), atol=1e-6)
         assert not np.allclose(np.asarray(st1.Q[b]), np.asarray(st0.Q[b]))

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.fast import bytes as fbytes, powersgd as psgd
 from twocircuit_jax.fast.boundaries import boundary_layers
-from twocircuit_jax.fast.codecs import OLD, REF, TRAIN, Path, make_activation_codec
+from twocircuit_jax.fast.codecs import OLD, REF, TRAIN, Path, lowrank, make_activation_codec
 from twocircuit_jax.parallel.mesh import BATCH_AXES, dp_size
 
 DENSE = "dense"
@@ -212,9 +212,7 @@ class FastCircuit:
 
     def stage_basis(self, codec_state, Q_new: dict):
         """Stage a new basis (anchor-owned case); it becomes active in end_step only."""
-        from twocircuit_jax.fast.codecs.lowrank import stage
-
-        return stage(codec_state, Q_new)
+        return lowrank.stage(codec_state, Q_new)
 
     def activate_basis(self, codec_state):
         """Staged -> active. Refuses inside a step: every forward of a step must see the same basis."""
@@ -223,9 +221,7 @@ class FastCircuit:
                 "lowrank: a staged basis may become active only after the step's last mini-batch "
                 "(design §2 step 5); call end_step"
             )
-        from twocircuit_jax.fast.codecs.lowrank import activate_staged
-
-        return activate_staged(codec_state)
+        return lowrank.activate_staged(codec_state)
 
     def end_step(self, codec_state, gs: int, grad_state=None):
         """Host, after the step's last tick: (codec_state', metrics). The codec's update (a basis refresh when due
