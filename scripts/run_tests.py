@@ -27,52 +27,57 @@ import tempfile
 import time
 
 GROUPS = 6
-# Seconds per test file in `make test` on the 2-core reference machine (pytest --durations=0: setup + call +
-# teardown, two groups at once). Only the balance of the groups depends on them; a file not listed counts
-# DEFAULT_WEIGHT. Re-measure when a file's time changes a lot.
+# Approximate seconds on one core per test file, (all its tests, its tests outside `slow`), from pytest --durations
+# runs on the 2-core reference machine. Only the balance of the groups depends on them (`-m "not slow"` plans with
+# the second number); a file not listed counts DEFAULT_WEIGHT. Re-measure when a file's time changes a lot.
 WEIGHTS = {
-    "test_fast_invariants.py": 95,
-    "test_anchor_resume.py": 90,
-    "test_fast_bootstrap.py": 75,
-    "test_grpo_e2e.py": 70,
-    "test_vllm_loop.py": 60,
-    "test_fast_e2e.py": 57,
-    "test_comm_bytes.py": 45,
-    "test_fidelity.py": 42,
-    "test_anchor_owned_basis.py": 40,
-    "test_jax_sampler.py": 40,
-    "test_sweep.py": 40,
-    "test_probe.py": 40,
-    "test_anchor_loop.py": 35,
-    "test_fast_powersgd.py": 32,
-    "test_vllm_sampler.py": 30,
-    "test_model_hf.py": 28,
-    "test_kernel_prf_mask.py": 26,
-    "test_hf_math_run.py": 25,
-    "test_anchor_circuit.py": 22,
-    "test_kernel_lowrank.py": 18,
-    "test_vllm_client_faults.py": 18,
-    "test_fast_bytes.py": 18,
-    "test_anchor_swap.py": 17,
-    "test_fast_circuit.py": 17,
-    "test_train_step.py": 15,
-    "test_fast_lowrank.py": 12,
-    "test_anchor_dense_view.py": 12,
-    "test_grpo_loss.py": 8,
-    "test_fast_mask.py": 8,
-    "test_run_tests.py": 8,
-    "test_fast_prf.py": 7,
+    "test_fast_invariants.py": (95, 0),
+    "test_anchor_resume.py": (90, 0),
+    "test_fast_bootstrap.py": (75, 9),
+    "test_grpo_e2e.py": (70, 2),
+    "test_vllm_loop.py": (60, 0),
+    "test_fast_e2e.py": (57, 0),
+    "test_comm_bytes.py": (45, 0),
+    "test_fidelity.py": (42, 13),
+    "test_anchor_owned_basis.py": (40, 1),
+    "test_jax_sampler.py": (40, 31),
+    "test_sweep.py": (40, 3),
+    "test_probe.py": (40, 0),
+    "test_anchor_loop.py": (35, 0),
+    "test_fast_powersgd.py": (32, 26),
+    "test_vllm_sampler.py": (30, 0),
+    "test_model_hf.py": (28, 22),
+    "test_kernel_prf_mask.py": (26, 11),
+    "test_hf_math_run.py": (25, 0),
+    "test_anchor_circuit.py": (22, 24),
+    "test_kernel_lowrank.py": (18, 11),
+    "test_vllm_client_faults.py": (18, 9),
+    "test_fast_bytes.py": (18, 9),
+    "test_anchor_swap.py": (17, 6),
+    "test_fast_circuit.py": (17, 13),
+    "test_train_step.py": (15, 8),
+    "test_fast_lowrank.py": (12, 6),
+    "test_anchor_dense_view.py": (12, 13),
+    "test_grpo_loss.py": (8, 8),
+    "test_fast_mask.py": (8, 3),
+    "test_run_tests.py": (8, 4),
+    "test_fast_prf.py": (7, 3),
 }
 DEFAULT_WEIGHT = 5.0
 # Files whose tests start a vLLM engine (test_vllm_*.py, `twocircuit serve-sampler`): all in one group.
 ENGINE = ("test_vllm_*.py",)
 
 
-def plan(files: list[str], groups: int = GROUPS, weights: dict | None = None) -> list[list[str]]:
+def plan(files: list[str], groups: int = GROUPS, weights: dict | None = None, fast: bool = False) -> list[list[str]]:
     """Split `files` into at most `groups` non-empty groups of about equal total weight (longest first onto the
-    lightest group); the ENGINE files travel together as one unit. Heaviest group first, files sorted within."""
+    lightest group); the ENGINE files travel together as one unit. Heaviest group first, files sorted within.
+    A weight is seconds, or (seconds, seconds outside `slow`), the second used when `fast`."""
     weights = WEIGHTS if weights is None else weights
-    weight = lambda f: weights.get(os.path.basename(f), DEFAULT_WEIGHT)  # noqa: E731
+
+    def weight(f):
+        w = weights.get(os.path.basename(f), DEFAULT_WEIGHT)
+        return w if not isinstance(w, tuple) else w[1] if fast else w[0]
+
     engine = [f for f in files if any(fnmatch.fnmatch(os.path.basename(f), p) for p in ENGINE)]
     units = [[f] for f in files if f not in engine] + ([engine] if engine else [])
     units.sort(key=lambda u: (-sum(map(weight, u)), u[0]))
@@ -84,6 +89,12 @@ def plan(files: list[str], groups: int = GROUPS, weights: dict | None = None) ->
         load[i] += sum(map(weight, u))
     order = sorted((i for i in range(len(bins)) if bins[i]), key=lambda i: (-load[i], i))
     return [sorted(bins[i]) for i in order]
+
+
+def skips_slow(argv: list[str]) -> bool:
+    """Whether a `-m` expression in the pytest arguments deselects the slow tests (`make test-fast`)."""
+    exprs = [b for a, b in zip(argv, argv[1:]) if a == "-m"] + [a[2:] for a in argv if a.startswith("-m") and a != "-m"]
+    return any(re.search(r"\bnot\s+slow\b", e) for e in exprs)
 
 
 def default_jobs() -> int:
@@ -120,7 +131,7 @@ def main(argv: list[str], root: str | None = None, jobs: int | None = None) -> i
     if not files:
         print("no test files under tests/", file=sys.stderr)
         return 5
-    groups = plan(files)
+    groups = plan(files, fast=skips_slow(argv))
     jobs = jobs or default_jobs()
     totals = {"passed": 0, "failed": 0, "skipped": 0, "deselected": 0}
     first_failure = 0

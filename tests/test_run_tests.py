@@ -93,3 +93,16 @@ def test_plan_balances_by_weight_and_keeps_engines_together():
     # with weight 1 each, splitting the engine files would balance better: they stay together anyway
     assert ["tests/test_vllm_x.py", "tests/test_vllm_y.py"] in run.plan(files[4:], groups=2, weights={})
     assert run.plan(files[:2], groups=5, weights={}) == [["tests/test_a.py"], ["tests/test_b.py"]]
+
+
+def test_test_fast_plans_with_the_weights_outside_slow():
+    run = _runner()
+    assert run.skips_slow(["-m", "not slow"]) and run.skips_slow(["-mnot slow and not vllm"])
+    assert not run.skips_slow(["-m", "slow"]) and not run.skips_slow(["-k", "not slow"])
+    files = ["tests/test_a.py", "tests/test_b.py", "tests/test_c.py"]
+    weights = {"test_a.py": (100, 0), "test_b.py": (50, 50), "test_c.py": (50, 50)}
+    assert run.plan(files, groups=2, weights=weights) == [["tests/test_a.py"], ["tests/test_b.py", "tests/test_c.py"]]
+    assert run.plan(files, groups=2, weights=weights, fast=True) == [
+        ["tests/test_a.py", "tests/test_b.py"],
+        ["tests/test_c.py"],
+    ]
