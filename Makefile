@@ -31,6 +31,8 @@ lint: $(VENV)/.stamp-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The suite in 6 pytest processes, 2 at a time (TWOCIRCUIT_TEST_JOBS=N to change); test-fast skips the end-to-end
+# tests (marked slow).
 test: lint
 	$(VPY) scripts/run_tests.py
 

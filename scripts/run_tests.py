@@ -1,13 +1,22 @@
-"""`make test`: the whole suite, in a few pytest processes rather than one.
+"""`make test`: the whole suite, in a few pytest processes rather than one, two at a time.
 
 Each process holds every executable XLA compiled in it; hundreds of tiny end-to-end runs in a single process grow
 it without bound (one CI run here ended with the pytest process aborting deep into the suite, on a test that passes
-alone). Groups of files in separate processes bound that. Every test file is in exactly one group; a group that
-fails (or runs no test) stops the run with its exit code. Extra arguments are passed to every pytest call.
+alone). Groups of files in separate processes bound that. Every test file is in exactly one group; the groups are
+balanced by each file's measured time (WEIGHTS), and the files that start a vLLM engine share one group, so two
+engines (several GiB and ~20 s to start each) never run at once.
+
+A pytest process spends its time in XLA's compiles and tiny programs, on about one core: up to JOBS groups run at
+once (default: two, or one on a one-core machine; env TWOCIRCUIT_TEST_JOBS overrides). Each group's output is
+printed whole when it ends, never interleaved with another's. A group that fails (or runs no test) stops the run:
+no further group starts, the running ones finish and are printed, and the exit code is that of the first group to
+fail. Extra arguments are passed to every pytest call.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import fnmatch
 import glob
 import os
 import re
@@ -15,56 +24,157 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
-GROUPS = 5
+GROUPS = 6
+# Approximate seconds on one core per test file, (all its tests, its tests outside `slow`), from pytest --durations
+# runs on the 2-core reference machine. Only the balance of the groups depends on them (`-m "not slow"` plans with
+# the second number); a file not listed counts DEFAULT_WEIGHT. Re-measure when a file's time changes a lot.
+WEIGHTS = {
+    "test_fast_invariants.py": (95, 0),
+    "test_anchor_resume.py": (90, 0),
+    "test_fast_bootstrap.py": (75, 9),
+    "test_grpo_e2e.py": (70, 2),
+    "test_vllm_loop.py": (60, 0),
+    "test_fast_e2e.py": (57, 0),
+    "test_comm_bytes.py": (45, 0),
+    "test_fidelity.py": (42, 13),
+    "test_anchor_owned_basis.py": (40, 1),
+    "test_jax_sampler.py": (40, 31),
+    "test_sweep.py": (40, 3),
+    "test_probe.py": (40, 0),
+    "test_anchor_loop.py": (35, 0),
+    "test_fast_powersgd.py": (32, 26),
+    "test_vllm_sampler.py": (30, 0),
+    "test_model_hf.py": (28, 22),
+    "test_kernel_prf_mask.py": (26, 11),
+    "test_hf_math_run.py": (25, 0),
+    "test_anchor_circuit.py": (22, 24),
+    "test_kernel_lowrank.py": (18, 11),
+    "test_vllm_client_faults.py": (18, 9),
+    "test_fast_bytes.py": (18, 9),
+    "test_anchor_swap.py": (17, 6),
+    "test_fast_circuit.py": (17, 13),
+    "test_train_step.py": (15, 8),
+    "test_fast_lowrank.py": (12, 6),
+    "test_anchor_dense_view.py": (12, 13),
+    "test_grpo_loss.py": (8, 8),
+    "test_fast_mask.py": (8, 3),
+    "test_run_tests.py": (8, 4),
+    "test_fast_prf.py": (7, 3),
+}
+DEFAULT_WEIGHT = 5.0
+# Files whose tests start a vLLM engine (test_vllm_*.py, `twocircuit serve-sampler`): all in one group.
+ENGINE = ("test_vllm_*.py",)
 
 
-def main(argv: list[str], root: str | None = None) -> int:
+def plan(files: list[str], groups: int = GROUPS, weights: dict | None = None, fast: bool = False) -> list[list[str]]:
+    """Split `files` into at most `groups` non-empty groups of about equal total weight (longest first onto the
+    lightest group); the ENGINE files travel together as one unit. Heaviest group first, files sorted within.
+    A weight is seconds, or (seconds, seconds outside `slow`), the second used when `fast`."""
+    weights = WEIGHTS if weights is None else weights
+
+    def weight(f):
+        w = weights.get(os.path.basename(f), DEFAULT_WEIGHT)
+        return w if not isinstance(w, tuple) else w[1] if fast else w[0]
+
+    engine = [f for f in files if any(fnmatch.fnmatch(os.path.basename(f), p) for p in ENGINE)]
+    units = [[f] for f in files if f not in engine] + ([engine] if engine else [])
+    units.sort(key=lambda u: (-sum(map(weight, u)), u[0]))
+    bins: list[list[str]] = [[] for _ in range(max(1, groups))]
+    load = [0.0] * len(bins)
+    for u in units:
+        i = min(range(len(bins)), key=lambda k: (load[k], k))
+        bins[i] += u
+        load[i] += sum(map(weight, u))
+    order = sorted((i for i in range(len(bins)) if bins[i]), key=lambda i: (-load[i], i))
+    return [sorted(bins[i]) for i in order]
+
+
+def skips_slow(argv: list[str]) -> bool:
+    """Whether a `-m` expression in the pytest arguments deselects the slow tests (`make test-fast`)."""
+    exprs = [b for a, b in zip(argv, argv[1:]) if a == "-m"] + [a[2:] for a in argv if a.startswith("-m") and a != "-m"]
+    return any(re.search(r"\bnot\s+slow\b", e) for e in exprs)
+
+
+def default_jobs() -> int:
+    env = os.environ.get("TWOCIRCUIT_TEST_JOBS")
+    return max(1, int(env)) if env else min(2, os.cpu_count() or 1)
+
+
+def _run_group(argv, group, root, here, trace):
+    env = {
+        **os.environ,
+        "TWOCIRCUIT_TEST_TRACE": trace,
+        "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])),
+    }
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "pytest_trace", *argv, *group],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    with proc.stdout:
+        out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)  # its CPU seconds too: on a shared machine wall time alone misleads
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, out, time.monotonic() - start, usage.ru_utime + usage.ru_stime
+
+
+def main(argv: list[str], root: str | None = None, jobs: int | None = None) -> int:
     here = os.path.dirname(os.path.abspath(__file__))  # scripts/: holds the pytest_trace plugin
     root = root or os.path.dirname(here)
     files = sorted(glob.glob(os.path.join(root, "tests", "test_*.py")))
     if not files:
         print("no test files under tests/", file=sys.stderr)
         return 5
-    size = -(-len(files) // GROUPS)
+    groups = plan(files, fast=skips_slow(argv))
+    jobs = jobs or default_jobs()
     totals = {"passed": 0, "failed": 0, "skipped": 0, "deselected": 0}
-    with tempfile.TemporaryDirectory(prefix="twocircuit-tests-") as tmp:  # the running test's id, per group
-        for i in range(0, len(files), size):
-            group = files[i : i + size]
-            print(f"--- pytest group {i // size + 1}: {len(group)} files", flush=True)
-            trace = os.path.join(tmp, "current")
-            if os.path.exists(trace):
-                os.remove(trace)
-            env = {
-                **os.environ,
-                "TWOCIRCUIT_TEST_TRACE": trace,
-                "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])),
-            }
-            proc = subprocess.run(
-                [sys.executable, "-m", "pytest", "-q", "-p", "pytest_trace", *argv, *group],
-                cwd=root,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            sys.stdout.write(proc.stdout)
-            sys.stdout.flush()
-            tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-            for n, what in re.findall(r"(\d+) (passed|failed|skipped|deselected)", tail):
-                totals[what] += int(n)
-            if proc.returncode == 5 and "deselected" in tail:  # every test of this group filtered out by -m/-k
-                continue
-            if proc.returncode < 0:  # killed by a signal: name the test it was in (the abort loses pytest's report)
-                running = open(trace).read() if os.path.exists(trace) else "(before the first test)"
-                print(
-                    f"pytest group {i // size + 1} died of {signal.Signals(-proc.returncode).name} while running {running}",
-                    file=sys.stderr,
-                )
-            if proc.returncode != 0:
-                print(f"pytest group {i // size + 1} exited with {proc.returncode}", file=sys.stderr)
-                return proc.returncode if proc.returncode > 0 else 1
-    print(f"{totals['passed']} passed, {totals['failed']} failed, {totals['skipped']} skipped")
+    first_failure = 0
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="twocircuit-tests-") as tmp, cf.ThreadPoolExecutor(jobs) as pool:
+        pending = list(enumerate(groups, 1))
+        running: dict[cf.Future, tuple[int, list[str], str]] = {}
+        while pending or running:
+            while pending and len(running) < jobs and not first_failure:
+                n, group = pending.pop(0)
+                trace = os.path.join(tmp, f"current-{n}")  # the running test's id, per group
+                print(f"--- pytest group {n} started: {len(group)} files", flush=True)
+                running[pool.submit(_run_group, argv, group, root, here, trace)] = (n, group, trace)
+            if not running:
+                break
+            done, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
+            for fut in sorted(done, key=lambda f: running[f][0]):
+                n, group, trace = running.pop(fut)
+                rc, out, secs, cpu = fut.result()
+                sys.stdout.write(f"--- pytest group {n}: {len(group)} files, {secs:.0f} s ({cpu:.0f} s CPU)\n{out}")
+                sys.stdout.flush()
+                tail = out.strip().splitlines()[-1] if out.strip() else ""
+                for k, what in re.findall(r"(\d+) (passed|failed|skipped|deselected)", tail):
+                    totals[what] += int(k)
+                if rc == 5 and "deselected" in tail:  # every test of this group filtered out by -m/-k
+                    continue
+                if rc < 0:  # killed by a signal: name the test it was in (the abort loses pytest's report)
+                    running_test = open(trace).read() if os.path.exists(trace) else "(before the first test)"
+                    print(
+                        f"pytest group {n} died of {signal.Signals(-rc).name} while running {running_test}",
+                        file=sys.stderr,
+                    )
+                if rc != 0:
+                    print(f"pytest group {n} exited with {rc}", file=sys.stderr, flush=True)
+                    first_failure = first_failure or (rc if rc > 0 else 1)
+    print(
+        f"{totals['passed']} passed, {totals['failed']} failed, {totals['skipped']} skipped"
+        f" ({len(groups)} groups, {jobs} at a time, {time.monotonic() - start:.0f} s)"
+    )
+    if first_failure:
+        if pending:
+            print(f"not run after the failure: groups {', '.join(str(n) for n, _ in pending)}", file=sys.stderr)
+        return first_failure
     return 0 if totals["passed"] > 0 else 5
 
 

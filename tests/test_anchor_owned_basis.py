@@ -9,7 +9,7 @@ from tiny_run import tiny_config
 from twocircuit_jax.cli import main
 from twocircuit_jax.config import load_config
 
-pytestmark = pytest.mark.slow  # end-to-end runs: `make test-fast` skips them, `make test` (CI) runs them
+# end-to-end tests are marked slow: `make test-fast` skips them, `make test` (CI) runs them
 
 CFG = tiny_config(
     optim={"lr": 3e-3},
@@ -20,6 +20,7 @@ CFG = tiny_config(
 )
 
 
+@pytest.mark.slow
 def test_only_fires_publish_a_basis(tmp_path, monkeypatch):
     from twocircuit_jax.train import loop
 

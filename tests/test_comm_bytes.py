@@ -1,5 +1,11 @@
-"""scripts/comm_bytes.py in-process on configs/tiny.yaml (8 fake devices from conftest): the final line, ratio = 1
-for codec none and < 1 for a codec; PowerSGD's measured HLO gradient bytes against the §3.6 formula."""
+"""scripts/comm_bytes.py in-process on configs/tiny.yaml: the final line, ratio = 1 for codec none and < 1 for a
+codec; PowerSGD's measured HLO gradient bytes against the §3.6 formula.
+
+Every check compiles on 2 of conftest's 8 fake devices (dp=2). The bytes are per replica, so the data-parallel
+degree changes no asserted quantity (the gradient all-reduce's operands are the same leaves at dp 2 or 8), and
+dp=2 still has a real cross-device reduction in the HLO. At dp 4 or 8, XLA:CPU's compile of configs/tiny.yaml's
+train step stalls on the 2-core test machine (`scripts/comm_bytes.py --devices 4`: no result in 150 s; at 8 none in
+240 s); at dp=2 each compile takes seconds."""
 
 import importlib.util
 import os
@@ -14,34 +20,6 @@ TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 
 
 @pytest.fixture(scope="module")
-def compiles_in_time():
-    """On some machines XLA's CPU compile of this 8-device train step stalls ("Very slow compile?" alarm, over 30
-    minutes; seen on the original code too). Probe once in a subprocess with a bound, and skip with that reason
-    rather than hang the suite; when it compiles, every 8-device assertion below runs as written."""
-    import subprocess
-    import sys
-
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    try:
-        subprocess.run(
-            [
-                sys.executable,
-                os.path.join(ROOT, "scripts", "comm_bytes.py"),
-                "--config",
-                TINY,
-                "--set",
-                "fast.codec=none",
-            ],
-            env=env,
-            capture_output=True,
-            timeout=240,
-            check=True,
-        )
-    except subprocess.TimeoutExpired:
-        pytest.skip("XLA's CPU compile of configs/tiny.yaml's 8-device train step did not finish in 240 s here")
-
-
-@pytest.fixture(scope="module")
 def comm_bytes():
     spec = importlib.util.spec_from_file_location("comm_bytes", os.path.join(ROOT, "scripts", "comm_bytes.py"))
     mod = importlib.util.module_from_spec(spec)
@@ -49,7 +27,7 @@ def comm_bytes():
     return mod
 
 
-def final(mod, capsys, *sets, devices=8):
+def final(mod, capsys, *sets, devices=2):
     args = ["--config", TINY, "--devices", str(devices)]
     for s in sets:
         args += ["--set", s]
@@ -60,25 +38,26 @@ def final(mod, capsys, *sets, devices=8):
     return int(m.group(1)), int(m.group(2)), float(m.group(3)), out
 
 
-def test_none_is_ratio_one_and_mask_below(compiles_in_time, comm_bytes, capsys):
+def test_none_is_ratio_one_and_mask_below(comm_bytes, capsys):
     d0, c0, r0, _ = final(comm_bytes, capsys, "fast.codec=none")
     assert c0 == d0 and r0 == 1.0
     d1, c1, r1, _ = final(comm_bytes, capsys, "fast.codec=prf_mask")
     assert d1 == d0 and c1 < d1 and r1 < 1.0
 
 
-def test_powersgd_hlo_bytes_match_formula(compiles_in_time, comm_bytes, capsys):
+def test_powersgd_hlo_bytes_match_formula(comm_bytes, capsys):
     import jax
 
     from twocircuit_jax.config.run import load_config
     from twocircuit_jax.fast.bytes import grad_allreduce_bytes
     from twocircuit_jax.model.qwen2 import init_params
 
-    d, c, r, out = final(comm_bytes, capsys, "fast.codec=none", "fast.grad_codec=powersgd")
+    sets = ["fast.codec=none", "fast.grad_codec={type: powersgd, rank: 2, start_after: 0}"]
+    d, c, r, out = final(comm_bytes, capsys, *sets)
     assert r < 0.5
-    cfg = load_config(TINY, ["fast.codec=none", "fast.grad_codec=powersgd"])
+    cfg = load_config(TINY, sets)
     params = jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0)))
-    formula = grad_allreduce_bytes(params, cfg.fast)
+    formula = grad_allreduce_bytes(params, cfg.fast.grad_codec)
     hlo = {k: float(v) for k, v in re.findall(r"(\w+): .*hlo_collective_bytes=(\d+)", "\n".join(out))}
     # the HLO also carries the loss's few scalar reductions (same on both sides): allow 1 KiB of slack
     assert abs(hlo["config"] - formula["comm/bytes_compressed"]) < 1024, (hlo, formula)
@@ -90,10 +69,9 @@ def test_powersgd_hlo_bytes_match_formula(compiles_in_time, comm_bytes, capsys):
 
 def test_anchor_fires_count_on_the_config_side(comm_bytes, capsys):
     """With the anchor on, each fire's dense gradient mean is compiled and counted at one fire per `cadence` ticks;
-    the dense twin has no anchor. One fire's reduction is the dense step's gradient reduction. On 2 of the 8 devices:
-    that compile is quick everywhere."""
+    the dense twin has no anchor. One fire's reduction is the dense step's gradient reduction."""
     sets = ("fast.codec=none", "anchor.enabled=true", "anchor.cadence=2", "anchor.delay=2", "anchor.projection=false")
-    d, c, r, out = final(comm_bytes, capsys, *sets, devices=2)
+    d, c, r, out = final(comm_bytes, capsys, *sets)
     rows = {
         name: (int(t), float(h), float(b), float(a))
         for name, t, h, b, a in re.findall(

@@ -17,7 +17,7 @@ from twocircuit_jax.model import init_params
 from twocircuit_jax.model.qwen2 import forward_with_aux
 from twocircuit_jax.parallel import make_mesh
 
-pytestmark = pytest.mark.slow  # end-to-end runs: `make test-fast` skips them, `make test` (CI) runs them
+# end-to-end tests are marked slow: `make test-fast` skips them, `make test` (CI) runs them
 
 TINY = {
     "tokenizer": "char",
@@ -55,6 +55,7 @@ def test_bootstrap_publishes_the_power_iteration_of_a_dense_sketch():
     assert FastCircuit(off, off.model, mesh).bootstrap(st0, params, batch) == (st0, {})
 
 
+@pytest.mark.slow
 def test_bootstrapped_basis_reconstructs_better_at_the_first_step(tmp_path):
     errs = {}
     for flag in ("true", "false"):

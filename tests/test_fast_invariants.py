@@ -17,6 +17,9 @@ from twocircuit_jax.parallel import dispatch, mesh as pmesh
 from twocircuit_jax.train.grpo_step import OLD, make_grpo_loss, make_logp_fn
 from twocircuit_jax.train.step import build_train_step, init_state, state_shardings
 
+# The real 8-device train step compiled for ten circuit configurations (~90 s on one core): `make test` runs it,
+# test-fast skips it (the units are in test_train_step, test_fast_circuit, test_fast_powersgd).
+pytestmark = pytest.mark.slow
 B, T, NEW = 16, 12, 6  # 16 rows over 8 replicas; the last NEW positions are the response
 
 

@@ -52,6 +52,7 @@ def fidelity(setup, circuit=None, grad_transform=None, merger=None, cfg=None):
     return {k: float(v) for k, v in dispatch.jit(fn)(params, ref, batch, cs).items()}
 
 
+@pytest.mark.slow  # a compile of the gauge per circuit (3 here, 1 below): test-fast keeps only the merger case
 def test_exact_circuits_read_one(setup):
     cfg, mesh = setup[0], setup[1]
     off = fidelity(setup)
@@ -69,6 +70,7 @@ def test_exact_circuits_read_one(setup):
     assert [identity[f"fidelity/boundary_rel_err/{b}"] for b in (0, 1, 2)] == [0.0, 0.0, 0.0]
 
 
+@pytest.mark.slow
 def test_lossy_codec_lowers_the_cosine_and_shows_at_each_boundary(setup):
     cfg, mesh = setup[0], setup[1]
     m = fidelity(setup, FastCircuit(run_cfg(codec="prf_mask", p=0.9), cfg.model, mesh))

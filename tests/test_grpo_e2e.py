@@ -9,7 +9,7 @@ from tiny_run import tiny_config
 
 from twocircuit_jax.cli import main
 
-pytestmark = pytest.mark.slow  # end-to-end runs: `make test-fast` skips them, `make test` (CI) runs them
+# end-to-end tests are marked slow: `make test-fast` skips them, `make test` (CI) runs them
 
 TINY = tiny_config(
     name="tiny",
@@ -36,6 +36,7 @@ def three_steps(tmp_path_factory):
     return tmp, run
 
 
+@pytest.mark.slow
 def test_three_steps_write_run_folder(three_steps):
     _, run = three_steps
     assert os.path.isfile(os.path.join(run, "config.yaml"))
@@ -71,6 +72,7 @@ def test_three_steps_write_run_folder(three_steps):
     assert "best" in ck and "step_00000003" in ck
 
 
+@pytest.mark.slow
 def test_exact_resume_after_interrupt(three_steps, monkeypatch):
     from twocircuit_jax.train import loop
 
@@ -97,6 +99,7 @@ def test_exact_resume_after_interrupt(three_steps, monkeypatch):
             assert rb[k] == pytest.approx(v, abs=1e-6), k
 
 
+@pytest.mark.slow
 def test_bad_config_exits_2_and_writes_nothing(tmp_path, capsys):
     bad = dict(TINY, train=dict(TINY["train"], mini_batch=3))
     out = tmp_path / "runs" / "x"
@@ -113,6 +116,7 @@ def test_bad_config_exits_2_and_writes_nothing(tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_raising_scorer_gives_zero_and_is_counted(tmp_path, monkeypatch):
     from twocircuit_jax.tasks.reasoning_gym_task import ReasoningGymTask
 
@@ -135,6 +139,7 @@ def test_every_subcommand_has_help(cmd, capsys):
     assert "usage: twocircuit " + cmd in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_token_tis_and_sequence_tis_run_and_log(tmp_path):
     for mode in ("token", "sequence"):
         data = dict(
@@ -152,6 +157,7 @@ def test_token_tis_and_sequence_tis_run_and_log(tmp_path):
         assert r["mismatch/ess"] == pytest.approx(1.0, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_eval_import_export_round_trip(three_steps, tmp_path, capsys):
     tmp, run = three_steps
     best = os.path.join(run, "checkpoints", "best")

@@ -1,5 +1,7 @@
 """scripts/run_tests.py (the `make test` runner): a pytest process killed by a signal fails the run and is named
-with the test it was running; a clean group passes."""
+with the test it was running; clean groups pass with their totals summed; two groups run at once and each one's
+output is printed whole; the first group to fail gives the exit code and no further group starts; the groups are
+balanced by weight and the vLLM-engine files stay in one group."""
 
 import importlib.util
 import os
@@ -33,3 +35,74 @@ def test_clean_groups_pass(tmp_path, capsys):
     root = _project(tmp_path, "def test_ok():\n    pass\n")
     assert _runner().main([], root=root) == 0
     assert "2 passed, 0 failed" in capsys.readouterr().out
+
+
+BARRIER = """import os, time
+
+def test_{me}():
+    print("{me}-begin")
+    open(os.path.join({dir!r}, "{me}"), "w").close()
+    deadline = time.time() + 60
+    while not os.path.exists(os.path.join({dir!r}, "{other}")):  # the other group must be running too
+        assert time.time() < deadline, "the two groups did not run at once"
+        time.sleep(0.05)
+    time.sleep(0.5)
+    print("{me}-end")
+"""
+
+
+def test_two_groups_run_at_once_and_each_prints_whole(tmp_path, capsys):
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    (tmp_path / "tests").mkdir()
+    for me, other in (("a", "b"), ("b", "a")):
+        body = BARRIER.format(me=me, other=other, dir=str(flags))
+        (tmp_path / "tests" / f"test_{me}.py").write_text(body)
+    assert _runner().main(["-s"], root=str(tmp_path), jobs=2) == 0
+    out = capsys.readouterr().out
+    assert "2 passed, 0 failed" in out
+    for me, other in (("a", "b"), ("b", "a")):
+        block = out[out.index(f"{me}-begin") : out.index(f"{me}-end")]
+        assert f"{other}-begin" not in block and f"{other}-end" not in block, out
+
+
+def test_first_failing_group_gives_the_exit_code_and_no_new_group_starts(tmp_path, capsys):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_a.py").write_text("import pytest\n\ndef test_stop():\n    pytest.exit('x', 3)\n")
+    slow_fail = "import time\n\ndef test_late():\n    time.sleep(3)\n    assert False\n"
+    (tmp_path / "tests" / "test_b.py").write_text(slow_fail)
+    (tmp_path / "tests" / "test_c.py").write_text("def test_fine():\n    pass\n")
+    assert _runner().main([], root=str(tmp_path), jobs=2) == 3
+    cap = capsys.readouterr()
+    assert "1 failed" in cap.out  # the running group b finished and was printed
+    assert "test_c.py" not in cap.out and "not run after the failure: groups 3" in cap.err
+    assert "0 passed, 1 failed" in cap.out  # the totals still add up the groups that ran
+
+
+def test_plan_balances_by_weight_and_keeps_engines_together():
+    run = _runner()
+    files = [f"tests/test_{n}.py" for n in ("a", "b", "c", "d", "vllm_x", "vllm_y")]
+    weights = {"test_a.py": 100, "test_b.py": 60, "test_c.py": 40, "test_d.py": 1, "test_vllm_x.py": 30}
+    groups = run.plan(files, groups=3, weights={**weights, "test_vllm_y.py": 30})
+    # longest first onto the lightest group; the two engine files are one unit of 60; heaviest group first
+    assert groups == [
+        ["tests/test_a.py"],
+        ["tests/test_b.py", "tests/test_c.py"],
+        ["tests/test_d.py", "tests/test_vllm_x.py", "tests/test_vllm_y.py"],
+    ]
+    # with weight 1 each, splitting the engine files would balance better: they stay together anyway
+    assert ["tests/test_vllm_x.py", "tests/test_vllm_y.py"] in run.plan(files[4:], groups=2, weights={})
+    assert run.plan(files[:2], groups=5, weights={}) == [["tests/test_a.py"], ["tests/test_b.py"]]
+
+
+def test_test_fast_plans_with_the_weights_outside_slow():
+    run = _runner()
+    assert run.skips_slow(["-m", "not slow"]) and run.skips_slow(["-mnot slow and not vllm"])
+    assert not run.skips_slow(["-m", "slow"]) and not run.skips_slow(["-k", "not slow"])
+    files = ["tests/test_a.py", "tests/test_b.py", "tests/test_c.py"]
+    weights = {"test_a.py": (100, 0), "test_b.py": (50, 50), "test_c.py": (50, 50)}
+    assert run.plan(files, groups=2, weights=weights) == [["tests/test_a.py"], ["tests/test_b.py", "tests/test_c.py"]]
+    assert run.plan(files, groups=2, weights=weights, fast=True) == [
+        ["tests/test_a.py", "tests/test_b.py"],
+        ["tests/test_c.py"],
+    ]

@@ -14,7 +14,7 @@ from twocircuit_jax.config.base import to_dict
 from twocircuit_jax.config.run import load_config
 from twocircuit_jax.train.sweep import load_sweep
 
-pytestmark = pytest.mark.slow  # end-to-end runs: `make test-fast` skips them, `make test` (CI) runs them
+# end-to-end tests are marked slow: `make test-fast` skips them, `make test` (CI) runs them
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = tiny_config(name="tiny", anchor={"cadence": 2, "delay": 2, "window": 2})
@@ -30,6 +30,7 @@ def _flat(d, pre=""):
     return out
 
 
+@pytest.mark.slow
 def test_two_arm_sweep_runs_each_arm_and_prints_the_table(tmp_path, capsys):
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(TINY))
     (tmp_path / "sweep.yaml").write_text(
@@ -56,6 +57,7 @@ def test_two_arm_sweep_runs_each_arm_and_prints_the_table(tmp_path, capsys):
     assert [s["arm"] for s in summary] == ["dense", "anchored"]
 
 
+@pytest.mark.slow
 def test_bad_arm_fails_before_running_anything(tmp_path, capsys):
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(TINY))
     (tmp_path / "sweep.yaml").write_text(
