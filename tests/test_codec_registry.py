@@ -125,3 +125,16 @@ def test_a_codec_that_is_neither_a_name_nor_a_section_is_an_error():
     with pytest.raises(ConfigError) as e:
         _cfg(codec=5)
     assert e.value.path == "fast.codec" and "expected a codec name" in e.value.message
+
+
+def test_layers_and_overrides_mix_the_flat_and_section_forms(tmp_path):
+    (tmp_path / "flat.yaml").write_text("fast: {codec: lowrank, rank: 3, pp_size: 4}\n")
+    (tmp_path / "child.yaml").write_text("base: flat.yaml\nfast: {codec: {rank: 8}}\n")
+    (tmp_path / "flat_child.yaml").write_text("base: flat.yaml\nfast: {rank: 5}\n")
+    assert load_config(str(tmp_path / "child.yaml")).fast.codec.rank == 8  # the later file wins
+    assert load_config(str(tmp_path / "flat_child.yaml")).fast.codec.rank == 5
+    # --set of another type replaces the section: the old type's fields would not fit
+    (tmp_path / "mask.yaml").write_text("fast: {codec: {type: prf_mask, p: 0.5}, pp_size: 4}\n")
+    cfg = load_config(str(tmp_path / "mask.yaml"), ["fast.codec.type=lowrank", "fast.codec.rank=3"])
+    assert cfg.fast.codec_type == "lowrank" and cfg.fast.codec.rank == 3
+    assert load_config(str(tmp_path / "mask.yaml"), ["fast.codec.type=prf_mask"]).fast.codec.p == 0.5  # same type

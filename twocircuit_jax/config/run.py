@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -106,6 +107,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             if not isinstance(nxt, dict):
                 raise ConfigError(".".join(path), f"{p} is not a section")
             node = nxt
+        if path[-1] == "type" and node.get("type", value) != value:
+            node.clear()  # another type of a polymorphic section: the old type's fields would not fit
         node[path[-1]] = value
     return data
 
@@ -126,8 +129,24 @@ def _read_yaml(path: str) -> dict:
     base = data.pop("base", None)
     if base:
         parent = _read_yaml(os.path.join(os.path.dirname(path), base))
-        data = _merge(parent, data)
+        data = _merge(parent, _sections_in_context(parent, data))
     return data
+
+
+def _sections_in_context(parent: dict, child: dict) -> dict:
+    """Before a child file is merged over its base: when the child writes `fast` codec sections and the base still
+    uses the flat shorthand, the base is put in section form first, so the child's values win (a flat `rank: 3` in
+    the base must not beat the child's `codec: {rank: 8}`). A flat child merges as flat keys did before: the later
+    file's flat keys win when the merged config is parsed. Mutates `parent`; returns the child."""
+    cf, pf = child.get("fast"), parent.get("fast")
+    if not (isinstance(cf, dict) and isinstance(pf, dict)):
+        return child
+    if any(isinstance(cf.get(k), dict) for k in ("codec", "grad_codec")) and set(pf) - _FAST_OWN:
+        parent["fast"] = FastConfig.upgrade(pf)
+    return child
+
+
+_FAST_OWN = {f.name for f in dataclasses.fields(FastConfig)}
 
 
 def _merge(a: dict, b: dict) -> dict:

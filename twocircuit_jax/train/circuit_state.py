@@ -35,8 +35,8 @@ class CircuitState(NamedTuple):
 
 
 def init_clock(step: int = 0) -> Clock:
-    f = jnp.asarray(False)
-    return Clock(jnp.asarray(step, jnp.int32), f, f, jnp.asarray(True))
+    """Every field its own buffer: a donated clock must not hold one buffer twice."""
+    return Clock(jnp.asarray(step, jnp.int32), jnp.asarray(False), jnp.asarray(False), jnp.asarray(True))
 
 
 def dense_state() -> CircuitState:

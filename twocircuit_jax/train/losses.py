@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from twocircuit_jax.model.qwen2 import forward
 
 
-def next_token_loss(cfg, params, batch, ctx=None):
+def next_token_loss(cfg, params, batch, cs=None):
     """Mean cross-entropy of tokens[:, t] given tokens[:, :t] over positions where batch['loss_mask'][:, t] = 1."""
     tokens, mask = batch["tokens"], batch["attention_mask"]
     logits = forward(cfg, params, tokens, mask)[:, :-1]

@@ -22,6 +22,7 @@ from twocircuit_jax.train.evaluate import Evaluator
 from twocircuit_jax.train.losses import next_token_loss
 from twocircuit_jax.train.rollout import encode_prompts
 from twocircuit_jax.train.setup import check_vocab, load_model, load_run_tokenizer
+from twocircuit_jax.train.circuit_state import dense_state, place
 from twocircuit_jax.train.step import build_train_step, init_state, state_shardings
 
 
@@ -57,8 +58,11 @@ def run_sft(cfg, out_dir: str, log=print) -> dict:
     sh = state_shardings(state, mesh)
     state = jax.device_put(state, sh)
     batch_sh = {k: pmesh.batch_sharding(mesh) for k in data}
+    cs = dense_state()  # no circuit: a clock the loss ignores
+    cs_sh = jax.tree.map(lambda _: pmesh.replicated(mesh), cs)
+    cs = place(cs, cs_sh)
     jitted = build_train_step(
-        functools.partial(next_token_loss, model_cfg), opt, sh, mesh, batch_sharding=batch_sh, ctx_sharding=None
+        functools.partial(next_token_loss, model_cfg), opt, sh, mesh, circuit_sharding=cs_sh, batch_sharding=batch_sh
     )
     rng = np.random.default_rng(cfg.train.seed)
     evaluator = Evaluator(
@@ -72,7 +76,7 @@ def run_sft(cfg, out_dir: str, log=print) -> dict:
     N = len(data["tokens"])
     for i in range(1, s.steps + 1):
         idx = rng.integers(0, N, s.batch)
-        state, m = jitted(state, {k: v[idx] for k, v in data.items()}, None)
+        state, cs, m = jitted(state, cs, {k: v[idx] for k, v in data.items()})
         if i % max(1, s.eval_every) == 0 or i == s.steps:
             acc = evaluator.run(JaxSampler(model_cfg, state.params, prompt_bucket=cfg.train.max_prompt_len))
             rec = {
