@@ -30,7 +30,7 @@ def check_can_run(interpret: bool, what: str) -> None:
     if not interpret and jax.default_backend() == "cpu":
         raise RuntimeError(
             f"{what}: the Pallas kernel cannot be compiled on the CPU backend. Pass interpret=True (tests) or set "
-            "fast.use_kernel=false to use the jnp reference; there is no silent fallback."
+            "use_kernel=false to use the jnp reference; there is no silent fallback."
         )
 
 

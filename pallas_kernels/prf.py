@@ -7,7 +7,7 @@ Key chain (all arithmetic mod 2^64, logical shifts):
 The optional `direction` link is the quantizer's extension (0 forward, 1 backward); the mask itself has none.
 Signed inputs (a padded position may be negative) are sign-extended to 64 bits, as `x & (2^64-1)` in the oracle.
 
-Three implementations, chosen by `FastConfig.prf_impl`:
+Three implementations, chosen by the codec config's `prf_impl`:
 - `u32pair` (mandated): every 64-bit word is a (hi, lo) uint32 pair, so the default 32-bit JAX mode suffices
   and TPUs never see 64-bit integers. Cost: one mix is ~40 uint32 vector ops (the 64x64 low product takes four
   16x16 limb products plus two wrapping 32-bit products).

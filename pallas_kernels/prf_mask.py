@@ -80,8 +80,8 @@ def _blocks(n: int, h: int, block_rows, block_cols):
 def _check_backend(interpret: bool):
     if not interpret and jax.default_backend() == "cpu":
         raise RuntimeError(
-            "fast.use_kernel: the Pallas prf_mask kernel cannot run on the CPU backend; pass interpret=True "
-            "(tests) or set fast.use_kernel=false to use the jnp reference"
+            "use_kernel: the Pallas prf_mask kernel cannot run on the CPU backend; pass interpret=True "
+            "(tests) or set use_kernel=false to use the jnp reference"
         )
 
 

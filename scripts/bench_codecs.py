@@ -44,7 +44,8 @@ def _step_fn(cfg, mesh, params):
     sh = state_shardings(state, mesh)
     cs = CircuitState(init_clock(1), None, None, None, None)
     if c:
-        cs = distinct_buffers(cs._replace(codec=c.init_codec_state(), grad=c.init_grad_state(params)))
+        cs = cs._replace(codec=c.init_codec_state(), grad=c.init_grad_state(params))
+    cs = distinct_buffers(cs)  # the step donates it
     step = build_train_step(
         loss, opt, sh, mesh, grad_fn=c.grad_fn(None) if c else None, absorb_aux=c.absorb_aux if c else None
     )

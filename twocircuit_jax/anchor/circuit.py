@@ -68,7 +68,6 @@ class AnchorCircuit:
         if a.swap_cadence > 0:
             mom = jax.eval_shape(lambda: init_anchor_moments(params, a.target_scope))
             self.mom_sh = type(mom)(m={k: by_path[k] for k in mom.m}, v={k: by_path[k] for k in mom.v}, fired=self.rep)
-        self.merger_sh = self.rep if self.merger_on else None
         grad_fn = make_anchor_grad(
             model_cfg, run_cfg.grpo, run_cfg.sampler.sampling.max_new_tokens, sketcher if self.owns_q else None
         )

@@ -51,7 +51,7 @@ def type_name(base: type, obj) -> str:
     for name, cls in _REGISTRY.get(base, {}).items():
         if type(obj) is cls:
             return name
-    raise KeyError(f"{type(obj).__name__} is not a registered {base.__name__}")
+    raise ValueError(f"{type(obj).__name__} is not a registered {base.__name__}")
 
 
 def doc(text: str, symbol: str | None = None, **kw) -> dict:

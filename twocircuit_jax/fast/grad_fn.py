@@ -57,8 +57,9 @@ def global_normalisers(response_mask, axes) -> dict:
     return {"token_count": tokens / n_rep, "seq_count": seqs / n_rep}
 
 
-def make_powersgd_grad_fn(fcfg, mesh, *, interpret: bool = False, axes=BATCH_AXES):
-    """factory(loss_fn) -> fn(params, batch, cs) -> (mean grads, loss, metrics, cs with the next cs.grad)."""
+def make_powersgd_grad_fn(cfg, mesh, *, interpret: bool = False, axes=BATCH_AXES):
+    """factory(loss_fn) -> fn(params, batch, cs) -> (mean grads, loss, metrics, cs with the next cs.grad); `cfg` is
+    the `fast.grad_codec` section (PowerSGDConfig)."""
 
     def factory(loss_fn):
         def fn(params, batch, cs):
@@ -69,7 +70,7 @@ def make_powersgd_grad_fn(fcfg, mesh, *, interpret: bool = False, axes=BATCH_AXE
             def body(params, batch, cs):
                 batch = dict(batch, **global_normalisers(batch["response_mask"], axes))
                 (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, cs)
-                mean, new_state, pm = psgd.powersgd_reduce(grads, cs.grad, fcfg, axes, interpret=interpret)
+                mean, new_state, pm = psgd.powersgd_reduce(grads, cs.grad, cfg, axes, interpret=interpret)
                 metrics = _reduce_metrics(dict(metrics), axes)
                 metrics.update(pm)
                 return mean, jax.lax.pmean(loss, axes), metrics, new_state

@@ -127,7 +127,7 @@ def powersgd_reduce(grads, state: PowerSGDState, cfg, axis_name: str, *, skip=Fa
     powersgd/skipped, powersgd/bytes_compressed, powersgd/bytes_dense (per replica, logical, design §3.6).
     """
     if cfg.use_kernel:
-        check_can_run(interpret, "powersgd (fast.use_kernel=true)")
+        check_can_run(interpret, "powersgd (fast.grad_codec.use_kernel=true)")
     leaves = flat_leaves(grads)
     plan = plan_leaves(cfg, grads)
     comp = [p for p in plan if p.compress]

@@ -1,8 +1,8 @@
 """GRPO through the trainer's view of the policy: log-prob passes and the loss the train step differentiates.
 
 The fast circuit enters only through `codec` (an object with `applies(tag)`, `hook(codec_state, tag, step, ...)`
-and `summarize(aux)`; see fast/circuit.py); `cs` is the circuit state (train/circuit_state.py). With `codec=None` no hook is installed at all, so the dense trainer is the
-plain GRPO step bit for bit. Path tags (design §3.1): `train`, `old_logprob`, `ref_logprob`, `dense`.
+and `summarize(aux)`; see fast/circuit.py); `cs` is the circuit state (train/circuit_state.py). With `codec=None`
+no hook is installed at all, so the dense trainer is the plain GRPO step bit for bit. Path tags (design §3.1): `train`, `old_logprob`, `ref_logprob`, `dense`.
 """
 
 from __future__ import annotations

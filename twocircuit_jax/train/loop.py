@@ -44,9 +44,8 @@ from twocircuit_jax.train.step import (
 )
 
 ANCHOR_BLOB = "anchor_buffers.pkl"
-STATE_LAYOUT = (
-    2  # checkpoint tree {"train", "circuit"}; layout 1 (no "state_layout" in meta) held {"train", "ctx", "anchor"}
-)
+# The checkpoint tree {"train", "circuit"}; layout 1 (no "state_layout" in meta) held {"train", "ctx", "anchor"}.
+STATE_LAYOUT = 2
 
 
 def step_seed(seed: int, gs: int, salt: int = 0) -> int:

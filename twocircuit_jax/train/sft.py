@@ -18,11 +18,11 @@ from twocircuit_jax.model.hf_io import save_hf
 from twocircuit_jax.parallel import mesh as pmesh
 from twocircuit_jax.sampler.jax_sampler import JaxSampler
 from twocircuit_jax.tasks import make_task
+from twocircuit_jax.train.circuit_state import dense_state, place
 from twocircuit_jax.train.evaluate import Evaluator
 from twocircuit_jax.train.losses import next_token_loss
 from twocircuit_jax.train.rollout import encode_prompts
 from twocircuit_jax.train.setup import check_vocab, load_model, load_run_tokenizer
-from twocircuit_jax.train.circuit_state import dense_state, place
 from twocircuit_jax.train.step import build_train_step, init_state, state_shardings
 
 

@@ -115,4 +115,4 @@ def make_activation_codec(cfg, **kw) -> Optional[ActivationCodec]:
     for cls in _ACTIVATION.values():
         if type(cfg) is cls.config:
             return cls(cfg, **kw)
-    raise KeyError(f"no codec is registered for {type(cfg).__name__}; registered: {', '.join(sorted(_ACTIVATION))}")
+    raise ValueError(f"no codec is registered for {type(cfg).__name__}; registered: {', '.join(sorted(_ACTIVATION))}")

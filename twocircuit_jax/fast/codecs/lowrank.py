@@ -66,7 +66,7 @@ def initial_basis(seed: int, layer: int, hidden: int, rank: int, eps: float = 1e
 
 
 def init_lowrank(cfg, hidden: int, boundaries: Sequence[int]) -> LowRankState:
-    """State for `cfg` (a FastConfig: rank, seed, reortho_eps) at the given boundary layers."""
+    """State for `cfg` (a LowRankConfig: rank, seed, reortho_eps) at the given boundary layers."""
     Q0 = {int(b): initial_basis(cfg.seed, b, hidden, cfg.rank, cfg.reortho_eps) for b in boundaries}
     zeros = {b: jnp.zeros_like(q) for b, q in Q0.items()}
     i0 = jnp.zeros((), jnp.int32)
@@ -108,7 +108,7 @@ def make_lowrank_hook(
     only sketches). aux = {"sketch": [H, r] f32 (zeros when sketch=False), "tokens": [] f32 real tokens,
     "recon_rel_err": [] f32 ‖M − M̂‖_F/‖M‖_F over real tokens}. attention_mask [B, T] (1 = real) keeps padding
     out of the sketch and the error. Layers not in `boundaries` raise: a silent identity would hide a wiring bug.
-    cfg (a FastConfig), when given, supplies use_kernel (`fast.use_kernel`). The Pallas kernel on CPU needs
+    cfg (a LowRankConfig), when given, supplies use_kernel (`fast.codec.use_kernel`). The Pallas kernel on CPU needs
     interpret=True, otherwise this raises (never a silent fallback to the jnp path).
     """
     if cfg is not None:
@@ -118,7 +118,7 @@ def make_lowrank_hook(
     if missing:
         raise ValueError(f"lowrank hook: no basis for boundaries {sorted(missing)}; state has {sorted(state.Q)}")
     if use_kernel:
-        check_can_run(interpret, "lowrank codec (fast.use_kernel=true)")
+        check_can_run(interpret, "lowrank codec (fast.codec.use_kernel=true)")
 
     def hook(layer, h):
         layer = int(layer)

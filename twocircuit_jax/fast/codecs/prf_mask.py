@@ -5,7 +5,8 @@ of `pallas_kernels/prf.py`. Nothing else enters the key (no path tag, no tick, n
 train and reference forwards, every mini-batch, any padding and `jax.checkpoint` recomputation regenerate the
 same bits. The backward message is grad * g * m through ordinary autodiff (no straight-through estimator).
 
-Shape: an (empty) `MaskState` plus pure functions; `make_mask_hook` closes over the traced per-batch context.
+Stateless (every bit is regenerated from the key): pure functions; `make_mask_hook` closes over the traced per-batch
+context.
 `PrfMaskCodec` (bottom) is the registered codec, `PrfMaskConfig` its `fast.codec` section.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -30,22 +31,14 @@ RESCALE_MODES = ("none", "constant", "rms_match")
 RMS_EPS = 1e-8
 
 
-class MaskState(NamedTuple):
-    """The mask is stateless: every bit is regenerated from the key. Kept for the optax-like shape."""
-
-
-def init_mask_state() -> MaskState:
-    return MaskState()
-
-
 def _validate(cfg, boundaries):
     if cfg.rescale_mode not in RESCALE_MODES:
-        raise ValueError(f"fast.rescale_mode: got {cfg.rescale_mode!r}; allowed {', '.join(RESCALE_MODES)}")
+        raise ValueError(f"fast.codec.rescale_mode: got {cfg.rescale_mode!r}; allowed {', '.join(RESCALE_MODES)}")
     if cfg.prf_impl not in prf.IMPLS:
-        raise ValueError(f"fast.prf_impl: got {cfg.prf_impl!r}; allowed {', '.join(prf.IMPLS)}")
+        raise ValueError(f"fast.codec.prf_impl: got {cfg.prf_impl!r}; allowed {', '.join(prf.IMPLS)}")
     if cfg.p_by_boundary and len(cfg.p_by_boundary) != len(boundaries):
         raise ValueError(
-            f"fast.p_by_boundary: got {len(cfg.p_by_boundary)} values for {len(boundaries)} "
+            f"fast.codec.p_by_boundary: got {len(cfg.p_by_boundary)} values for {len(boundaries)} "
             f"boundaries {tuple(boundaries)}; give one p per boundary or none"
         )
 
@@ -144,7 +137,7 @@ def _apply_reference(cfg, p, layer, step, sample_ids, positions, h):
 def _apply_kernel(cfg, p, layer, step, sample_ids, positions, h, interpret, mesh=None):
     if cfg.prf_impl == "threefry":
         raise ValueError(
-            "fast.use_kernel: the Pallas mask kernel hashes with u32pair; prf_impl 'threefry' "
+            "fast.codec.use_kernel: the Pallas mask kernel hashes with u32pair; prf_impl 'threefry' "
             "is not available there (allowed with the kernel: u32pair, x64)"
         )
     b, t, width = h.shape
@@ -212,6 +205,11 @@ class PrfMaskConfig(ActivationCodecConfig):
 
     def check(self):
         require(0 <= self.p < 1, "p", f"got {self.p}; allowed [0, 1)")
+        require(
+            not (self.use_kernel and self.prf_impl == "threefry"),
+            "prf_impl",
+            "the Pallas mask kernel hashes with u32pair; with use_kernel: true allowed u32pair, x64",
+        )
         for i, q in enumerate(self.p_by_boundary):
             require(0 <= q < 1, f"p_by_boundary[{i}]", f"got {q}; allowed [0, 1)")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -29,21 +29,13 @@ ROUNDINGS = ("sr", "rn")
 FORWARD, BACKWARD = 0, 1
 
 
-class QuantState(NamedTuple):
-    """Stateless, like the mask: bits are regenerated from the key."""
-
-
-def init_quant_state() -> QuantState:
-    return QuantState()
-
-
 def quantize(h: jax.Array, unif: jax.Array | None, bits: int, block: int, rounding: str = "sr") -> jax.Array:
     """Dequantized blockwise quantization of h [..., H] (float32 math, result in h.dtype).
 
     unif [..., H] float32 in [0, 1) drives stochastic rounding (ignored for rn). A ragged last block is padded with
     zeros, which never change max|h|."""
     if rounding not in ROUNDINGS:
-        raise ValueError(f"fast.rounding: got {rounding!r}; allowed {', '.join(ROUNDINGS)}")
+        raise ValueError(f"fast.codec.rounding: got {rounding!r}; allowed {', '.join(ROUNDINGS)}")
     width = h.shape[-1]
     pad = -width % block
     x = h.astype(jnp.float32)
@@ -74,7 +66,7 @@ def _uniforms(cfg, layer, step, sample_ids, positions, width, direction):
 def subset_keep(cfg, layer, step, sample_ids, positions, width):
     """Exact-k (k = subset_k) channel subset from the mask's own u (no direction link)."""
     if not 1 <= cfg.subset_k <= width:
-        raise ValueError(f"fast.subset_k: got {cfg.subset_k}; allowed 0 (off) or 1..H={width}")
+        raise ValueError(f"fast.codec.subset_k: got {cfg.subset_k}; allowed 0 (off) or 1..H={width}")
     u = mask_lib.flipped_u(cfg, layer, step, sample_ids, positions, width)
     thr, thr_j = mask_lib.exact_k_threshold(u, cfg.subset_k)
     j = jnp.arange(width, dtype=jnp.uint32)
@@ -125,9 +117,9 @@ def make_quant_hook(cfg, boundaries, step, sample_ids, positions, attention_mask
     """Build hook(layer, h [B, T, H]) -> (h_q, {"quant_rel_err": ||h_q - h|| / ||h|| over real tokens})."""
     boundaries = tuple(int(x) for x in boundaries)
     if cfg.rounding not in ROUNDINGS:
-        raise ValueError(f"fast.rounding: got {cfg.rounding!r}; allowed {', '.join(ROUNDINGS)}")
+        raise ValueError(f"fast.codec.rounding: got {cfg.rounding!r}; allowed {', '.join(ROUNDINGS)}")
     if cfg.prf_impl not in prf.IMPLS:
-        raise ValueError(f"fast.prf_impl: got {cfg.prf_impl!r}; allowed {', '.join(prf.IMPLS)}")
+        raise ValueError(f"fast.codec.prf_impl: got {cfg.prf_impl!r}; allowed {', '.join(prf.IMPLS)}")
 
     def hook(layer: int, h):
         if layer not in boundaries:
