@@ -40,7 +40,7 @@ WEIGHTS = {
     "test_comm_bytes.py": (45, 0),
     "test_fidelity.py": (42, 13),
     "test_anchor_owned_basis.py": (40, 1),
-    "test_jax_sampler.py": (40, 31),
+    "test_jax_sampler.py": (10, 9),
     "test_sweep.py": (40, 3),
     "test_probe.py": (40, 0),
     "test_anchor_loop.py": (35, 0),

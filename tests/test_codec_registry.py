@@ -53,7 +53,7 @@ def _cfg(**fast):  # the narrow run of tiny_run, with kl off (no reference pass 
     return load_config(
         data={
             "model": NARROW_MODEL,
-            "mesh": {"data": -1},
+            "mesh": {"data": 2},  # a data-parallel step on 2 of the 8 devices: the codec needs no more
             "sampler": {"n": 4},
             "grpo": {"kl_coef": 0.0},
             "fast": {"pp_size": 4, **fast},
@@ -72,7 +72,7 @@ def test_a_registered_codec_parses_and_runs_a_step():
     with pytest.raises(ConfigError, match="toy_scale"):  # the allowed types name the new one
         _cfg(codec={"type": "nope"})
 
-    mesh = pmesh.make_mesh(cfg.mesh)
+    mesh = pmesh.make_mesh(cfg.mesh, jax.devices()[:2])
     params = init_params(cfg.model, jax.random.key(0), std=0.3)
     circuit = FastCircuit(cfg, cfg.model, mesh)
     assert circuit.boundaries == (0, 1, 2) and circuit.applies("train")
