@@ -22,7 +22,6 @@ from jax.sharding import PartitionSpec as P
 from twocircuit_jax.fast import powersgd as psgd
 from twocircuit_jax.parallel.mesh import BATCH_AXES
 
-AUX = "codec/aux"  # the loss's metrics entry holding the codec's per-boundary outputs (train/step.py)
 _SUMMED = ("sketch", "tokens")  # aux leaves that add up over replicas; every other aux leaf is averaged
 
 
@@ -33,7 +32,7 @@ def _key_name(k):
 def _reduce_metrics(metrics, axes):
     out = {}
     for k, v in metrics.items():
-        if k == AUX:
+        if isinstance(v, dict):  # the codec's per-boundary aux (train/step.AUX): the only non-scalar entry
             out[k] = jax.tree_util.tree_map_with_path(
                 lambda p, x: (
                     jax.lax.psum(x, axes)
