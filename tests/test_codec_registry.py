@@ -1,5 +1,6 @@
-"""Codecs behind one interface: a codec registered from this file (one class, one config section) is chosen by
-`fast.codec.type`, parsed with its own fields, and runs a train step; the flat shorthand keys land in the sections."""
+"""Codecs behind one interface: an activation codec and a gradient codec registered from this file (one class, one
+config section each) are chosen by `fast.codec.type` / `fast.grad_codec.type`, parsed with their own fields, and run
+a train step; the flat shorthand keys land in the sections."""
 
 import warnings
 from dataclasses import dataclass
@@ -9,13 +10,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 from tiny_run import NARROW_MODEL, circuit_state, narrow_batch
 
 from twocircuit_jax.config import load_config
 from twocircuit_jax.config.base import ConfigError, ConfigWarning, require
-from twocircuit_jax.config.sections import ActivationCodecConfig
+from twocircuit_jax.config.sections import ActivationCodecConfig, GradCodecConfig
 from twocircuit_jax.fast.circuit import FastCircuit
-from twocircuit_jax.fast.codecs import ActivationCodec, activation_codecs, register_activation
+from twocircuit_jax.fast.codecs import (
+    ActivationCodec,
+    GradCodec,
+    activation_codecs,
+    grad_codecs,
+    register_activation,
+    register_grad,
+)
 from twocircuit_jax.fast.codecs.base import wire_result
 from twocircuit_jax.model.qwen2 import init_params
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
@@ -138,3 +147,58 @@ def test_layers_and_overrides_mix_the_flat_and_section_forms(tmp_path):
     cfg = load_config(str(tmp_path / "mask.yaml"), ["fast.codec.type=lowrank", "fast.codec.rank=3"])
     assert cfg.fast.codec_type == "lowrank" and cfg.fast.codec.rank == 3
     assert load_config(str(tmp_path / "mask.yaml"), ["fast.codec.type=prf_mask"]).fast.codec.p == 0.5  # same type
+
+
+# --- a gradient codec registered from this file -----------------------------------------------------------------
+@dataclass(frozen=True)
+class HalfMeanConfig(GradCodecConfig):
+    """A toy gradient codec: each replica sends its gradient in bfloat16; the state counts the reductions."""
+
+
+@register_grad("toy_half_mean")
+class HalfMeanCodec(GradCodec):
+    config = HalfMeanConfig
+
+    def init(self, params_like, n_replicas=1):
+        return jnp.zeros((), jnp.int32)  # [] int32 reductions done
+
+    def state_specs(self, state, axes):
+        return P()
+
+    def reduce(self, grads, state, axes):
+        mean = jax.tree.map(lambda g: jax.lax.pmean(g.astype(jnp.bfloat16), axes).astype(g.dtype), grads)
+        return mean, state + 1, {"toy/reduced": jnp.float32(1.0)}
+
+    def wire_bytes(self, params_like, state=None):
+        el = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params_like))
+        return wire_result(2 * el, 4 * el, el, el)
+
+
+def test_a_registered_gradient_codec_parses_and_runs_a_step():
+    assert "toy_half_mean" in grad_codecs()
+    cfg = _cfg(grad_codec={"type": "toy_half_mean"})
+    assert cfg.fast.grad_codec_type == "toy_half_mean"
+    mesh = pmesh.make_mesh(cfg.mesh, jax.devices()[:2])
+    params = init_params(cfg.model, jax.random.key(0), std=0.3)
+    circuit = FastCircuit(cfg, cfg.model, mesh)
+    batch, _ = narrow_batch()
+    batch = jax.device_put(batch, pmesh.batch_shardings(batch, mesh))
+    batch["old_logp"] = dispatch.jit(make_logp_fn(cfg.model, circuit, OLD))(params, batch, None)[0]
+    opt = optax.sgd(0.1)
+    sh = state_shardings(init_state(params, opt), mesh)
+    loss = make_grpo_loss(cfg.model, cfg.grpo, NEW, circuit)
+
+    def run(grad_fn):
+        cs = circuit_state(circuit, params)
+        step = build_train_step(loss, opt, sh, mesh, grad_fn=grad_fn)
+        return step(jax.device_put(init_state(jax.tree.map(jnp.copy, params), opt), sh), cs, batch)
+
+    new, cs, m = run(circuit.grad_fn(None))
+    assert int(cs.grad) == 1 and float(m["toy/reduced"]) == 1.0  # the codec's state and metrics came back
+    dense, _, _ = run(None)
+    diff = jax.tree.map(lambda a, b, p: float(jnp.max(jnp.abs(a - b))), new.params, dense.params, params)
+    assert max(jax.tree.leaves(diff)) > 0  # the bfloat16 wire changed the update ...
+    for a, b, p in zip(jax.tree.leaves(new.params), jax.tree.leaves(dense.params), jax.tree.leaves(params)):
+        np.testing.assert_allclose(a - p, b - p, atol=1e-3, rtol=2e-2)  # ... to within bfloat16's rounding
+    # the byte accounting asks the codec
+    assert circuit.step_bytes(cs.grad)["comm/bytes_ratio"] < 1.0

@@ -10,13 +10,11 @@ the wire (`act_bytes`), bases fp32.
 from __future__ import annotations
 
 import re
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from twocircuit_jax.config.base import type_name
-from twocircuit_jax.config.sections import GradCodecConfig
-from twocircuit_jax.fast.codecs.base import make_activation_codec, wire_result as _result
+from twocircuit_jax.fast.codecs.base import make_activation_codec, make_grad_codec, wire_result as _result
 from twocircuit_jax.fast.leaf_plan import flat_leaves, plan_leaves
 
 _DTYPE_BYTES = {
@@ -58,24 +56,31 @@ def activation_bytes(codec_cfg, *, tokens: int, hidden: int, boundaries: Sequenc
     return codec.wire_bytes(tokens, hidden, boundaries, act_bytes)
 
 
-def grad_allreduce_bytes(params_like, cfg, *, powersgd: Optional[bool] = None) -> dict:
+def grad_allreduce_bytes(params_like, cfg) -> dict:
     """Per-replica bytes of one dp gradient reduction (logical, as in design §3.6); `cfg` is the `fast.grad_codec`
-    section.
+    section: the registered codec's own `wire_bytes` (compressed branch); no codec sends every leaf at its dtype."""
+    codec = make_grad_codec(cfg)
+    if codec is None:
+        return dense_grad_bytes(params_like)
+    return codec.wire_bytes(params_like)
 
-    Dense: Σ size·bytes(dtype). PowerSGD (a powersgd section unless `powersgd` given): per compressible
-    leaf L·(n+m)·r·4 (P sum + Q mean), plus every other leaf in fp32 and the 4-byte error-norm scalar that our
-    packed mean carries. The powersgd=False case with the powersgd packing is `plain`: all leaves fp32 + 4.
-    """
+
+def dense_grad_bytes(params_like) -> dict:
+    """XLA's plain mean: Σ size·bytes(dtype) per replica."""
     leaves = flat_leaves(params_like)
     dense = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves.values())
     el_d = sum(int(np.prod(x.shape)) for x in leaves.values())
-    use = (type_name(GradCodecConfig, cfg) == "powersgd") if powersgd is None else powersgd
-    if not use:
-        return _result(dense, dense, el_d, el_d)
+    return _result(dense, dense, el_d, el_d)
+
+
+def powersgd_bytes(params_like, cfg) -> dict:
+    """PowerSGD's compressed branch (`cfg` a PowerSGDConfig): per compressible leaf L·(n+m)·r·4 (P sum + Q mean), plus
+    every other leaf in fp32 and the 4-byte error-norm scalar that its packed mean carries."""
+    d = dense_grad_bytes(params_like)
     el_c = 0
     for p in plan_leaves(cfg, params_like):
         el_c += p.layers * (p.n + p.m) * cfg.rank if p.compress else int(np.prod(p.shape))
-    return _result(el_c * 4 + ERROR_NORM_BYTES, dense, el_c + 1, el_d)
+    return _result(el_c * 4 + ERROR_NORM_BYTES, d["comm/bytes_dense"], el_c + 1, d["comm/elements_dense"])
 
 
 def powersgd_plain_bytes(params_like) -> float:

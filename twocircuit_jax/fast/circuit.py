@@ -1,15 +1,15 @@
 """The fast circuit as the GRPO loop sees it (design §2, §3): the chosen codecs behind one object.
 
-The activation codec is whichever class registered `fast.codec.type` (fast/codecs/); the gradient codec is PowerSGD
-or XLA's plain mean. This object holds configuration and host counters only; the array state lives in the circuit
+The activation codec is whichever class registered `fast.codec.type`, the gradient codec whichever registered
+`fast.grad_codec.type` (fast/codecs/base.py; `none`: XLA's plain mean). This object holds configuration and host counters only; the array state lives in the circuit
 state the loop threads through the step (train/circuit_state.py): `cs.codec` (the activation codec's state: the
-low-rank basis, or None) and `cs.grad` (PowerSGD's state, or None). Contract with train/loop.py and grpo_step.py:
+low-rank basis, or None) and `cs.grad` (the gradient codec's state: PowerSGD's Q and error memory, or None). Contract with train/loop.py and grpo_step.py:
   init_codec_state() / init_grad_state(params_like)    the two fields, placed on the mesh
   applies(tag) / hook(codec_state, tag, step, sample_ids, positions, attention_mask) -> (hook_fn, hook_layers)
                                     traced inside jit; `step` is gs (the PRF step key), never the tick
   summarize(aux_by_layer)           scalar codec metrics inside the jitted loss
   absorb_aux(codec_state, aux)      traced inside the step: the codec folds the train forward's aux in
-  grad_fn(param_shardings)          None (XLA's implicit dp mean) or the PowerSGD shard_map factory
+  grad_fn(param_shardings)          None (XLA's implicit dp mean) or the gradient codec's shard_map factory
   tick_done()                       host, after each tick (counters)
   end_step(codec_state, gs, grad_state)   host, after the last tick: the codec's update, bytes, counters
 The codec state may change between forwards only in end_step (or `activate_basis`, which refuses to run mid-step),
@@ -23,9 +23,10 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from twocircuit_jax.config.base import ConfigError
-from twocircuit_jax.fast import bytes as fbytes, powersgd as psgd
+from twocircuit_jax.fast import bytes as fbytes
 from twocircuit_jax.fast.boundaries import boundary_layers
-from twocircuit_jax.fast.codecs import OLD, REF, TRAIN, Path, lowrank, make_activation_codec
+from twocircuit_jax.fast.codecs import OLD, REF, TRAIN, Path, lowrank, make_activation_codec, make_grad_codec
+from twocircuit_jax.fast.grad_fn import make_codec_grad_fn
 from twocircuit_jax.parallel.mesh import BATCH_AXES, dp_size
 
 DENSE = "dense"
@@ -48,7 +49,6 @@ class FastCircuit:
         except ValueError as e:
             raise ConfigError("fast.pp_size", str(e)) from None
         self.interpret = bool(f.kernel_interpret)
-        self.powersgd = isinstance(f.grad_codec, psgd.PowerSGDConfig)
         try:
             self.codec = make_activation_codec(
                 f.codec,
@@ -61,15 +61,14 @@ class FastCircuit:
         except ValueError as e:
             raise ConfigError("fast.codec", str(e)) from None
         self.has_activation_codec = self.codec is not None
+        self.grad_codec = make_grad_codec(f.grad_codec, mesh=mesh, interpret=self.interpret)
         self._check_kernels()
         self.dp = dp_size(mesh)
-        if self.powersgd and (mesh.shape["fsdp"] != 1 or mesh.shape["tensor"] != 1):
-            raise ConfigError(
-                "fast.grad_codec",
-                "powersgd needs replicated parameters: set mesh.fsdp=1 and "
-                f"mesh.tensor=1 (got fsdp={mesh.shape['fsdp']}, "
-                f"tensor={mesh.shape['tensor']})",
-            )
+        if self.grad_codec is not None:
+            try:
+                self.grad_codec.check_mesh(mesh)
+            except ValueError as e:
+                raise ConfigError("fast.grad_codec", str(e)) from None
         t = run_cfg.train
         # Tokens one replica sends per tick across a boundary: its share of the mini-batch's padded [B, T] (what a
         # pipeline link would carry), so activation and gradient bytes are both per replica. Train forwards per
@@ -95,8 +94,12 @@ class FastCircuit:
             for path, sec in (("fast.codec.use_kernel", f.codec), ("fast.grad_codec.use_kernel", f.grad_codec))
             if getattr(sec, "use_kernel", False)
         ]
-        if self.codec is not None and getattr(f.codec, "use_kernel", False) and not self.codec.has_kernel:
-            raise ConfigError("fast.codec.use_kernel", f"{f.codec_type} has no Pallas kernel; set it false")
+        for path, codec, name in (
+            ("fast.codec.use_kernel", self.codec, f.codec_type),
+            ("fast.grad_codec.use_kernel", self.grad_codec, f.grad_codec_type),
+        ):
+            if codec is not None and getattr(codec.cfg, "use_kernel", False) and not codec.has_kernel:
+                raise ConfigError(path, f"{name} has no Pallas kernel; set it false")
         if asked and jax.default_backend() == "cpu" and not self.interpret:
             raise ConfigError(
                 asked[0][0],
@@ -111,19 +114,20 @@ class FastCircuit:
         return None if st is None else jax.device_put(st, NamedSharding(self.mesh, P()))
 
     def init_grad_state(self, params_like=None):
-        """PowerSGD's state (Q replicated, the per-replica error memory split over dp), or None."""
+        """The gradient codec's state placed by its `state_specs` (PowerSGD: Q replicated, the per-replica error memory
+        split over dp), or None."""
         if params_like is not None:
             self._params_like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_like)
-        if not self.powersgd:
+        if self.grad_codec is None:
             return None
         like = params_like if params_like is not None else self._params_shapes()
-        g = psgd.init_powersgd(self.fcfg.grad_codec, like, self.dp)
+        g = self.grad_codec.init(like, self.dp)
         return jax.device_put(g, self.grad_state_shardings(g))
 
     def grad_state_shardings(self, grad_state):
         if grad_state is None:
             return None
-        specs = psgd.state_specs(grad_state, BATCH_AXES)
+        specs = self.grad_codec.state_specs(grad_state, BATCH_AXES)
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
     def _params_shapes(self):
@@ -250,10 +254,10 @@ class FastCircuit:
         if self.dp > 1:
             like = self._params_like if self._params_like is not None else self._params_shapes()
             self._params_like = like
-            g = fbytes.grad_allreduce_bytes(like, self.fcfg.grad_codec)
-            if self.powersgd and grad_state is not None and int(grad_state.step) <= self.fcfg.grad_codec.start_after:
-                # the last tick of this step still took the plain-mean branch (warm-up)
-                g = dict(g, **{"comm/bytes_compressed": fbytes.powersgd_plain_bytes(like)})
+            if self.grad_codec is None:
+                g = fbytes.dense_grad_bytes(like)
+            else:  # `grad_state` tells a codec with a warm-up which branch the step's last tick took
+                g = self.grad_codec.wire_bytes(like, grad_state)
             parts.append({k: v * ticks for k, v in g.items()})
         if not parts:
             return {}
@@ -262,9 +266,7 @@ class FastCircuit:
 
     # --- gradient codec ---------------------------------------------------------------------------------------
     def grad_fn(self, param_shardings):
-        """None: XLA's implicit dp mean. PowerSGD: a shard_map over the batch axes around value_and_grad."""
-        if not self.powersgd:
+        """None: XLA's implicit dp mean. A gradient codec: a shard_map over the batch axes around value_and_grad."""
+        if self.grad_codec is None:
             return None
-        from twocircuit_jax.fast.grad_fn import make_powersgd_grad_fn
-
-        return make_powersgd_grad_fn(self.fcfg.grad_codec, self.mesh, interpret=self.interpret)
+        return make_codec_grad_fn(self.grad_codec, self.mesh)

@@ -1,10 +1,10 @@
-"""The train step's gradient with PowerSGD on the data axis (design §3.5): `grad_fn` for train.step.make_train_step.
+"""The train step's gradient through a gradient codec on the data axis (design §3.5): `grad_fn` for train/step.py.
 
-Each replica takes value_and_grad of its own mini-batch slice inside `jax.shard_map` over the batch axes, then
-`powersgd_reduce` replaces XLA's implicit gradient mean with three packed collectives (P sum, Q mean, the rest
-mean). The loss and scalar metrics are pmean-ed; low-rank sketches and token counts in the codec's aux are psum-ed
-(the sketch is a sum over the global batch). The next PowerSGD state is returned as the circuit state's `grad`;
-the error memory keeps its P(batch axes) split in and out, so it never travels.
+Each replica takes value_and_grad of its own mini-batch slice inside `jax.shard_map` over the batch axes, then the
+codec's `reduce` replaces XLA's implicit gradient mean (PowerSGD: three packed collectives, P sum, Q mean, the rest
+mean). The loss and scalar metrics are pmean-ed; low-rank sketches and token counts in the activation codec's aux
+are psum-ed (the sketch is a sum over the global batch). The codec's next state is returned as the circuit state's
+`grad`, split over the batch axes as the codec's `state_specs` say (PowerSGD's error memory never travels).
 
 Normalisation: each replica's loss is divided by the *global* loss-token count (and sequence count) over the
 batch axes, times the replica count, so the mean over replicas is the global token mean of the dense step even when
@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from twocircuit_jax.fast import powersgd as psgd
 from twocircuit_jax.parallel.mesh import BATCH_AXES
 
 _SUMMED = ("sketch", "tokens")  # aux leaves that add up over replicas; every other aux leaf is averaged
@@ -56,20 +55,20 @@ def global_normalisers(response_mask, axes) -> dict:
     return {"token_count": tokens / n_rep, "seq_count": seqs / n_rep}
 
 
-def make_powersgd_grad_fn(cfg, mesh, *, interpret: bool = False, axes=BATCH_AXES):
-    """factory(loss_fn) -> fn(params, batch, cs) -> (mean grads, loss, metrics, cs with the next cs.grad); `cfg` is
-    the `fast.grad_codec` section (PowerSGDConfig)."""
+def make_codec_grad_fn(codec, mesh, *, axes=BATCH_AXES):
+    """factory(loss_fn) -> fn(params, batch, cs) -> (mean grads, loss, metrics, cs with the next cs.grad); `codec` is
+    the registered gradient codec (fast/codecs/base.GradCodec)."""
 
     def factory(loss_fn):
         def fn(params, batch, cs):
-            sspec = psgd.state_specs(cs.grad, axes)
+            sspec = codec.state_specs(cs.grad, axes)
             cs_spec = jax.tree.map(lambda _: P(), cs)._replace(grad=sspec)
             batch_spec = jax.tree.map(lambda x: P(axes) if jnp.ndim(x) else P(), batch)
 
             def body(params, batch, cs):
                 batch = dict(batch, **global_normalisers(batch["response_mask"], axes))
                 (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, cs)
-                mean, new_state, pm = psgd.powersgd_reduce(grads, cs.grad, cfg, axes, interpret=interpret)
+                mean, new_state, pm = codec.reduce(grads, cs.grad, axes)
                 metrics = _reduce_metrics(dict(metrics), axes)
                 metrics.update(pm)
                 return mean, jax.lax.pmean(loss, axes), metrics, new_state

@@ -26,9 +26,10 @@ from jax.sharding import PartitionSpec
 
 from pallas_kernels.lowrank import check_can_run
 from pallas_kernels.powersgd import ef_project
-from twocircuit_jax.config.base import doc, register, require
+from twocircuit_jax.config.base import doc, require
 from twocircuit_jax.config.sections import GradCodecConfig
-from twocircuit_jax.fast.bytes import grad_allreduce_bytes, powersgd_plain_bytes
+from twocircuit_jax.fast.bytes import powersgd_bytes, powersgd_plain_bytes
+from twocircuit_jax.fast.codecs.base import GradCodec, register_grad
 from twocircuit_jax.fast.leaf_plan import LeafPlan, flat_leaves, plan_leaves  # noqa: F401  (LeafPlan: re-export)
 from twocircuit_jax.fast.orth import orth
 
@@ -36,7 +37,6 @@ F32 = jnp.float32
 _SALT = 0x50575344  # "PWSD": keeps the Q₀ and refill keys apart from other users of cfg.seed
 
 
-@register(GradCodecConfig, "powersgd")
 @dataclass(frozen=True)
 class PowerSGDConfig(GradCodecConfig):
     """`fast.grad_codec: {type: powersgd}`: rank-r PowerSGD with error feedback on the data-parallel reduction."""
@@ -175,7 +175,7 @@ def powersgd_reduce(grads, state: PowerSGDState, cfg, axis_name: str, *, skip=Fa
     mean = jax.tree_util.tree_unflatten(
         jax.tree_util.tree_structure(grads), [out[p].astype(dtypes[p]) for p in sorted(out, key=_order(grads))]
     )
-    b_comp = grad_allreduce_bytes(grads, cfg, powersgd=True)
+    b_comp = powersgd_bytes(grads, cfg)
     metrics = {
         "powersgd/error_norm": jnp.sqrt(e2m),
         "powersgd/compressed": is_comp.astype(F32),
@@ -186,6 +186,38 @@ def powersgd_reduce(grads, state: PowerSGDState, cfg, axis_name: str, *, skip=Fa
         "powersgd/bytes_dense": jnp.asarray(b_comp["comm/bytes_dense"], F32),
     }
     return mean, new_state, metrics
+
+
+@register_grad("powersgd")
+class PowerSGDCodec(GradCodec):
+    """`fast.grad_codec: {type: powersgd}` behind the gradient-codec interface (fast/codecs/base.py)."""
+
+    config = PowerSGDConfig
+    has_kernel = True  # pallas_kernels/powersgd.py: the error-feedback projection
+
+    def check_mesh(self, mesh) -> None:
+        if mesh.shape["fsdp"] != 1 or mesh.shape["tensor"] != 1:
+            raise ValueError(
+                "powersgd needs replicated parameters: set mesh.fsdp=1 and mesh.tensor=1 "
+                f"(got fsdp={mesh.shape['fsdp']}, tensor={mesh.shape['tensor']})"
+            )
+
+    def init(self, params_like, n_replicas: int = 1) -> PowerSGDState:
+        return init_powersgd(self.cfg, params_like, n_replicas)
+
+    def state_specs(self, state, axes) -> PowerSGDState:
+        return state_specs(state, axes)
+
+    def reduce(self, grads, state, axes):
+        return powersgd_reduce(grads, state, self.cfg, axes, interpret=self.interpret)
+
+    def wire_bytes(self, params_like, state=None) -> dict:
+        """Compressed-branch bytes; while the warm-up still holds at `state` (its last reduction took the plain
+        mean), the plain branch's. Reading `state.step` is a host sync (once per step, after the step)."""
+        out = powersgd_bytes(params_like, self.cfg)
+        if state is not None and int(state.step) <= self.cfg.start_after:
+            out = dict(out, **{"comm/bytes_compressed": powersgd_plain_bytes(params_like)})
+        return out
 
 
 def _order(tree):

@@ -1,4 +1,5 @@
-"""The activation-codec interface and its registry (design §3).
+"""The codec interfaces and their registries (design §3): activation codecs at the pipeline boundaries, gradient
+codecs on the data-parallel reduction.
 
 A codec is one class in one file of this folder, registered with its config section:
 
@@ -19,6 +20,18 @@ Contract (all array work pure and jittable; `state` is the codec's field of the 
   absorb(state, aux_by_layer) -> state   traced inside the train step: folds the train forward's aux into the state
   update(state, gs) -> (state, metrics)  host, after the step's last tick (the basis refresh)
   wire_bytes(tokens, hidden, boundaries, act_bytes) -> dict   logical bytes of one forward's boundary messages
+
+A gradient codec is registered the same way (`@register_grad("name")`, section subclassing
+config.sections.GradCodecConfig, chosen by `fast.grad_codec.type`). It replaces XLA's implicit data-parallel mean:
+the train step takes each replica's gradient inside `jax.shard_map` over the batch axes (fast/grad_fn.py) and
+hands it to the codec. Contract (`state` is `cs.grad`):
+  check_mesh(mesh)                    raise ValueError if the codec cannot run on this mesh
+  init(params_like, n_replicas) -> state    fp32 pytree (global layout: per-replica parts stacked on axis 0)
+  state_specs(state, axes) -> PartitionSpec pytree   how shard_map splits the state over the batch axes
+  reduce(grads, state, axes) -> (mean, state, metrics)   inside shard_map: this replica's grads in, the
+                                      replica-invariant mean estimate out; metrics are scalars
+  wire_bytes(params_like, state=None) -> dict   logical per-replica bytes of one reduction (host; `state` lets a
+                                      codec with a warm-up say which branch the last reduction took)
 """
 
 from __future__ import annotations
@@ -28,7 +41,7 @@ from typing import Any, ClassVar, NamedTuple, Optional, Sequence
 import jax
 
 from twocircuit_jax.config.base import register
-from twocircuit_jax.config.sections import ActivationCodecConfig, NoActivationCodec
+from twocircuit_jax.config.sections import ActivationCodecConfig, GradCodecConfig, NoActivationCodec, NoGradCodec
 
 TRAIN, OLD, REF = "train", "old_logprob", "ref_logprob"
 
@@ -116,3 +129,62 @@ def make_activation_codec(cfg, **kw) -> Optional[ActivationCodec]:
         if type(cfg) is cls.config:
             return cls(cfg, **kw)
     raise ValueError(f"no codec is registered for {type(cfg).__name__}; registered: {', '.join(sorted(_ACTIVATION))}")
+
+
+class GradCodec:
+    """Base class of a data-parallel gradient codec; subclasses override `init`, `state_specs`, `reduce` and
+    `wire_bytes`."""
+
+    config: ClassVar[type]  # the config section class this codec is built from
+    has_kernel: ClassVar[bool] = False  # a Pallas kernel exists (fast.grad_codec.use_kernel may be true)
+
+    def __init__(self, cfg, *, mesh=None, interpret: bool = False, **_):
+        self.cfg, self.mesh, self.interpret = cfg, mesh, bool(interpret)
+
+    def check_mesh(self, mesh) -> None:
+        return None
+
+    def init(self, params_like, n_replicas: int = 1) -> Any:
+        raise NotImplementedError
+
+    def state_specs(self, state, axes) -> Any:
+        raise NotImplementedError
+
+    def reduce(self, grads, state, axes):
+        raise NotImplementedError
+
+    def wire_bytes(self, params_like, state=None) -> dict:
+        raise NotImplementedError
+
+
+_GRAD: dict[str, type] = {}
+
+
+def register_grad(name: str):
+    """Class decorator: register a gradient codec under `fast.grad_codec.type: name`, with its config section."""
+
+    def deco(cls):
+        if not issubclass(cls.config, GradCodecConfig):
+            raise TypeError(f"{cls.__name__}.config must subclass GradCodecConfig")
+        register(GradCodecConfig, name)(cls.config)
+        _GRAD[name] = cls
+        cls.name = name
+        return cls
+
+    return deco
+
+
+def grad_codecs() -> dict[str, type]:
+    return dict(_GRAD)
+
+
+def make_grad_codec(cfg, **kw) -> Optional[GradCodec]:
+    """The gradient codec object for config section `cfg` (None for `type: none`: XLA's plain mean)."""
+    if isinstance(cfg, NoGradCodec):
+        return None
+    for cls in _GRAD.values():
+        if type(cfg) is cls.config:
+            return cls(cfg, **kw)
+    raise ValueError(
+        f"no gradient codec is registered for {type(cfg).__name__}; registered: {', '.join(sorted(_GRAD))}"
+    )
