@@ -11,6 +11,7 @@ from typing import Optional
 import yaml
 
 from twocircuit_jax.config.base import ConfigError, from_dict, require, to_dict
+from twocircuit_jax.config.health import GuardConfig, HealthConfig
 from twocircuit_jax.config.sections import (
     AnchorConfig,
     FastConfig,
@@ -42,6 +43,8 @@ class RunConfig:
     task: TaskConfig = field(default_factory=lambda: from_dict(TaskConfig, {}))
     train: TrainConfig = TrainConfig()
     sft: SFTConfig = SFTConfig()
+    health: HealthConfig = HealthConfig()
+    guard: GuardConfig = GuardConfig()
 
     def check(self):
         """Cross-section rules (design §4 config checks, §3 validation)."""
@@ -66,6 +69,10 @@ class RunConfig:
                 "anchor.warmup_mode",
                 "q_only needs fast.codec: {type: lowrank} with an anchor-owned basis",
             )
+        if self.guard.enabled:
+            for m in self.guard.mitigations:
+                if m in ("swap", "anchor_cadence"):
+                    require(self.anchor.enabled, "guard.mitigations", f"{m} needs anchor.enabled: true")
         ticks_per_step = self.train.train_batch // self.train.mini_batch
         require(ticks_per_step >= 1, "train.mini_batch", "must not exceed train.batch")
 

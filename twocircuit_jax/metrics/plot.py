@@ -2,7 +2,8 @@
 
 Reads each run's `metrics.jsonl` and `config.yaml` only, so it works on finished runs, runs still in progress and
 copies from another machine. A sweep folder (subfolders that are runs) is expanded into its arms. matplotlib is
-imported lazily, and only its object API (no pyplot, no global backend), so importing this module is cheap.
+imported lazily, and only its object API (no pyplot, no global backend), so importing this module is cheap. The
+figures for studying a training collapse (guard actions, health gauges, lengths) are in plot_collapse.py.
 """
 
 from __future__ import annotations
@@ -19,10 +20,21 @@ import yaml
 
 from twocircuit_jax.config.base import ConfigError, ConfigWarning
 from twocircuit_jax.config.sections import FastConfig
+from twocircuit_jax.metrics.plot_collapse import (
+    collapse_anatomy,
+    guard_note,
+    health,
+    mark_guards,
+    not_logged,
+    reward_panel,
+    swap_steps,
+    truncation,
+)
 
 CODEC_ORDER = ("prf_mask", "lowrank", "sr_quant")
 STRENGTH_KEY = {"prf_mask": ("p", "p"), "lowrank": ("rank", "r"), "sr_quant": ("quant_bits", "bits")}
 GAP, GRAD_COS, ACC = "mismatch/prob_gap_mean", "fidelity/grad_cos", "eval/accuracy"
+KL_K3 = "mismatch/kl_k3"
 
 
 def _num(v) -> float | None:
@@ -87,6 +99,8 @@ class Run:
             "max_accuracy": max(acc) if acc else None,
             "gap_last10": self.last(GAP, 10),
             "grad_cos": self.last(GRAD_COS),
+            # the guard's counter is cumulative: its last value is the run's total
+            "guard_rollbacks": int(n) if (n := self.last("guard/rollbacks")) is not None else None,
         }
 
 
@@ -219,11 +233,6 @@ def _map_md(cells: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _moving_avg(v: list[float], w: int = 10) -> list[float]:
-    """Trailing mean over up to w points (shorter at the start)."""
-    return [sum(v[max(0, i - w + 1) : i + 1]) / (i + 1 - max(0, i - w + 1)) for i in range(len(v))]
-
-
 def _draw_map(fig, cells: list[dict]) -> None:
     import numpy as np
     from matplotlib import colormaps
@@ -251,100 +260,143 @@ def _draw_map(fig, cells: list[dict]) -> None:
     ax.set_title("fidelity map: held-out accuracy gap to dense")
 
 
-def plot_runs(runs: list[Run], out_dir: str) -> list[str]:
-    """Write the figures, map.json/map.md (when there is a dense and a codec run) and index.html into out_dir.
-    Returns the paths written."""
-    from matplotlib import colormaps
-    from matplotlib.figure import Figure
-    from matplotlib.transforms import blended_transform_factory
+class Canvas:
+    """What every figure of one `plot_runs` call shares: the runs and their colours, the output folder, the paths
+    written and the page's sections (title, png path or None, note why skipped). The figure functions in
+    plot_collapse.py draw through it too, so every figure is skipped, laid out and saved the same way."""
 
-    os.makedirs(out_dir, exist_ok=True)
-    cmap = colormaps["tab10" if len(runs) <= 10 else "tab20"]
-    color = {r.name: cmap(i % cmap.N) for i, r in enumerate(runs)}
-    written, sections = [], []  # sections: (title, png path or None, note why skipped)
+    def __init__(self, runs: list[Run], out_dir: str):
+        from matplotlib import colormaps
 
-    def want(title: str, *keys: str) -> bool:
+        self.runs, self.out_dir = runs, out_dir
+        cmap = colormaps["tab10" if len(runs) <= 10 else "tab20"]
+        self.color = {r.name: cmap(i % cmap.N) for i, r in enumerate(runs)}
+        self.written: list[str] = []
+        self.sections: list[tuple] = []
+
+    def want(self, title: str, *keys: str) -> bool:
         """Whether any run logged one of `keys`; if none did, the page says so instead of showing an empty figure."""
-        if any(r.series(k)[0] for r in runs for k in keys):
+        if any(r.series(k)[0] for r in self.runs for k in keys):
             return True
-        sections.append((title, None, f"no run logged {' or '.join(keys)}"))
+        self.sections.append((title, None, f"no run logged {' or '.join(keys)}"))
         return False
 
-    def panels(n: int, w: float = 6.0):
-        fig = Figure(figsize=(w * n, 4.2), layout="constrained")
-        return fig, [fig.add_subplot(1, n, i + 1) for i in range(n)]
+    def panels(self, n: int, w: float = 6.0, cols: int | None = None):
+        """A figure of n panels, one row unless `cols` wraps them into a grid."""
+        from matplotlib.figure import Figure
 
-    def line(ax, key, title=None, log=False, style="-", legend=True, **kw):
-        for r in runs:
+        cols = cols or n
+        rows = -(-n // cols)
+        fig = Figure(figsize=(w * cols, 4.2 * rows), layout="constrained")
+        return fig, [fig.add_subplot(rows, cols, i + 1) for i in range(n)]
+
+    def line(self, ax, key, title=None, log=False, style="-", legend=True, **kw):
+        for r in self.runs:
             s, v = r.series(key)
             if log:
                 s, v = [a for a, b in zip(s, v) if b > 0], [b for b in v if b > 0]
             if s:
-                ax.plot(s, v, style, color=color[r.name], label=r.name if legend else None, **kw)
+                ax.plot(s, v, style, color=self.color[r.name], label=r.name if legend else None, **kw)
         if title is not None:
             ax.set(title=title, xlabel="step")
         if log and ax.lines:
             ax.set_yscale("log")
 
-    def save(fig, fname, title):
+    def save(self, fig, fname, title):
         for ax in fig.axes:
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize="small")
-        path = os.path.join(out_dir, fname)
+        path = os.path.join(self.out_dir, fname)
         fig.savefig(path, dpi=110)
-        written.append(path)
-        sections.append((title, path, ""))
+        self.written.append(path)
+        self.sections.append((title, path, ""))
 
-    if want("Held-out accuracy and reward", ACC, "reward/mean"):
-        fig, (a1, a2) = panels(2)
-        line(a1, ACC, "held-out accuracy", style="o-", markersize=4)
-        for r in runs:
-            s, v = r.series("reward/mean")
-            if s:
-                a2.plot(s, v, color=color[r.name], alpha=0.3, linewidth=0.8)
-                a2.plot(s, _moving_avg(v), color=color[r.name], label=r.name)
-        a2.set(title="reward/mean (light: raw, solid: 10-step mean; ticks: anchor fires)", xlabel="step")
+
+def plot_runs(runs: list[Run], out_dir: str) -> list[str]:
+    """Write the figures, map.json/map.md (when there is a dense and a codec run) and index.html into out_dir.
+    Returns the paths written."""
+    from matplotlib.figure import Figure
+    from matplotlib.transforms import blended_transform_factory
+
+    os.makedirs(out_dir, exist_ok=True)
+    cv = Canvas(runs, out_dir)
+    color = cv.color
+
+    if cv.want("Held-out accuracy and reward", ACC, "reward/mean"):
+        fig, (a1, a2) = cv.panels(2)
+        cv.line(a1, ACC, style="o-", markersize=4)
+        reward_panel(a2, runs, color)
+        # anchor fires along the bottom, optimizer-state swaps along the top: one row per run, so they don't overlap
         ticks = blended_transform_factory(a2.transData, a2.transAxes)
         for i, r in enumerate(runs):
             fires = [s for s, v in zip(*r.series("anchor/fire")) if v > 0.5]
             if fires:
                 a2.plot(fires, [0.02 + 0.03 * i] * len(fires), "|", color=color[r.name], markersize=7, transform=ticks)
-        save(fig, "accuracy_reward.png", "Held-out accuracy and reward")
-    if want("Sampler-trainer mismatch", GAP, "mismatch/prob_corr"):
-        fig, (a1, a2) = panels(2)
-        line(a1, GAP, "sampler-trainer prob gap (mean, log)", log=True)
-        line(a2, "mismatch/prob_corr", "sampler-trainer prob correlation")
-        save(fig, "mismatch.png", "Sampler-trainer mismatch")
-    if want("Policy entropy", "policy/entropy"):
-        fig, (a1,) = panels(1, 7.0)
-        line(a1, "policy/entropy", "policy entropy")
-        save(fig, "entropy.png", "Policy entropy")
-    if want("Gradient fidelity", GRAD_COS, "fidelity/grad_cos_pre_merger"):
-        fig, (a1,) = panels(1, 7.0)
-        line(a1, GRAD_COS, "gradient cosine to dense (solid; dashed: before the merger)", marker=".")
-        line(a1, "fidelity/grad_cos_pre_merger", style="--", legend=False, marker=".")
-        save(fig, "fidelity.png", "Gradient fidelity")
+            swaps = swap_steps(r)
+            if swaps:
+                a2.plot(swaps, [0.98 - 0.03 * i] * len(swaps), "v", color=color[r.name], markersize=4, transform=ticks)
+        note = guard_note(mark_guards(a1, runs, color) + mark_guards(a2, runs, color))
+        a1.set(title="held-out accuracy" + (f"\n{note}" if note else ""), xlabel="step")
+        a2.set(
+            title="reward/mean (light: raw, solid: 10-step mean)\n"
+            "ticks: | anchor fires (bottom), v optimizer-state swaps (top)" + (f"\n{note}" if note else ""),
+            xlabel="step",
+        )
+        cv.save(fig, "accuracy_reward.png", "Held-out accuracy and reward")
+    collapse_anatomy(cv)
+    if cv.want("Sampler-trainer mismatch", GAP, "mismatch/prob_corr", KL_K3):
+        fig, axes = cv.panels(3, 5.0)
+        cv.line(axes[0], GAP, "sampler-trainer prob gap (mean, log)", log=True)
+        cv.line(axes[1], "mismatch/prob_corr", "sampler-trainer prob correlation", legend=False)
+        cv.line(axes[2], KL_K3, "rollout-vs-trainer KL (k3 estimate, log)", log=True, legend=False)
+        for ax, key in zip(axes, (GAP, "mismatch/prob_corr", KL_K3)):
+            not_logged(ax, key)
+        cv.save(fig, "mismatch.png", "Sampler-trainer mismatch")
+    truncation(cv)
+    if cv.want("Policy entropy", "policy/entropy"):
+        fig, (a1,) = cv.panels(1, 7.0)
+        cv.line(a1, "policy/entropy", "policy entropy")
+        note = guard_note(mark_guards(a1, runs, color))
+        if note:
+            a1.set_title(f"policy entropy\n{note}")
+        cv.save(fig, "entropy.png", "Policy entropy")
+    health(cv)
+    if cv.want("Gradient fidelity", GRAD_COS, "fidelity/grad_cos_pre_merger"):
+        fig, (a1,) = cv.panels(1, 7.0)
+        cv.line(a1, GRAD_COS, "gradient cosine to dense (solid; dashed: before the merger)", marker=".")
+        cv.line(a1, "fidelity/grad_cos_pre_merger", style="--", legend=False, marker=".")
+        cv.save(fig, "fidelity.png", "Gradient fidelity")
     if any(r.is_dense for r in runs) and any(r.codec in CODEC_ORDER for r in runs):
         cells = map_cells(runs)
         fig = Figure(
             figsize=(3.0 + 1.6 * 2 * len({c["hidden"] for c in cells}), 1.2 + 0.5 * len(cells)), layout="constrained"
         )
         _draw_map(fig, cells)
-        save(fig, "map.png", "Fidelity map (final accuracy minus dense, same hidden size)")
+        cv.save(fig, "map.png", "Fidelity map (final accuracy minus dense, same hidden size)")
         for fname, text in (("map.json", json.dumps(cells, indent=1)), ("map.md", _map_md(cells))):
             with open(os.path.join(out_dir, fname), "w") as fh:
                 fh.write(text)
-            written.append(os.path.join(out_dir, fname))
+            cv.written.append(os.path.join(out_dir, fname))
     else:
-        sections.append(("Fidelity map", None, "needs a dense run (codec none, anchor off) and a codec run"))
-    written.append(_write_html(runs, sections, os.path.join(out_dir, "index.html")))
-    return written
+        cv.sections.append(("Fidelity map", None, "needs a dense run (codec none, anchor off) and a codec run"))
+    cv.written.append(_write_html(runs, cv.sections, os.path.join(out_dir, "index.html")))
+    return cv.written
 
 
 def _write_html(runs: list[Run], sections: list[tuple], path: str) -> str:
     """One self-contained page: the per-run table, then each figure as an embedded PNG (or a note why not)."""
     e = html.escape
-    head = ["run", "codec", "anchor", "base acc (step 0)", "final acc", "max acc", "gap (last 10)", "grad_cos"]
+    head = [
+        "run",
+        "codec",
+        "anchor",
+        "base acc (step 0)",
+        "final acc",
+        "max acc",
+        "gap (last 10)",
+        "grad_cos",
+        "guard rollbacks",
+    ]
     trs = "".join("<tr>" + "".join(f"<td>{e(_fmt(v))}</td>" for v in r.summary().values()) + "</tr>\n" for r in runs)
     body = [
         f"<h1>twocircuit runs ({len(runs)})</h1>",

@@ -6,7 +6,11 @@ from twocircuit_jax.tasks.base import DataError, Problem, ScoreResult, Task
 
 
 def make_task(task_cfg) -> Task:
-    """The task for a TaskConfig subclass (chosen in YAML by `task.type`)."""
+    """The task for a TaskConfig subclass (chosen in YAML by `task.type`). A section registered elsewhere (a test, a
+    user module) brings its task with a `build()` method."""
+    build = getattr(task_cfg, "build", None)
+    if build is not None:
+        return build()
     from twocircuit_jax.config.sections import MathFilesTask as MathCfg, ReasoningGymTask as RGCfg
 
     if isinstance(task_cfg, RGCfg):
@@ -19,7 +23,7 @@ def make_task(task_cfg) -> Task:
         return MathFilesTask(task_cfg)
     raise ValueError(
         f"task: no task implementation for config {type(task_cfg).__name__}; "
-        f"allowed task.type: reasoning_gym, math_files"
+        f"allowed task.type: reasoning_gym, math_files, or a section with a build() method"
     )
 
 

@@ -37,6 +37,9 @@ class Task(Protocol):
 
     def score(self, problem: Problem, completion_text: str) -> ScoreResult: ...
 
+    # Optional: `begin_step(gs)` is called by the GRPO loop before step gs's rollouts, for a task whose scoring
+    # changes with the step (a curriculum; the synthetic collapse of tests/test_guard.py).
+
 
 def render_template(template: str, **fields: Any) -> str:
     """Fill `{name}` placeholders by plain replacement.

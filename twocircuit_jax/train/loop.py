@@ -23,6 +23,7 @@ from twocircuit_jax.config.run import save_config
 from twocircuit_jax.config.sections import SamplingConfig
 from twocircuit_jax.grpo.tis import tis_weights
 from twocircuit_jax.metrics.gauges import entropy_summary, length_slope, length_stats, to_floats
+from twocircuit_jax.metrics.health import HealthMonitor
 from twocircuit_jax.metrics.logger import MetricsLogger
 from twocircuit_jax.metrics.mismatch import mismatch_metrics
 from twocircuit_jax.metrics.probe import dense_probe_metrics, make_fidelity_fn
@@ -33,6 +34,7 @@ from twocircuit_jax.train.checkpoint import CheckpointManager
 from twocircuit_jax.train.circuit_state import CircuitState, Clock, init_clock, place, set_clock
 from twocircuit_jax.train.evaluate import Evaluator
 from twocircuit_jax.train.grpo_step import DENSE, OLD, REF, make_grpo_loss, make_logp_fn
+from twocircuit_jax.train.guard import Guard, apply_mitigations, mitigate
 from twocircuit_jax.train.setup import check_vocab, load_model, load_run_tokenizer, make_sampler
 from twocircuit_jax.train.step import (
     build_train_step,
@@ -55,7 +57,15 @@ def step_seed(seed: int, gs: int, salt: int = 0) -> int:
 class GRPOTrainer:
     def __init__(self, cfg, run_dir: str, *, resume: bool = False, show_progress: bool = True):
         run_dir = os.path.abspath(run_dir)  # orbax wants absolute paths
+        os.makedirs(run_dir, exist_ok=True)
+        self.ckpt = CheckpointManager(os.path.join(run_dir, "checkpoints"), keep_last=2)
+        self.user_cfg = cfg  # as given; the guard's mitigations in force are applied on top (and saved in the meta)
+        self.guard = Guard(cfg.guard, run_dir) if cfg.guard.enabled else None
+        if resume and self.guard and self.ckpt.latest() is not None:  # the mitigations shape what gets compiled
+            self.guard.load_state_dict(self.ckpt.read_meta(self.ckpt.latest()).get("guard"))
+            cfg = apply_mitigations(cfg, self.guard.applied)
         self.cfg, self.run_dir, self.resume = cfg, run_dir, resume
+        self.health = HealthMonitor(cfg.health)
         t, s = cfg.train, cfg.sampler
         self.tokenizer = load_run_tokenizer(cfg)
         self.task = make_task(cfg.task)
@@ -71,9 +81,7 @@ class GRPOTrainer:
                 f"mini_batch*sampler.n = {t.mini_batch * s.n} rows must divide by "
                 f"the data-parallel size {dp} (mesh.data*mesh.fsdp)",
             )
-        self.max_new = s.sampling.max_new_tokens
-        # Rollouts sample the unmodified policy (design §1): temperature 1, no truncation.
-        self.rollout_sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=self.max_new)
+        self._set_cap()
         self.optimizer = make_optimizer(cfg.optim)
         state = init_state(params, self.optimizer)
         self.state_sh = state_shardings(state, self.mesh)
@@ -84,22 +92,29 @@ class GRPOTrainer:
         self.codec = self.anchor = None
         self._build_circuits()
         self._compile()
-        os.makedirs(run_dir, exist_ok=True)
-        self.ckpt = CheckpointManager(os.path.join(run_dir, "checkpoints"), keep_last=2)
         self.start_step, self.history = 0, {"length/mean": [], "best": None}
         if resume:
             self._restore()
-        self.sampler = make_sampler(cfg, self.model_cfg, self.state.params, self.tokenizer, run_dir)
-        self.sampler.update_weights(self.state.params, self.start_step)
-        self.evaluator = Evaluator(
-            self.task, self.tokenizer, self.eval_problems, t.max_prompt_len, self.max_new, greedy=t.eval_greedy
-        )
-        save_config(cfg, os.path.join(run_dir, "config.yaml"))
+        self._start_sampler()
+        save_config(self.user_cfg, os.path.join(run_dir, "config.yaml"))
         self.logger = MetricsLogger(
             run_dir, t.steps, show_progress=show_progress, resume_from_step=self.start_step if resume else None
         )
 
     # --- construction -----------------------------------------------------------------------------------------
+    def _set_cap(self):
+        self.max_new = self.cfg.sampler.sampling.max_new_tokens
+        # Rollouts sample the unmodified policy (design §1): temperature 1, no truncation.
+        self.rollout_sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=self.max_new)
+
+    def _start_sampler(self):
+        t = self.cfg.train
+        self.sampler = make_sampler(self.cfg, self.model_cfg, self.state.params, self.tokenizer, self.run_dir)
+        self.sampler.update_weights(self.state.params, self.start_step)
+        self.evaluator = Evaluator(
+            self.task, self.tokenizer, self.eval_problems, t.max_prompt_len, self.max_new, greedy=t.eval_greedy
+        )
+
     def _build_circuits(self):
         """Fast circuit and anchor when the config turns them on (None = absent, not merely idle), and the circuit
         state with its shardings: every field exists from tick 1, so the step compiles once."""
@@ -170,6 +185,7 @@ class GRPOTrainer:
         meta = {
             "step": gs,
             "state_layout": STATE_LAYOUT,
+            "circuit_fields": [k for k, v in zip(self.cs._fields, self.cs) if v is not None],
             "history": self.history,
             "model_config": to_dict(self.model_cfg),
         }
@@ -178,32 +194,50 @@ class GRPOTrainer:
         if self.codec:
             meta["codec_applications"] = dict(self.codec.applications)  # host counters of codec forwards
             meta["codec_steps"] = self.codec.steps
+        meta["health"] = self.health.state_dict()
+        if self.guard:
+            meta["guard"] = self.guard.state_dict()
         return meta
 
     def _restore(self):
         step = self.ckpt.latest()
         if step is None:
             raise ConfigError("--resume", f"no complete checkpoint under {self.ckpt.root}")
+        meta = self._load(step)
+        self.start_step = int(meta["step"])
+        self.health.load_state_dict(meta.get("health"))
+        if self.guard:
+            self.guard.load_state_dict(meta.get("guard"))
+
+    def _load(self, step) -> dict:
+        """Checkpoint `step` (or "best") into the trainer: train state, circuit state, host counters, history.
+        Returns its meta."""
         meta = self.ckpt.read_meta(step)
         layout = meta.get("state_layout", 1)
         if layout == STATE_LAYOUT:
-            state, meta = self.ckpt.restore(step, self._ckpt_state())
-            self.state, self.cs = state["train"], state["circuit"]
+            # Restore into the fields the checkpoint holds; a field it lacks (one a guard mitigation added since,
+            # the swap's moments) keeps its fresh value.
+            have = meta.get("circuit_fields", self.cs._fields)
+            like = CircuitState(*(v if k in have else None for k, v in zip(self.cs._fields, self.cs)))
+            state, meta = self.ckpt.restore(step, {"train": self.state, "circuit": like})
+            self.state = state["train"]
+            self.cs = CircuitState(*(r if r is not None else f for f, r in zip(self.cs, state["circuit"])))
         elif layout == 1:
             state, meta = self.ckpt.restore(step, self._legacy_tree())
             self.state, self.cs = state["train"], self._from_legacy(state)
         else:
             raise ConfigError(
                 "--resume",
-                f"the checkpoint {self.ckpt.root}/step_{step:08d} has state layout {layout}, written by a newer "
+                f"the checkpoint {step!r} under {self.ckpt.root} has state layout {layout}, written by a newer "
                 f"twocircuit_jax; this one reads layouts 1 and {STATE_LAYOUT}",
             )
         if self.anchor:
             self.anchor.load(meta.get("anchor"), self.ckpt.read_blob(step, ANCHOR_BLOB))
-        self.start_step, self.history = int(meta["step"]), meta["history"]
+        self.history = meta["history"]
         if self.codec:
             self.codec.applications.update(meta.get("codec_applications", {}))
             self.codec.steps = int(meta.get("codec_steps", self.codec.steps))
+        return meta
 
     def _legacy_tree(self):
         """Restore target of a layout-1 checkpoint (written before the circuit state was one pytree): the train
@@ -262,6 +296,9 @@ class GRPOTrainer:
         cfg, t, n = self.cfg, self.cfg.train, self.cfg.sampler.n
         t_start = time.perf_counter()
         problems = self._problems_for(gs)
+        begin = getattr(self.task, "begin_step", None)  # optional: a task whose scoring depends on the step
+        if begin is not None:
+            begin(gs)
         prompts, out, gen_s = self._rollout(gs, problems)
         rewards, loss_mask, adv, metrics, _ = ro.score_and_advantages(
             self.task, self.tokenizer, problems, out, n, self.max_new, cfg.grpo
@@ -376,6 +413,8 @@ class GRPOTrainer:
                 ev = self.evaluate(0)
                 summary["base_accuracy"] = ev["eval/accuracy"]
                 self.logger.log(0, {"step": 0, "tick": 0, **ev})
+                if self.guard:  # a rollback always has somewhere to go
+                    self._maybe_save_best(0, ev)
             for gs in range(self.start_step + 1, t.steps + 1):
                 metrics = {"step": gs, **self.grpo_step(gs)}
                 if self.anchor:
@@ -388,23 +427,76 @@ class GRPOTrainer:
                     print(f"warning: step {gs}: a scorer raised ({err}); that sample got reward 0", file=sys.stderr)
                 metrics = to_floats(metrics)  # empty splits (NaN) are left out: keys present when they apply
                 metrics["step"], metrics["tick"] = gs, int(metrics["tick"])
+                metrics.update(self.health.update(gs, metrics))
+                self._maybe_save_best(gs, metrics)  # before the guard: a rollback must not become the best
+                act = self._guard_step(gs, metrics)
+                if act == "final":
+                    metrics.update(self.evaluate(gs))
+                if "eval/accuracy" in metrics:
+                    summary["final_accuracy"] = metrics["eval/accuracy"]
                 self.logger.log(gs, metrics)
-                self._maybe_checkpoint(gs, metrics)
+                self._maybe_checkpoint(gs, force=act in ("rollback", "stop", "final"))
+                if act in ("stop", "final"):
+                    summary["stopped_by_guard"] = gs
+                    break
         finally:
             self.logger.close()
             self.sampler.close()
         summary["steps"] = t.steps
         return summary
 
-    def _maybe_checkpoint(self, gs, metrics):
-        t = self.cfg.train
+    def _maybe_save_best(self, gs, metrics):
         if "eval/accuracy" in metrics:
             best = self.history.get("best")
             if best is None or metrics["eval/accuracy"] > best:
                 self.history["best"] = metrics["eval/accuracy"]
                 self.ckpt.save_best(gs, self._ckpt_state(), self._meta(gs), metrics["eval/accuracy"], self._blobs())
-        if (t.checkpoint_every and gs % t.checkpoint_every == 0) or gs == t.steps:
+
+    def _maybe_checkpoint(self, gs, force: bool = False):
+        """Periodic checkpoint; `force` after a guard action, so a resume starts from what the guard left."""
+        t = self.cfg.train
+        if force or (t.checkpoint_every and gs % t.checkpoint_every == 0) or gs == t.steps:
             self.ckpt.save(gs, self._ckpt_state(), self._meta(gs), self._blobs())
+
+    # --- the collapse guard -----------------------------------------------------------------------------------
+    def _guard_step(self, gs, metrics):
+        """Ask the guard (when on) and carry out its action; adds `guard/*` to `metrics`. Returns the action."""
+        if not self.guard:
+            return None
+        alarming = self.health.alarming(metrics)
+        act = self.guard.decide(gs, metrics, alarming)
+        if act is None:
+            return None
+        if act in ("warn", "stop"):
+            metrics.update(self.guard.record(gs, act, alarming))
+            return act
+        best = self.ckpt.read_meta("best")["step"]
+        name = self.guard.next_mitigation() if act == "rollback" else None
+        change = self._rollback(gs, name)
+        metrics.update(self.guard.record(gs, act, alarming, rollback_to=best, mitigation=name, change=change))
+        return act
+
+    def _rollback(self, gs, mitigation):
+        """Restore the best checkpoint and go on from step gs + 1, under the mitigated config when one is given
+        (circuits rebuilt and recompiled first, so the checkpoint loads into the new structures)."""
+        change = None
+        if mitigation is not None:
+            cfg, change = mitigate(self.cfg, mitigation)
+            cfg.check()
+            old_cap, self.cfg = self.max_new, cfg
+            self._set_cap()
+            self._build_circuits()
+        self._load("best")
+        if mitigation is not None:
+            self._compile()
+            if self.max_new != old_cap:  # the sampler and the evaluator generate to the new cap
+                self.sampler.close()
+                self._start_sampler()
+        self.cs = place(self.cs, self.cs_sh)
+        self.sampler.update_weights(self.state.params, gs)
+        self.state_version = gs
+        self.health.reset_trends()
+        return change
 
     def _blobs(self):
         return {ANCHOR_BLOB: self.anchor.dump_buffers()} if self.anchor else None
