@@ -32,6 +32,7 @@ GROUPS = 6
 # the second number); a file not listed counts DEFAULT_WEIGHT. Re-measure when a file's time changes a lot.
 WEIGHTS = {
     "test_fast_invariants.py": (95, 0),
+    "test_guard.py": (75, 0),
     "test_anchor_resume.py": (90, 0),
     "test_fast_bootstrap.py": (75, 9),
     "test_grpo_e2e.py": (70, 0),
@@ -70,6 +71,7 @@ WEIGHTS = {
     "test_dispatch.py": (5, 3),
     "test_fast_sr_quant.py": (5, 8),
     "test_gauges.py": (5, 1),
+    "test_health.py": (2, 2),
     "test_grpo_advantages.py": (5, 2),
     "test_grpo_tis.py": (5, 2),
     "test_import_graph.py": (5, 0),
