@@ -135,3 +135,28 @@ def test_guard_config_errors_name_the_field():
     with pytest.raises(ConfigError) as e:
         load_config(data={"health": {"reward_drop_warn": 0.6, "reward_drop_alarm": 0.5}})
     assert e.value.path == "health.reward_drop_alarm"
+
+
+def test_the_health_command_replays_a_run_folder(tmp_path, capsys):
+    from twocircuit_jax.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("health: {baseline_steps: 3, window: 4, smooth: 2}\ntrain: {steps: 12}\n")
+    rows = [{"step": 0, "eval/accuracy": 0.3}] + [dict(HEALTHY, step=s) for s in range(1, 7)]
+    rows += [
+        dict(HEALTHY, step=s, **{"mismatch/prob_gap_mean": 0.2, "reward/mean": 0.5 - 0.1 * (s - 6)})
+        for s in range(7, 12)
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["health", str(run), "--out", str(tmp_path / "h.json")]) == 0
+    rep = json.loads((tmp_path / "h.json").read_text())["run"]
+    # the gap alarms the step it jumps (x2.5); the reward (0.4, 0.3, 0.2, ... from step 7): its 2-step mean is half
+    # its best (0.5) at step 9
+    assert rep["first"]["mismatch"]["alarm"] == 7 and rep["first"]["state"]["alarm"] == 7
+    assert rep["reward_half_step"] == 9 and rep["lead"] == 2
+    assert "run | 11 | 0.300/0.300/0.300 | 7 | 9 | 2" in capsys.readouterr().out
+    # a stricter threshold from the command line moves the alarm; other sections cannot be set here
+    assert main(["health", str(run), "--set", "health.gap_ratio_alarm=5", "--out", str(tmp_path / "h2.json")]) == 0
+    assert json.loads((tmp_path / "h2.json").read_text())["run"]["first"]["mismatch"]["alarm"] is None
+    assert main(["health", str(run), "--set", "train.steps=3"]) == 2

@@ -56,6 +56,10 @@ def _parser() -> argparse.ArgumentParser:
     g = sub.add_parser("plot", help="figures + one HTML page comparing runs (PNGs, index.html, fidelity map)")
     g.add_argument("runs", nargs="+", metavar="RUN", help="run folder, or sweep folder (expanded into its arms)")
     g.add_argument("--out", required=True, help="output folder for the PNGs, map.json/map.md and index.html")
+    h = sub.add_parser("health", help="replay the health gauges over finished runs: first warn/alarm per gauge")
+    h.add_argument("runs", nargs="+", metavar="RUN", help="run folder, or sweep folder (expanded into its arms)")
+    h.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="e.g. health.gap_ratio_alarm=1.3")
+    h.add_argument("--out", default="", help="JSON report path (default: print the table only)")
     return p
 
 
@@ -134,6 +138,8 @@ def _dispatch(args) -> int:
 
         run_sweep(args.config, args.out, args.set)
         return 0
+    if args.cmd == "health":
+        return _health(args)
     if args.cmd == "plot":
         from twocircuit_jax.metrics.plot import expand_runs, plot_runs
 
@@ -173,6 +179,46 @@ def _eval(args) -> int:
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(res, fh, indent=1)
+    return 0
+
+
+def _health(args) -> int:
+    """`twocircuit health`: the gauges replayed from each run's metrics.jsonl, with the run's own `health` section
+    (its config.yaml) under the --set overrides; one table row per run."""
+    import yaml
+
+    from twocircuit_jax.config.base import ConfigError, from_dict
+    from twocircuit_jax.config.health import HealthConfig
+    from twocircuit_jax.config.run import apply_overrides
+    from twocircuit_jax.metrics.health import GAUGES, replay
+    from twocircuit_jax.metrics.plot import expand_runs
+
+    sets = [s for s in args.set if not s.startswith("health.")]
+    if sets:
+        raise ConfigError("--set", f"only health.* keys apply here, got {sets[0]!r}")
+    report = {}
+    for run in expand_runs(args.runs):
+        # the run's own health section (nothing else of its config is needed, or checked), then the overrides
+        with open(os.path.join(run.path, "config.yaml")) as fh:
+            health = (yaml.safe_load(fh) or {}).get("health") or {}
+        try:
+            cfg = from_dict(HealthConfig, apply_overrides({"health": health}, args.set)["health"], "health")
+        except ConfigError as e:
+            raise e.with_source(os.path.join(run.path, "config.yaml")) from None
+        rows = [json.loads(line) for line in open(os.path.join(run.path, "metrics.jsonl"))]
+        report[run.name] = replay(rows, cfg)
+    fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
+    head = ["run", "steps", "acc base/best/final", "first alarm", "reward half", "lead"] + [f"{g} w/a" for g in GAUGES]
+    print(" | ".join(head))
+    for name, r in report.items():
+        a = r["accuracy"]
+        cells = [name, str(r["steps"]), "/".join(fmt(a[k]) for k in ("base", "best", "final"))]
+        cells += [fmt(r["first"]["state"]["alarm"]), fmt(r["reward_half_step"]), fmt(r["lead"])]
+        cells += [f"{fmt(r['first'][g]['warn'])}/{fmt(r['first'][g]['alarm'])}" for g in GAUGES]
+        print(" | ".join(cells))
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(report, fh, indent=1)
     return 0
 
 

@@ -200,3 +200,42 @@ class HealthMonitor:
     def alarming(self, health: dict) -> list[str]:
         """The gauges in alarm that count (`alarm_on`), by name."""
         return [g for g in self.cfg.alarm_on if health.get(f"health/{g}_state") == ALARM]
+
+
+def replay(rows: list[dict], cfg, dense_entropy: Optional[dict] = None) -> dict:
+    """Run the gauges over a finished run's metrics rows (metrics.jsonl order) with thresholds `cfg`: when each gauge
+    first warned and first alarmed, when `health/state` first did, and when the reward's `smooth`-step mean first
+    stood at half its best so far or less (`reward_half_step`). `lead` = reward_half_step - first alarm (steps of
+    warning the alarm gave; None when either never happened). This is what `twocircuit health` prints."""
+    mon = HealthMonitor(cfg, dense_entropy)
+    first = {g: {"warn": None, "alarm": None} for g in (*GAUGES, "state")}
+    best, half, acc = None, None, []
+    for r in rows:
+        step = int(r.get("step", 0))
+        if "eval/accuracy" in r:
+            acc.append((step, float(r["eval/accuracy"])))
+        if step == 0:
+            continue
+        h = mon.update(step, r)
+        for g in (*GAUGES, "state"):
+            s = h.get("health/state" if g == "state" else f"health/{g}_state")
+            for name, level in (("warn", WARN), ("alarm", ALARM)):
+                if s is not None and s >= level and first[g][name] is None:
+                    first[g][name] = step
+        cur = mon._recent("reward", cfg.smooth) if len(mon.hist["reward"]) >= cfg.smooth else None
+        if cur is not None:
+            best = cur if best is None else max(best, cur)
+            if half is None and best >= cfg.reward_floor and cur <= best / 2:
+                half = step
+    alarm = first["state"]["alarm"]
+    return {
+        "steps": max((int(r.get("step", 0)) for r in rows), default=0),
+        "first": first,
+        "reward_half_step": half,
+        "lead": (half - alarm) if (half is not None and alarm is not None) else None,
+        "accuracy": {
+            "base": acc[0][1] if acc else None,
+            "best": max((a for _, a in acc), default=None),
+            "final": acc[-1][1] if acc else None,
+        },  # fmt: skip
+    }
