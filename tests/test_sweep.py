@@ -145,13 +145,14 @@ def test_fidelity_maps_cover_codec_strength_anchor(name, hidden):
 @pytest.mark.parametrize("name", ["collapse", "collapse_harsh"])
 def test_collapse_experiments_are_one_knob_per_arm(name):
     arms = dict(load_sweep(os.path.join(ROOT, "configs", "experiments", f"{name}.yaml"))[1])
-    assert list(arms) == ["dense", "compressed", "anchor", "anchor_tis", "anchor_swap", "anchor_guard"]
+    assert list(arms) == ["dense", "compressed", "anchor", "anchor_tis", "anchor_swap", "anchor_guard", "guard"]
     assert arms["dense"].fast.codec_type == "none" and not arms["dense"].anchor.enabled
     assert arms["compressed"].fast.codec_type == "lowrank" and not arms["compressed"].anchor.enabled
     assert arms["anchor"].anchor.enabled and not arms["anchor"].guard.enabled and arms["anchor"].grpo.tis == "off"
     assert arms["anchor_tis"].grpo.tis == "token" and arms["anchor_swap"].anchor.swap_cadence > 0
     g = arms["anchor_guard"].guard
     assert g.enabled and g.action == "rollback" and arms["anchor_guard"].anchor.swap_cadence == 0
+    assert arms["guard"].guard.enabled and not arms["guard"].anchor.enabled  # the guard alone on the compressed arm
     harsh = name == "collapse_harsh"
     assert (arms["anchor"].fast.pp_size, arms["anchor"].sampler.sampling.max_new_tokens) == (
         (4, 16) if harsh else (2, 8)
