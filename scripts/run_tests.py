@@ -32,7 +32,7 @@ GROUPS = 6
 # the second number); a file not listed counts DEFAULT_WEIGHT. Re-measure when a file's time changes a lot.
 WEIGHTS = {
     "test_fast_invariants.py": (95, 0),
-    "test_guard.py": (75, 0),
+    "test_guard.py": (90, 0),
     "test_anchor_resume.py": (90, 0),
     "test_fast_bootstrap.py": (75, 9),
     "test_grpo_e2e.py": (70, 0),

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 STEPS = 16
 
 
-def _cfg(base: str, guard: bool, steps: int = STEPS):
+def _cfg(base: str, guard: bool, steps: int = STEPS, action: str = "rollback"):
     d = tiny_config(
         model={"hidden_size": 64, "head_dim": 32, "intermediate_size": 128},
         task={
@@ -34,7 +34,7 @@ def _cfg(base: str, guard: bool, steps: int = STEPS):
         optim={"lr": 1e-3},
         train={"steps": steps, "train_batch": 8, "mini_batch": 8, "eval_every": 2, "eval_size": 64},
         health={"smooth": 2, "baseline_steps": 3, "window": 4},
-        guard={"enabled": guard, "patience": 1, "max_rollbacks": 2, "mitigations": ["kl", "tis"]},
+        guard={"enabled": guard, "action": action, "patience": 1, "max_rollbacks": 2, "mitigations": ["kl", "tis"]},
         sft={"steps": 300, "batch": 64, "lr": 3e-3, "warmup_steps": 10, "max_len": 16, "eval_every": 300},
     )
     if base:
@@ -111,3 +111,14 @@ def test_guard_actions_and_mitigations_survive_resume(runs, base):
     finally:
         t.sampler.close()
         t.logger.close()
+
+
+def test_the_stop_action_ends_the_run_cleanly_at_the_alarm(base, tmp_path):
+    d = str(tmp_path / "stop")
+    summary = GRPOTrainer(_cfg(base, True, steps=8, action="stop"), d, show_progress=False).run()
+    actions = [json.loads(line) for line in open(f"{d}/guard.jsonl")]
+    assert [a["action"] for a in actions] == ["stop"] and summary["stopped_by_guard"] == actions[0]["step"] < 8
+    rows = _rows(d)
+    assert rows[-1]["step"] == actions[0]["step"] and rows[-1]["guard/action"] == 2.0  # nothing logged after it
+    meta = json.loads(open(f"{d}/checkpoints/step_{actions[0]['step']:08d}/meta.json").read())
+    assert meta["guard"]["actions"] == actions  # the state it stopped in is saved, with the action
