@@ -470,6 +470,9 @@ class GRPOTrainer:
         if act in ("warn", "stop"):
             metrics.update(self.guard.record(gs, act, alarming))
             return act
+        if self.ckpt.best_score() is None:  # e.g. the guard was switched on at a resume: nowhere to roll back to
+            metrics.update(self.guard.record(gs, "stop", alarming, reason="no best checkpoint to roll back to"))
+            return "stop"
         best = self.ckpt.read_meta("best")["step"]
         name = self.guard.next_mitigation() if act == "rollback" else None
         change = self._rollback(gs, name)
