@@ -154,6 +154,6 @@ def test_collapse_experiments_are_one_knob_per_arm(name):
     assert g.enabled and g.action == "rollback" and arms["anchor_guard"].anchor.swap_cadence == 0
     assert arms["guard"].guard.enabled and not arms["guard"].anchor.enabled  # the guard alone on the compressed arm
     harsh = name == "collapse_harsh"
-    assert (arms["anchor"].fast.pp_size, arms["anchor"].sampler.sampling.max_new_tokens) == (
-        (4, 16) if harsh else (2, 8)
-    )
+    a = arms["anchor"]
+    want = (4, 2, 16) if harsh else (2, 3, 8)
+    assert (a.fast.pp_size, a.fast.codec.rank, a.sampler.sampling.max_new_tokens) == want
