@@ -105,9 +105,9 @@ def full_rank(setup):
     # rank 16 = the smaller side of every compressed matrix; rate 0.3 compresses all 16x16/16x32/32x16 kernels
     # and leaves the [L, 16] norms to the packed mean (the check rejects rate < 1; the test builds it directly).
     c = FastCircuit(run_cfg(grad_codec="powersgd", start_after=0), cfg.model, mesh)
-    c.fcfg = dataclasses.replace(
-        c.fcfg, grad_codec=dataclasses.replace(c.fcfg.grad_codec, rank=16, min_compression_rate=0.3)
-    )
+    gc = dataclasses.replace(c.fcfg.grad_codec, rank=16, min_compression_rate=0.3)
+    c.fcfg = dataclasses.replace(c.fcfg, grad_codec=gc)
+    c.grad_codec.cfg = gc  # the registered codec object holds its own section
     return c
 
 

@@ -33,7 +33,8 @@ def test_layout1_checkpoint_resumes_exactly(tmp_path):
     assert sum(r.get("anchor/fire", 0) for r in old[4:]) >= 1 and old[-1]["swap/count"] > 0
     assert old[-1]["codec/steps"] == new[-1]["codec/steps"] == 6
     for ro, rn in zip(old[4:], new[4:]):
-        assert set(ro) == set(rn), ro["step"]
+        # the fixture's run predates the health gauges: the resumed run logs them on top, nothing else differs
+        assert set(ro) == {k for k in rn if not k.startswith("health/")}, ro["step"]
         for k, v in ro.items():
             if k.startswith("time/") or not isinstance(v, (int, float)):
                 continue

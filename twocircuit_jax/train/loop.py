@@ -228,7 +228,7 @@ class GRPOTrainer:
         else:
             raise ConfigError(
                 "--resume",
-                f"the checkpoint {step!r} under {self.ckpt.root} has state layout {layout}, written by a newer "
+                f"the checkpoint {self.ckpt.root}/{'best' if step == 'best' else f'step_{step:08d}'} has state layout {layout}, written by a newer "
                 f"twocircuit_jax; this one reads layouts 1 and {STATE_LAYOUT}",
             )
         if self.anchor:
