@@ -100,35 +100,51 @@ class ActivationCodec:
         return layer
 
 
-_ACTIVATION: dict[str, type] = {}
+class _Registry:
+    """Codec classes of one kind by `type:` name, each registered with its config section (`cls.config`, a subclass
+    of `section`); `off` is the section of `type: none`, for which `make` returns None."""
+
+    def __init__(self, kind: str, section: type, off: type):
+        self.kind, self.section, self.off, self.classes = kind, section, off, {}
+
+    def register(self, name: str):
+        def deco(cls):
+            if not issubclass(cls.config, self.section):
+                raise TypeError(f"{cls.__name__}.config must subclass {self.section.__name__}")
+            register(self.section, name)(cls.config)
+            self.classes[name] = cls
+            cls.name = name
+            return cls
+
+        return deco
+
+    def make(self, cfg, **kw):
+        if isinstance(cfg, self.off):
+            return None
+        for cls in self.classes.values():
+            if type(cfg) is cls.config:
+                return cls(cfg, **kw)
+        raise ValueError(
+            f"no {self.kind} is registered for {type(cfg).__name__}; registered: {', '.join(sorted(self.classes))}"
+        )
+
+
+_ACTIVATION = _Registry("codec", ActivationCodecConfig, NoActivationCodec)
+_GRAD = _Registry("gradient codec", GradCodecConfig, NoGradCodec)
 
 
 def register_activation(name: str):
     """Class decorator: register a codec under `fast.codec.type: name`, with its config section (`cls.config`)."""
-
-    def deco(cls):
-        if not issubclass(cls.config, ActivationCodecConfig):
-            raise TypeError(f"{cls.__name__}.config must subclass ActivationCodecConfig")
-        register(ActivationCodecConfig, name)(cls.config)
-        _ACTIVATION[name] = cls
-        cls.name = name
-        return cls
-
-    return deco
+    return _ACTIVATION.register(name)
 
 
 def activation_codecs() -> dict[str, type]:
-    return dict(_ACTIVATION)
+    return dict(_ACTIVATION.classes)
 
 
 def make_activation_codec(cfg, **kw) -> Optional[ActivationCodec]:
     """The codec object for config section `cfg` (None for `type: none`)."""
-    if isinstance(cfg, NoActivationCodec):
-        return None
-    for cls in _ACTIVATION.values():
-        if type(cfg) is cls.config:
-            return cls(cfg, **kw)
-    raise ValueError(f"no codec is registered for {type(cfg).__name__}; registered: {', '.join(sorted(_ACTIVATION))}")
+    return _ACTIVATION.make(cfg, **kw)
 
 
 class GradCodec:
@@ -157,34 +173,15 @@ class GradCodec:
         raise NotImplementedError
 
 
-_GRAD: dict[str, type] = {}
-
-
 def register_grad(name: str):
     """Class decorator: register a gradient codec under `fast.grad_codec.type: name`, with its config section."""
-
-    def deco(cls):
-        if not issubclass(cls.config, GradCodecConfig):
-            raise TypeError(f"{cls.__name__}.config must subclass GradCodecConfig")
-        register(GradCodecConfig, name)(cls.config)
-        _GRAD[name] = cls
-        cls.name = name
-        return cls
-
-    return deco
+    return _GRAD.register(name)
 
 
 def grad_codecs() -> dict[str, type]:
-    return dict(_GRAD)
+    return dict(_GRAD.classes)
 
 
 def make_grad_codec(cfg, **kw) -> Optional[GradCodec]:
     """The gradient codec object for config section `cfg` (None for `type: none`: XLA's plain mean)."""
-    if isinstance(cfg, NoGradCodec):
-        return None
-    for cls in _GRAD.values():
-        if type(cfg) is cls.config:
-            return cls(cfg, **kw)
-    raise ValueError(
-        f"no gradient codec is registered for {type(cfg).__name__}; registered: {', '.join(sorted(_GRAD))}"
-    )
+    return _GRAD.make(cfg, **kw)
