@@ -69,6 +69,44 @@ def test_bad_arm_fails_before_running_anything(tmp_path, capsys):
     assert "arms.typo" in err and "cadense" in err and not out.exists()
 
 
+@pytest.mark.slow
+def test_sweep_in_parts_parallel_and_resumed_adds_up(tmp_path, capsys):
+    """`--arms` runs a subset; `--jobs 2 --resume` then reads the finished arm instead of rerunning it, runs the rest
+    in worker processes with their output in OUT/ARM.log, and summary.json holds every arm in the file's order."""
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(TINY))
+    arms = {"dense": {}, "anchored": {"anchor.enabled": True}, "tis": {"grpo.tis": "token"}}
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump({"base": "base.yaml", "arms": arms}, sort_keys=False))
+    out = tmp_path / "s"
+    common = ["sweep", "--config", str(tmp_path / "sweep.yaml"), "--out", str(out), "--set", "train.steps=1"]
+    assert main(common + ["--arms", "tis"]) == 0
+    assert sorted(os.listdir(out)) == ["summary.json", "tis"] and (out / "tis" / "sweep_done.json").is_file()
+    first = (out / "tis" / "metrics.jsonl").read_text()
+    assert main(common + ["--arms", "dense"]) == 0
+    assert main(common + ["--arms", "tis"]) == 2  # a finished arm's folder is not overwritten without --resume
+    assert "--resume" in capsys.readouterr().err
+    assert main(common + ["--jobs", "2", "--resume"]) == 0
+    text = capsys.readouterr().out
+    assert "arm tis -> " in text and "finished: read" in text and (out / "tis" / "metrics.jsonl").read_text() == first
+    assert (out / "anchored.log").is_file() and not (out / "tis.log").exists()  # only the new arm ran in a worker
+    rows = [json.loads(l) for l in open(out / "anchored" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1] and "anchor/fires" in rows[-1]
+    summary = json.load(open(out / "summary.json"))
+    assert [s["arm"] for s in summary] == ["dense", "anchored", "tis"]
+    assert all(s["heldout_acc"] is not None for s in summary)
+
+
+def test_unknown_arm_and_bad_jobs_are_named(tmp_path, capsys):
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(TINY))
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump({"base": "base.yaml", "arms": {"a": {}, "b": {}}}))
+    out = tmp_path / "runs" / "x"
+    common = ["sweep", "--config", str(tmp_path / "sweep.yaml"), "--out", str(out)]
+    assert main(common + ["--arms", "a,nope"]) == 2
+    err = capsys.readouterr().err
+    assert "--arms" in err and "'nope'" in err and "a, b" in err and not out.exists()
+    assert main(common + ["--jobs", "0"]) == 2
+    assert "--jobs" in capsys.readouterr().err and not out.exists()
+
+
 SWEEPS = sorted(
     glob.glob(os.path.join(ROOT, "configs", "sweeps", "*.yaml"))
     + glob.glob(os.path.join(ROOT, "configs", "experiments", "*.yaml"))

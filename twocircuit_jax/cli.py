@@ -53,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--config", required=True, help="sweep YAML (configs/sweeps/)")
     w.add_argument("--out", required=True)
     w.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="applied to every arm")
+    w.add_argument("--arms", default="", metavar="A,B", help="run only these arms (default: all)")
+    w.add_argument("--jobs", type=int, default=1, help="arms run at once, each in its own process (default 1)")
+    w.add_argument("--resume", action="store_true", help="skip finished arms, resume interrupted ones")
     g = sub.add_parser("plot", help="figures + one HTML page comparing runs (PNGs, index.html, fidelity map)")
     g.add_argument("runs", nargs="+", metavar="RUN", help="run folder, or sweep folder (expanded into its arms)")
     g.add_argument("--out", required=True, help="output folder for the PNGs, map.json/map.md and index.html")
@@ -136,7 +139,8 @@ def _dispatch(args) -> int:
     if args.cmd == "sweep":
         from twocircuit_jax.train.sweep import run_sweep
 
-        run_sweep(args.config, args.out, args.set)
+        names = [a.strip() for a in args.arms.split(",") if a.strip()] or None
+        run_sweep(args.config, args.out, args.set, arms=names, jobs=args.jobs, resume=args.resume)
         return 0
     if args.cmd == "health":
         return _health(args)

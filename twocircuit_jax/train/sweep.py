@@ -1,4 +1,4 @@
-"""`twocircuit sweep`: the arms of a one-knob sweep, run one after another, one run folder per arm.
+"""`twocircuit sweep`: the arms of a one-knob sweep, one run folder per arm, one after another or `--jobs N` at once.
 
 Sweep file (YAML):
 
@@ -9,19 +9,30 @@ Sweep file (YAML):
       anchor_2x: {anchor.cadence: 2}
 
 Every arm's config is resolved and validated before the first arm runs, so a typo fails in seconds, not after
-hours. The table printed at the end (and written to OUT/summary.json) has each arm's final reward, held-out
-accuracy, reference KL and sampler-trainer gap, read from the arm's metrics.jsonl.
+hours. The table printed at the end (and merged into OUT/summary.json, so sweeps run in parts add up) has each
+arm's final reward, held-out accuracy, reference KL and sampler-trainer gap, read from the arm's metrics.jsonl.
+
+`--arms a,b` runs a subset. `--jobs N` runs up to N arms at once, each in its own process with its output in
+OUT/ARM.log: on a machine whose cores one arm cannot fill (a CPU, a small model) the sweep finishes sooner, at the
+cost of memory N times one arm's. `--resume` continues an interrupted sweep: a finished arm (its folder holds
+`sweep_done.json`) is read, not rerun; an arm with checkpoints resumes from its latest; the rest start fresh.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing
 import os
+import sys
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
 import yaml
 
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.config.run import load_config
+
+DONE = "sweep_done.json"  # written into an arm's folder when its run returns: `--resume` skips that arm
 
 COLUMNS = (
     ("reward", "reward/mean"),
@@ -80,22 +91,111 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(c) for c in cells])
 
 
-def run_sweep(sweep_yaml: str, out_dir: str, overrides=None, *, show_progress: bool = False) -> list[dict]:
-    from twocircuit_jax.train.loop import GRPOTrainer
+def select_arms(arms: list, names: list[str] | None, source: str) -> list:
+    """The arms named in `names` (all if None), in the sweep file's order."""
+    if not names:
+        return arms
+    known = [a for a, _ in arms]
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise ConfigError("--arms", f"unknown arm {bad[0]!r}; this sweep's arms are {', '.join(known)}", source=source)
+    return [(a, c) for a, c in arms if a in names]
 
-    _, arms = load_sweep(sweep_yaml, overrides)
-    for arm, _ in arms:
-        d = os.path.join(out_dir, arm)
-        if os.path.isdir(d) and os.listdir(d):
-            raise ConfigError("--out", f"{d} exists and is not empty; use a new folder")
-    rows = []
-    for arm, cfg in arms:
+
+def _arm_plan(run_dir: str, resume: bool) -> str:
+    """'done' (read it), 'resume' (latest checkpoint), or 'fresh'; a non-empty folder without --resume is an error."""
+    if not (os.path.isdir(run_dir) and os.listdir(run_dir)):
+        return "fresh"
+    if not resume:
+        raise ConfigError("--out", f"{run_dir} exists and is not empty; use --resume or a new folder")
+    return "done" if os.path.isfile(os.path.join(run_dir, DONE)) else "resume"
+
+
+def _run_arm(arm: str, cfg, run_dir: str, plan: str, show_progress: bool, log_path: str | None = None) -> dict:
+    """Runs one arm (in this process, or in a worker with its output sent to `log_path`) and returns its row."""
+    with contextlib.ExitStack() as stack:
+        if log_path:  # a worker process: its prints and warnings go to the arm's log, not interleaved on the console
+            fh = stack.enter_context(open(log_path, "a", buffering=1))
+            stack.enter_context(contextlib.redirect_stdout(fh))
+            stack.enter_context(contextlib.redirect_stderr(fh))
+        if plan != "done":
+            from twocircuit_jax.train.loop import GRPOTrainer
+
+            summary = GRPOTrainer(cfg, run_dir, resume=plan == "resume", show_progress=show_progress).run()
+            with open(os.path.join(run_dir, DONE), "w") as out:
+                json.dump(summary, out)
+    return {"arm": arm, "run_dir": run_dir, **_final(os.path.join(run_dir, "metrics.jsonl"))}
+
+
+def run_sweep(
+    sweep_yaml: str,
+    out_dir: str,
+    overrides=None,
+    *,
+    arms: list[str] | None = None,
+    jobs: int = 1,
+    resume: bool = False,
+    show_progress: bool = False,
+) -> list[dict]:
+    if jobs < 1:
+        raise ConfigError("--jobs", f"must be >= 1, got {jobs}")
+    _, all_arms = load_sweep(sweep_yaml, overrides)
+    todo = select_arms(all_arms, arms, sweep_yaml)
+    plans = {arm: _arm_plan(os.path.join(out_dir, arm), resume) for arm, _ in todo}  # every folder checked first
+    os.makedirs(out_dir, exist_ok=True)
+    rows = {}
+    for arm, cfg in todo:
         run_dir = os.path.join(out_dir, arm)
-        print(f"sweep: arm {arm} -> {run_dir}", flush=True)
-        GRPOTrainer(cfg, run_dir, show_progress=show_progress).run()
-        rows.append({"arm": arm, "run_dir": run_dir, **_final(os.path.join(run_dir, "metrics.jsonl"))})
-    table = format_table(rows)
-    print(table, flush=True)
-    with open(os.path.join(out_dir, "summary.json"), "w") as fh:
-        json.dump(rows, fh, indent=1)
+        if plans[arm] == "done" or jobs == 1:
+            print(f"sweep: arm {arm} -> {run_dir}" + (" (finished: read)" if plans[arm] == "done" else ""), flush=True)
+            rows[arm] = _run_arm(arm, cfg, run_dir, plans[arm], show_progress)
+    if jobs > 1:
+        rows.update(_run_parallel([(a, c) for a, c in todo if a not in rows], plans, out_dir, jobs))
+    ordered = [rows[a] for a, _ in todo]
+    print(format_table(ordered), flush=True)
+    _merge_summary(os.path.join(out_dir, "summary.json"), ordered, [a for a, _ in all_arms])
+    return ordered
+
+
+def _run_parallel(todo, plans, out_dir, jobs) -> dict:
+    """Up to `jobs` arms at once, each in a fresh (spawned) process: JAX state is not shared across a fork. The first
+    arm to fail stops new arms from starting; those running finish, then the failure is raised naming its log."""
+    rows, failed = {}, None
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        pending = {}
+        queue = list(todo)
+        while queue or pending:
+            while queue and len(pending) < jobs and failed is None:
+                arm, cfg = queue.pop(0)
+                run_dir, log = os.path.join(out_dir, arm), os.path.join(out_dir, f"{arm}.log")
+                print(f"sweep: arm {arm} -> {run_dir} (log: {log})", flush=True)
+                pending[pool.submit(_run_arm, arm, cfg, run_dir, plans[arm], False, log)] = (arm, log)
+            if not pending:
+                break
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in done:
+                arm, log = pending.pop(fut)
+                try:
+                    rows[arm] = fut.result()
+                    print(f"sweep: arm {arm} finished", flush=True)
+                except Exception as e:  # noqa: BLE001 -- reported with the arm's log, re-raised below
+                    print(f"sweep: arm {arm} failed: {e} (see {log})", file=sys.stderr, flush=True)
+                    failed = failed or (arm, log, e)
+    if failed:
+        raise RuntimeError(f"sweep arm {failed[0]} failed: {failed[2]} (its output: {failed[1]})") from failed[2]
     return rows
+
+
+def _merge_summary(path: str, rows: list[dict], order: list[str]):
+    """summary.json keeps every arm run so far (a sweep run in parts adds up), in the sweep file's order."""
+    old = {}
+    if os.path.isfile(path):
+        with open(path) as fh:
+            old = {r["arm"]: r for r in json.load(fh)}
+    old.update({r["arm"]: r for r in rows})
+    merged = [old[a] for a in order if a in old] + [r for a, r in old.items() if a not in order]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(merged, fh, indent=1)
+    os.replace(tmp, path)  # never a half-written summary
