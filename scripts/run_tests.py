@@ -42,7 +42,7 @@ WEIGHTS = {
     "test_fidelity.py": (42, 10),
     "test_anchor_owned_basis.py": (40, 0),
     "test_probe.py": (40, 0),
-    "test_sweep.py": (40, 1),
+    "test_sweep.py": (95, 1),
     "test_anchor_loop.py": (35, 0),
     "test_fast_powersgd.py": (32, 28),
     "test_vllm_sampler.py": (30, 0),
