@@ -11,6 +11,7 @@ from typing import Optional
 import yaml
 
 from twocircuit_jax.config.base import ConfigError, from_dict, require, to_dict
+from twocircuit_jax.config.env import EnvConfig
 from twocircuit_jax.config.health import GuardConfig, HealthConfig
 from twocircuit_jax.config.sections import (
     AnchorConfig,
@@ -41,6 +42,10 @@ class RunConfig:
     fast: FastConfig = FastConfig()
     anchor: AnchorConfig = AnchorConfig()
     task: TaskConfig = field(default_factory=lambda: from_dict(TaskConfig, {}))
+    env: EnvConfig = field(
+        default_factory=lambda: from_dict(EnvConfig, {}),
+        metadata={"doc": "multi-turn environment; `type: none` = the single-turn task above"},
+    )
     train: TrainConfig = TrainConfig()
     sft: SFTConfig = SFTConfig()
     health: HealthConfig = HealthConfig()

@@ -19,6 +19,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 PREFIX = "mismatch/"
 NAN = jnp.nan
@@ -97,4 +98,20 @@ def mismatch_metrics(
     for suffix, sm in splits.items():
         for k, v in _stats(lo, ls, sm, log_w).items():
             out[f"{prefix}{k}{suffix}"] = v
+    return out
+
+
+BY_TURN = ("prob_gap_mean", "prob_corr", "kl_k3")
+
+
+def mismatch_by_turn(logp_old, logp_sampler, mask, row_turn) -> dict:
+    """Multi-turn rows: `mismatch/turn{k}/{prob_gap_mean,prob_corr,kl_k3}` over the rows of interaction k, for each
+    k that has rows (`row_turn` [B] int, -1 = empty row). Does later context widen the sampler-trainer gap?"""
+    row_turn = np.asarray(row_turn)
+    m = jnp.asarray(mask, jnp.float32)
+    out = {}
+    for k in sorted({int(x) for x in row_turn if x >= 0}):
+        mk = m * jnp.asarray(row_turn == k, jnp.float32)[:, None]
+        stats = mismatch_metrics(logp_old, logp_sampler, mk, prefix=f"{PREFIX}turn{k}/")
+        out.update({f"{PREFIX}turn{k}/{s}": stats[f"{PREFIX}turn{k}/{s}"] for s in BY_TURN})
     return out

@@ -73,6 +73,8 @@ def generate_tokens(
 class JaxSampler:
     """Sampler on the trainer's own devices; `update_weights` just swaps the parameter reference."""
 
+    pads_batch = True  # compiles per batch shape: callers with a varying row count pad to a few sizes
+
     def __init__(self, cfg: ModelConfig, params=None, *, prompt_bucket: int = 32, version: int = 0):
         self.cfg, self.params, self.version = cfg, params, version
         self.prompt_bucket = prompt_bucket

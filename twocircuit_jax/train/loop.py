@@ -25,14 +25,13 @@ from twocircuit_jax.grpo.tis import tis_weights
 from twocircuit_jax.metrics.gauges import entropy_summary, length_slope, length_stats, to_floats
 from twocircuit_jax.metrics.health import HealthMonitor
 from twocircuit_jax.metrics.logger import MetricsLogger
-from twocircuit_jax.metrics.mismatch import mismatch_metrics
+from twocircuit_jax.metrics.mismatch import mismatch_by_turn, mismatch_metrics
 from twocircuit_jax.metrics.probe import dense_probe_metrics, make_fidelity_fn
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
-from twocircuit_jax.tasks import make_task
 from twocircuit_jax.train import rollout as ro
 from twocircuit_jax.train.checkpoint import CheckpointManager
 from twocircuit_jax.train.circuit_state import CircuitState, Clock, init_clock, place, set_clock
-from twocircuit_jax.train.evaluate import Evaluator
+from twocircuit_jax.train.collect import make_collector
 from twocircuit_jax.train.grpo_step import DENSE, OLD, REF, make_grpo_loss, make_logp_fn
 from twocircuit_jax.train.guard import Guard, apply_mitigations, mitigate
 from twocircuit_jax.train.setup import check_vocab, load_model, load_run_tokenizer, make_sampler
@@ -68,7 +67,8 @@ class GRPOTrainer:
         self.health = HealthMonitor(cfg.health)
         t, s = cfg.train, cfg.sampler
         self.tokenizer = load_run_tokenizer(cfg)
-        self.task = make_task(cfg.task)
+        self._set_cap()
+        self.collector, self.task = make_collector(cfg, self.tokenizer, self.rollout_sampling)  # task or environment
         self.train_problems = list(self.task.train_problems())
         self.eval_problems = list(self.task.eval_problems())[: t.eval_size]
         model_cfg, params = load_model(cfg, t.seed)
@@ -81,7 +81,6 @@ class GRPOTrainer:
                 f"mini_batch*sampler.n = {t.mini_batch * s.n} rows must divide by "
                 f"the data-parallel size {dp} (mesh.data*mesh.fsdp)",
             )
-        self._set_cap()
         self.optimizer = make_optimizer(cfg.optim)
         state = init_state(params, self.optimizer)
         self.state_sh = state_shardings(state, self.mesh)
@@ -106,14 +105,14 @@ class GRPOTrainer:
         self.max_new = self.cfg.sampler.sampling.max_new_tokens
         # Rollouts sample the unmodified policy (design §1): temperature 1, no truncation.
         self.rollout_sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=self.max_new)
+        if getattr(self, "collector", None) is not None:  # a guard mitigation changed the config or the cap
+            self.collector.cfg, self.collector.sampling = self.cfg, self.rollout_sampling
 
     def _start_sampler(self):
         t = self.cfg.train
         self.sampler = make_sampler(self.cfg, self.model_cfg, self.state.params, self.tokenizer, self.run_dir)
         self.sampler.update_weights(self.state.params, self.start_step)
-        self.evaluator = Evaluator(
-            self.task, self.tokenizer, self.eval_problems, t.max_prompt_len, self.max_new, greedy=t.eval_greedy
-        )
+        self.evaluator = self.collector.evaluator(self.eval_problems, greedy=t.eval_greedy)
 
     def _build_circuits(self):
         """Fast circuit and anchor when the config turns them on (None = absent, not merely idle), and the circuit
@@ -195,6 +194,8 @@ class GRPOTrainer:
             meta["codec_applications"] = dict(self.codec.applications)  # host counters of codec forwards
             meta["codec_steps"] = self.codec.steps
         meta["health"] = self.health.state_dict()
+        if self.collector.state_dict() is not None:
+            meta["collector"] = self.collector.state_dict()  # the environment RNG: a resume plays the same games
         if self.guard:
             meta["guard"] = self.guard.state_dict()
         return meta
@@ -206,6 +207,7 @@ class GRPOTrainer:
         meta = self._load(step)
         self.start_step = int(meta["step"])
         self.health.load_state_dict(meta.get("health"))
+        self.collector.load_state_dict(meta.get("collector"))
         if self.guard:
             self.guard.load_state_dict(meta.get("guard"))
 
@@ -279,34 +281,23 @@ class GRPOTrainer:
         perm = np.random.default_rng(step_seed(t.seed, epoch, salt=17)).permutation(len(self.train_problems))
         return [self.train_problems[i] for i in perm[k * t.train_batch : (k + 1) * t.train_batch]]
 
-    def _rollout(self, gs, problems):
-        s, t = self.cfg.sampler, self.cfg.train
-        prompts = ro.encode_prompts(self.tokenizer, self.task, problems, t.max_prompt_len)
-        t0 = time.perf_counter()
-        out = self.sampler.generate(prompts, s.n, self.rollout_sampling, seed=step_seed(t.seed, gs))
-        gen_s = time.perf_counter() - t0
-        if self.state_version - out.weight_version > s.max_staleness:
-            raise RuntimeError(
-                f"sampler answered with weight version {out.weight_version}; the trainer is at "
-                f"{self.state_version} and sampler.max_staleness is {s.max_staleness}"
-            )
-        return prompts, out, gen_s
-
     def grpo_step(self, gs: int) -> dict:
-        cfg, t, n = self.cfg, self.cfg.train, self.cfg.sampler.n
+        cfg, t = self.cfg, self.cfg.train
         t_start = time.perf_counter()
         problems = self._problems_for(gs)
         begin = getattr(self.task, "begin_step", None)  # optional: a task whose scoring depends on the step
         if begin is not None:
             begin(gs)
-        prompts, out, gen_s = self._rollout(gs, problems)
-        rewards, loss_mask, adv, metrics, _ = ro.score_and_advantages(
-            self.task, self.tokenizer, problems, out, n, self.max_new, cfg.grpo
-        )
-        batch = ro.pack_batch(prompts, out, n, t.max_prompt_len, self.max_new, self.tokenizer.pad_id)
+        col = self.collector.collect(gs, problems, self.sampler, step_seed(t.seed, gs))
+        if self.state_version - col.weight_version > cfg.sampler.max_staleness:
+            raise RuntimeError(
+                f"sampler answered with weight version {col.weight_version}; the trainer is at "
+                f"{self.state_version} and sampler.max_staleness is {cfg.sampler.max_staleness}"
+            )
+        batch, metrics = dict(col.batch), dict(col.metrics)
+        loss_mask = batch.pop("loss_mask")
         full_mask = jnp.asarray(batch["response_mask"])  # every sampled token: the diagnostics see them all
         batch["response_mask"] = batch["response_mask"] * loss_mask[:, None]  # the loss may exclude some rows
-        batch["advantages"] = adv
         truncated = batch.pop("truncated")
         self.cs = place(set_clock(self.cs, step=gs), self.cs_sh)  # one input signature for every jitted pass
         dev = self._shard_batch(batch)
@@ -330,6 +321,8 @@ class GRPOTrainer:
         metrics.update(
             mismatch_metrics(old_logp, dev["sampler_logp"], full_mask, truncated, weights=dev.get("is_weight"))
         )
+        if col.row_turn is not None:  # multi-turn: the gap per interaction index
+            metrics.update(mismatch_by_turn(old_logp, dev["sampler_logp"], full_mask, col.row_turn))
         metrics.update(entropy_summary(ent, full_mask))
         if self.codec:
             metrics.update(self.codec.summarize_aux(old_aux, tag=OLD))
@@ -342,13 +335,12 @@ class GRPOTrainer:
             metrics.update(cm)
         self.state_version = gs
         self.sampler.update_weights(self.state.params, gs)  # publish: the next rollout uses these weights
-        lengths = [len(x) for x in out.tokens]
-        metrics.update(length_stats(lengths, out.truncated, self.max_new))
+        metrics.update(length_stats(col.lengths, col.truncated, self.max_new))
         self.history["length/mean"].append(metrics["length/mean"])
         metrics["length/slope"] = length_slope(self.history["length/mean"])
         metrics["time/step_s"] = time.perf_counter() - t_start
-        metrics["time/tokens_per_s"] = sum(lengths) / max(gen_s, 1e-9)
-        metrics["sampler/weight_version"] = out.weight_version
+        metrics["time/tokens_per_s"] = sum(col.lengths) / max(col.gen_s, 1e-9)
+        metrics["sampler/weight_version"] = col.weight_version
         metrics["sampler/restarts"] = getattr(self.sampler, "restarts", 0)
         return metrics
 

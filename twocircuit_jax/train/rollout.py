@@ -32,27 +32,47 @@ def pack_batch(
 ) -> dict:
     """Rows prompt-major. tokens = [left-padded prompt | response right-padded]."""
     B = len(rollout.tokens)
+    return pack_rows(
+        [prompts[i // n] for i in range(B)],
+        rollout.tokens,
+        rollout.logprobs,
+        rollout.truncated,
+        prompt_len,
+        max_new,
+        pad_id,
+    )
+
+
+def pack_rows(prompts, responses, logprobs, truncated, prompt_len: int, max_new: int, pad_id: int, rows=None) -> dict:
+    """One row per (prompt, response) pair: tokens = [left-padded prompt | response right-padded]. `rows` > the
+    pairs pads with empty rows (attention, response mask and log-probs all 0), for a batch of fixed shape."""
+    B = len(responses) if rows is None else rows
+    if B < len(responses):
+        raise ValueError(f"pack_rows: {len(responses)} responses do not fit {B} rows")
     T = prompt_len + max_new
     tokens = np.full((B, T), pad_id, np.int32)
     attn = np.zeros((B, T), np.int32)
     resp = np.zeros((B, T), np.float32)
     slogp = np.zeros((B, T), np.float32)
-    for i in range(B):
-        p, r, lp = prompts[i // n], rollout.tokens[i], rollout.logprobs[i]
+    trunc = np.zeros((B,), bool)
+    for i, (p, r, lp) in enumerate(zip(prompts, responses, logprobs)):
         if len(r) != len(lp) or len(r) > max_new:
             raise ValueError(f"sampler row {i}: {len(r)} tokens, {len(lp)} log-probs, limit {max_new}")
+        if len(p) > prompt_len:
+            raise ValueError(f"row {i}: prompt of {len(p)} tokens; the limit is {prompt_len}")
         tokens[i, prompt_len - len(p) : prompt_len] = p
         attn[i, prompt_len - len(p) : prompt_len + len(r)] = 1
         tokens[i, prompt_len : prompt_len + len(r)] = r
         resp[i, prompt_len : prompt_len + len(r)] = 1.0
         slogp[i, prompt_len : prompt_len + len(r)] = lp
+        trunc[i] = truncated[i]
     return {
         "tokens": tokens,
         "attention_mask": attn,
         "response_mask": resp,
         "sampler_logp": slogp,
         "sample_id": np.arange(B, dtype=np.int32),
-        "truncated": np.asarray(rollout.truncated, bool),
+        "truncated": trunc,
     }
 
 

@@ -14,12 +14,13 @@ import jax
 import numpy as np
 import optax
 
+from twocircuit_jax.config.sections import SamplingConfig
+from twocircuit_jax.envs.expert import expert_examples
 from twocircuit_jax.model.hf_io import save_hf
 from twocircuit_jax.parallel import mesh as pmesh
 from twocircuit_jax.sampler.jax_sampler import JaxSampler
-from twocircuit_jax.tasks import make_task
 from twocircuit_jax.train.circuit_state import dense_state, place
-from twocircuit_jax.train.evaluate import Evaluator
+from twocircuit_jax.train.collect import make_collector
 from twocircuit_jax.train.losses import next_token_loss
 from twocircuit_jax.train.rollout import encode_prompts
 from twocircuit_jax.train.setup import check_vocab, load_model, load_run_tokenizer
@@ -45,10 +46,14 @@ def sft_examples(task, tokenizer, problems, max_len: int):
 def run_sft(cfg, out_dir: str, log=print) -> dict:
     s = cfg.sft
     tokenizer = load_run_tokenizer(cfg)
-    task = make_task(cfg.task)
     model_cfg, params = load_model(cfg, cfg.train.seed)
     model_cfg = check_vocab(model_cfg, tokenizer)
-    data = sft_examples(task, tokenizer, task.train_problems(), s.max_len)
+    max_new = cfg.sampler.sampling.max_new_tokens
+    collector, task = make_collector(cfg, tokenizer, SamplingConfig(max_new_tokens=max_new))
+    if cfg.env.enabled:  # an environment: its expert's interactions, prompted as training prompts are
+        data = expert_examples(task, cfg.env, tokenizer, cfg.train.max_prompt_len, s.max_len, cfg.train.seed)
+    else:
+        data = sft_examples(task, tokenizer, task.train_problems(), s.max_len)
     mesh = pmesh.make_mesh(cfg.mesh)
     sched = optax.warmup_cosine_decay_schedule(
         0.0, s.lr, s.warmup_steps, max(s.steps, s.warmup_steps + 1), end_value=s.lr * 0.1
@@ -65,13 +70,8 @@ def run_sft(cfg, out_dir: str, log=print) -> dict:
         functools.partial(next_token_loss, model_cfg), opt, sh, mesh, circuit_sharding=cs_sh, batch_sharding=batch_sh
     )
     rng = np.random.default_rng(cfg.train.seed)
-    evaluator = Evaluator(
-        task,
-        tokenizer,
-        task.eval_problems()[: cfg.train.eval_size],
-        cfg.train.max_prompt_len,
-        cfg.sampler.sampling.max_new_tokens,
-    )
+    evaluator = collector.evaluator(task.eval_problems()[: cfg.train.eval_size], greedy=True)
+    log(f"sft: {len(data['tokens'])} examples")
     history, t0 = [], time.perf_counter()
     N = len(data["tokens"])
     for i in range(1, s.steps + 1):

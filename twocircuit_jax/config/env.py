@@ -1,0 +1,82 @@
+"""The `env` config section: multi-turn environments (twocircuit_jax/envs/). `type: none` (the default) keeps the
+single-turn task of the `task` section; any other type replaces it: the environment brings its own problems."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from twocircuit_jax.config.base import doc, register, require
+
+MAX_TURNS = 50
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """A multi-turn environment; the subclass is chosen by `type:`."""
+
+    default_type = "none"
+    max_turns: int = field(default=8, metadata=doc("interactions per trajectory, at most 50; each one trains as a row"))
+    returns: Literal["final", "discounted"] = field(
+        default="final",
+        metadata=doc("final: every row gets the trajectory's return; discounted: row t gets its reward-to-go"),
+    )
+    gamma: float = field(default=1.0, metadata=doc("discount of the reward-to-go (returns: discounted)", "γ"))
+    format_penalty: float = field(
+        default=0.0, metadata=doc("reward of a malformed action, which ends the trajectory (the reward floor)")
+    )
+    train_size: int = 2000
+    eval_size: int = 200
+    train_seed: int = 1
+    eval_seed: int = 2
+    expert_noise: float = field(
+        default=0.3, metadata=doc("share of the expert's SFT actions replaced by a legal but unguided one")
+    )
+
+    def check(self):
+        require(1 <= self.max_turns <= MAX_TURNS, "max_turns", f"got {self.max_turns}; allowed 1..{MAX_TURNS}")
+        require(0.0 < self.gamma <= 1.0, "gamma", f"got {self.gamma}; must be in (0, 1]")
+        require(self.train_size >= 1 and self.eval_size >= 0, "train_size", "train_size >= 1 and eval_size >= 0")
+        require(0.0 <= self.expert_noise <= 1.0, "expert_noise", f"got {self.expert_noise}; must be in [0, 1]")
+
+    @property
+    def enabled(self) -> bool:
+        return not isinstance(self, NoEnv)
+
+
+@register(EnvConfig, "none")
+@dataclass(frozen=True)
+class NoEnv(EnvConfig):
+    """No environment: one prompt, one completion, scored by the task."""
+
+
+@register(EnvConfig, "guess")
+@dataclass(frozen=True)
+class GuessEnv(EnvConfig):
+    """Number guessing: the policy names a number in [low, high] and hears `<` (lower), `>` (higher) or `=`."""
+
+    low: int = 1
+    high: int = 31
+    noise: float = field(default=0.0, metadata=doc("probability that a verdict is flipped (drawn from the env RNG)"))
+
+    def check(self):
+        super().check()
+        require(0 <= self.low < self.high <= 9999, "high", f"got low={self.low}, high={self.high}; 0 <= low < high")
+        require(0.0 <= self.noise < 0.5, "noise", f"got {self.noise}; must be in [0, 0.5)")
+
+
+@register(EnvConfig, "calculator")
+@dataclass(frozen=True)
+class CalculatorEnv(EnvConfig):
+    """Tool-use arithmetic: `c:EXPR` calls the calculator (it answers `=VALUE;`), `a:NUMBER` answers and ends."""
+
+    min_terms: int = 2
+    max_terms: int = 3
+    max_operand: int = 20
+    ops: str = field(default="+-*", metadata=doc("operators the problems use"))
+
+    def check(self):
+        super().check()
+        require(2 <= self.min_terms <= self.max_terms <= 6, "max_terms", "need 2 <= min_terms <= max_terms <= 6")
+        require(self.max_operand >= 1, "max_operand", f"got {self.max_operand}; must be >= 1")
+        require(bool(self.ops) and set(self.ops) <= set("+-*"), "ops", f"got {self.ops!r}; a subset of '+-*'")

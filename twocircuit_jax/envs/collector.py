@@ -1,0 +1,99 @@
+"""The multi-turn collector: trajectories played against the environment, one training row per interaction.
+
+It keeps the environment RNG (a numpy Generator seeded from train.seed); its state goes into every checkpoint's meta,
+so a resumed run plays the same environments as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from twocircuit_jax.config.sections import SamplingConfig
+from twocircuit_jax.envs.episodes import episode_metrics, run_episodes
+from twocircuit_jax.envs.rows import pack_episodes
+from twocircuit_jax.train.collect import Collected
+
+
+class MultiTurn:
+    def __init__(self, cfg, family, tokenizer, sampling):
+        self.cfg, self.family, self.tokenizer, self.sampling = cfg, family, tokenizer, sampling
+        self.rng = np.random.default_rng([cfg.train.seed, 0xE4F])
+
+    def rows_per_step(self) -> int:
+        return self.cfg.train.train_batch * self.cfg.sampler.n * self.cfg.env.max_turns
+
+    def play(self, problems, n, sampler, sampling, seed: int, rng):
+        e, t = self.cfg.env, self.cfg.train
+        return run_episodes(
+            self.family,
+            problems,
+            n,
+            sampler,
+            self.tokenizer,
+            sampling,
+            max_turns=e.max_turns,
+            prompt_len=t.max_prompt_len,
+            format_penalty=e.format_penalty,
+            rng=rng,
+            seed_of_turn=lambda k: seed + 104_729 * (k + 1),
+        )
+
+    def collect(self, gs: int, problems, sampler, seed: int) -> Collected:
+        e, t, n = self.cfg.env, self.cfg.train, self.cfg.sampler.n
+        ep = self.play(problems, n, sampler, self.sampling, seed, self.rng)
+        batch, row_turn = pack_episodes(
+            ep, n, e.max_turns, t.max_prompt_len, self.sampling.max_new_tokens, self.tokenizer.pad_id, e, self.cfg.grpo
+        )
+        m = episode_metrics(ep)
+        returns = [sum(r) for r in ep.rewards]
+        m["reward/mean"] = m["env/return"]  # the trajectory return is this run's reward (health, sweep tables)
+        m["reward/std"] = float(np.std(returns))
+        m["env/rows"] = float(len(ep.turns))
+        m["env/rows_used_frac"] = len(ep.turns) / float(len(row_turn))
+        g = np.asarray(returns).reshape(-1, n)
+        m["reward/zero_std_frac"] = float(np.mean(g.std(axis=1) == 0))  # groups with no gradient
+        return Collected(
+            batch,
+            m,
+            [len(x.tokens) for x in ep.turns],
+            [x.truncated for x in ep.turns],
+            ep.weight_version,
+            ep.gen_s,
+            row_turn,
+        )
+
+    def evaluator(self, problems, greedy: bool):
+        return EpisodeEvaluator(self, problems, greedy)
+
+    def state_dict(self):
+        return {"env_rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state) -> None:
+        if state and "env_rng" in state:
+            self.rng.bit_generator.state = state["env_rng"]
+
+
+class EpisodeEvaluator:
+    """Held-out trajectories, one per problem (greedy by default): `eval/accuracy` is the success rate. Its own
+    environment RNG, seeded per call, so evaluation never moves the training one."""
+
+    def __init__(self, collector: MultiTurn, problems, greedy: bool):
+        self.c, self.problems = collector, list(problems)
+        self.sampling = SamplingConfig(
+            temperature=0.0 if greedy else 1.0, max_new_tokens=collector.sampling.max_new_tokens
+        )
+
+    def run(self, sampler, seed: int = 0) -> dict:
+        if not self.problems:
+            return {}
+        ep = self.c.play(self.problems, 1, sampler, self.sampling, seed, np.random.default_rng([seed, 0xE5A]))
+        m = episode_metrics(ep, prefix="eval/")
+        lengths = [len(x.tokens) for x in ep.turns]
+        return {
+            "eval/accuracy": m["eval/success"],
+            "eval/score_mean": m["eval/return"],
+            "eval/n": len(self.problems),
+            "eval/length_mean": float(np.mean(lengths)) if lengths else 0.0,
+            "eval/truncated_frac": float(np.mean([x.truncated for x in ep.turns])) if ep.turns else 0.0,
+            **{k: v for k, v in m.items() if k != "eval/success"},
+        }

@@ -1,0 +1,118 @@
+"""Playing trajectories: every active trajectory's next turn is sampled in one call to the rollout engine.
+
+Turn t of a trajectory is prompted with its conversation so far (the opening observation, then each action and
+the observation it got), encoded afresh and left-truncated to `prompt_len` tokens (BOS kept), which is counted.
+The response is the sampled tokens themselves, with the sampler's log-probs: what trains is what was sampled.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from twocircuit_jax.tasks.base import Problem
+
+
+class Turn(NamedTuple):
+    traj: int  # trajectory index: problem-major, problem i's n trajectories are i*n .. i*n+n-1
+    turn: int  # 0-based interaction index
+    prompt: list  # list[int]: the conversation so far, left-truncated
+    tokens: list  # list[int]: the sampled action, EOS included when emitted
+    logprobs: list  # list[float]: sampler log-prob per sampled token
+    truncated: bool  # the action hit max_new_tokens without EOS
+    prompt_cut: bool  # the conversation was longer than prompt_len and lost its head
+    reward: float  # what the environment gave this action (the format penalty for a malformed one)
+    format_ok: bool
+
+
+class Episodes(NamedTuple):
+    turns: list  # list[Turn], trajectory-major then turn
+    rewards: list  # list[list[float]]: per trajectory, per turn
+    success: list  # list[bool] per trajectory
+    conversations: list  # list[str]: each trajectory's full text
+    timed_out: list  # list[bool]: used every turn without the environment ending it
+    weight_version: int  # the oldest weight version any turn was sampled with
+    gen_s: float  # seconds inside the rollout engine
+
+
+def encode_conversation(tokenizer, text: str, prompt_len: int) -> tuple[list[int], bool]:
+    ids = tokenizer.encode(text)
+    head = [tokenizer.bos_id] if tokenizer.bos_id is not None and tokenizer.is_char else []
+    cut = len(head) + len(ids) > prompt_len
+    if cut:
+        ids = ids[len(ids) - (prompt_len - len(head)) :]
+    return head + ids, cut
+
+
+def _bucket(k: int, most: int) -> int:
+    """Rows sent to an engine that compiles per batch shape: the next power of two (at most `most`)."""
+    return min(most, 1 << max(0, k - 1).bit_length())
+
+
+def run_episodes(
+    family,
+    problems: Sequence[Problem],
+    n: int,
+    sampler,
+    tokenizer,
+    sampling,
+    *,
+    max_turns: int,
+    prompt_len: int,
+    format_penalty: float,
+    rng: np.random.Generator,
+    seed_of_turn,
+) -> Episodes:
+    """n trajectories per problem, at most `max_turns` interactions each. `rng` is the environment RNG (advanced
+    here: one child generator per trajectory); `seed_of_turn(t)` the sampler seed of turn t."""
+    B = len(problems) * n
+    envs = [family.make(np.random.default_rng(int(rng.integers(2**63)))) for _ in range(B)]
+    conv = [envs[i].reset(problems[i // n]) for i in range(B)]
+    done = [False] * B
+    rewards: list[list[float]] = [[] for _ in range(B)]
+    success = [False] * B
+    turns, version, gen_s = [], None, 0.0
+    pads = getattr(sampler, "pads_batch", False)
+    for t in range(max_turns):
+        active = [i for i in range(B) if not done[i]]
+        if not active:
+            break
+        enc = [encode_conversation(tokenizer, conv[i], prompt_len) for i in active]
+        prompts = [e[0] for e in enc]
+        if pads:  # fixed shapes: a few batch sizes compile, not one per count of live trajectories
+            prompts = prompts + [prompts[0]] * (_bucket(len(prompts), B) - len(prompts))
+        t0 = time.perf_counter()
+        out = sampler.generate(prompts, 1, sampling, seed=seed_of_turn(t))
+        gen_s += time.perf_counter() - t0
+        version = out.weight_version if version is None else min(version, out.weight_version)
+        for j, i in enumerate(active):
+            toks = list(out.tokens[j])
+            text = tokenizer.decode(toks)
+            res = envs[i].step(text)
+            ok = bool(res.info.get("format_ok", True))
+            r = float(res.reward) if ok else format_penalty
+            turns.append(Turn(i, t, enc[j][0], toks, list(out.logprobs[j]), bool(out.truncated[j]), enc[j][1], r, ok))
+            rewards[i].append(r)
+            conv[i] += text + res.observation
+            if res.done or not ok:
+                done[i] = True
+                success[i] = bool(res.info.get("success", False))
+    turns.sort(key=lambda x: (x.traj, x.turn))
+    return Episodes(turns, rewards, success, conv, [not d for d in done], 0 if version is None else version, gen_s)
+
+
+def episode_metrics(ep: Episodes, prefix: str = "env/") -> dict:
+    """`env/return` (mean trajectory return), `env/turns_mean`, `env/success`, `env/format_penalty_frac` (share of
+    actions the environment could not read), `env/prompt_truncated_frac`, `env/timeout_frac` (trajectories that
+    used every turn without finishing)."""
+    n_turns = [len(r) for r in ep.rewards]
+    return {
+        f"{prefix}return": float(np.mean([sum(r) for r in ep.rewards])),
+        f"{prefix}turns_mean": float(np.mean(n_turns)),
+        f"{prefix}success": float(np.mean(ep.success)),
+        f"{prefix}format_penalty_frac": float(np.mean([not x.format_ok for x in ep.turns])) if ep.turns else 0.0,
+        f"{prefix}prompt_truncated_frac": float(np.mean([x.prompt_cut for x in ep.turns])) if ep.turns else 0.0,
+        f"{prefix}timeout_frac": float(np.mean(ep.timed_out)),
+    }

@@ -1,0 +1,76 @@
+"""Rollout collectors: what one GRPO step trains on, from a single-turn task or a multi-turn environment.
+
+A collector turns the step's problems into a packed batch of fixed shape (train/rollout.py's fields plus
+`advantages` and `loss_mask`) and its host metrics; the GRPO loop does the rest the same way for both. The single
+-turn collector is one sampler call per step; the multi-turn one (envs/collector.py) one call per turn.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from twocircuit_jax.train import rollout as ro
+from twocircuit_jax.train.evaluate import Evaluator
+
+
+class Collected(NamedTuple):
+    batch: dict  # numpy, [R, T] / [R]: tokens, attention_mask, response_mask, sampler_logp, sample_id, truncated,
+    #              advantages, loss_mask
+    metrics: dict  # reward/*, env/* ... (host floats)
+    lengths: list  # list[int]: generated tokens per real row
+    truncated: list  # list[bool]: per real row
+    weight_version: int  # the oldest sampler weight version in the batch
+    gen_s: float  # seconds inside the rollout engine
+    row_turn: Optional[np.ndarray] = None  # [R] int32 turn index per row (-1 = empty row); None for single-turn
+
+
+class SingleTurn:
+    """One prompt per problem, `sampler.n` completions each, scored by the task."""
+
+    def __init__(self, cfg, task, tokenizer, sampling):
+        self.cfg, self.task, self.tokenizer, self.sampling = cfg, task, tokenizer, sampling
+
+    def rows_per_step(self) -> int:
+        return self.cfg.train.train_batch * self.cfg.sampler.n
+
+    def collect(self, gs: int, problems, sampler, seed: int) -> Collected:
+        t, n, max_new = self.cfg.train, self.cfg.sampler.n, self.sampling.max_new_tokens
+        prompts = ro.encode_prompts(self.tokenizer, self.task, problems, t.max_prompt_len)
+        t0 = time.perf_counter()
+        out = sampler.generate(prompts, n, self.sampling, seed=seed)
+        gen_s = time.perf_counter() - t0
+        _, loss_mask, adv, metrics, _ = ro.score_and_advantages(
+            self.task, self.tokenizer, problems, out, n, max_new, self.cfg.grpo
+        )
+        batch = ro.pack_batch(prompts, out, n, t.max_prompt_len, max_new, self.tokenizer.pad_id)
+        batch["advantages"], batch["loss_mask"] = adv, loss_mask
+        return Collected(batch, metrics, [len(x) for x in out.tokens], list(out.truncated), out.weight_version, gen_s)
+
+    def evaluator(self, problems, greedy: bool) -> Evaluator:
+        t = self.cfg.train
+        return Evaluator(
+            self.task, self.tokenizer, problems, t.max_prompt_len, self.sampling.max_new_tokens, greedy=greedy
+        )
+
+    def state_dict(self):
+        return None
+
+    def load_state_dict(self, state) -> None:
+        pass
+
+
+def make_collector(cfg, tokenizer, sampling):
+    """(collector, problem source): the environment's when `env.type` is set, else the task's."""
+    if cfg.env.enabled:
+        from twocircuit_jax.envs import make_env
+        from twocircuit_jax.envs.collector import MultiTurn
+
+        family = make_env(cfg.env)
+        return MultiTurn(cfg, family, tokenizer, sampling), family
+    from twocircuit_jax.tasks import make_task
+
+    task = make_task(cfg.task)
+    return SingleTurn(cfg, task, tokenizer, sampling), task
