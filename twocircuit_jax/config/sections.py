@@ -361,6 +361,10 @@ class ReasoningGymTask(TaskConfig):
 
     dataset: str = "basic_arithmetic"
     options: dict = field(default_factory=dict)
+    question: str = field(
+        default="",
+        metadata=doc("template over the entry's metadata for a compact question, e.g. 'gcd{numbers}'; '' = expression"),
+    )
     train_seed: int = 1
     eval_seed: int = 2
     train_size: int = 2000

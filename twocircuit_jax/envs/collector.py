@@ -11,7 +11,7 @@ import numpy as np
 from twocircuit_jax.config.sections import SamplingConfig
 from twocircuit_jax.envs.episodes import episode_metrics, run_episodes
 from twocircuit_jax.envs.rows import pack_episodes
-from twocircuit_jax.train.collect import Collected
+from twocircuit_jax.train.rollout import Collected
 
 
 class MultiTurn:

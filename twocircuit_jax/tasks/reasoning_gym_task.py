@@ -8,7 +8,8 @@ generation continues until `eval_size` distinct held-out problems exist or the s
 Prompt. A tiny character model cannot afford "State the final answer to the following arithmetic problem: ...".
 When the entry carries `metadata['expression']` (basic_arithmetic, chain_sum, ...) the question is that expression
 with spaces removed, so the default template `{question}=` renders `4-1+7=`; the original text stays in
-`meta['full_question']` and is available to templates as `{full_question}`. The reference completion is the answer
+`meta['full_question']` and is available to templates as `{full_question}`. `task.question` renders the question from
+the entry's metadata instead (`gcd{numbers}` -> `gcd[780,461]`), for datasets without an expression. The reference completion is the answer
 followed by `answer_suffix`; a completion's answer is the text before `answer_suffix` (or the first newline).
 
 Options. `task.options` override `DEMO_OPTIONS[dataset]` key by key: one-digit operands, 2-3 terms, + and - only,
@@ -55,8 +56,14 @@ def _create(name: str, seed: int, size: int, options: dict):
         raise ConfigError("task.options", f"reasoning-gym rejected {options!r} for {name!r}: {e}") from e
 
 
-def _compact(entry: dict) -> str:
-    expr = (entry.get("metadata") or {}).get("expression")
+def _compact(entry: dict, template: str = "") -> str:
+    meta = entry.get("metadata") or {}
+    if template:  # e.g. "gcd{numbers}" -> "gcd[780,461]": a question a char model's context can hold
+        q = render_template(template, **meta)
+        if re.search(r"\{\w+\}", q):
+            raise ConfigError("task.question", f"{template!r} names a field the entries lack; they have {sorted(meta)}")
+        return "".join(q.split())
+    expr = meta.get("expression")
     if isinstance(expr, str) and expr.strip():
         return "".join(expr.split())
     return entry["question"]
@@ -83,7 +90,7 @@ class ReasoningGymTask:
             out.append(
                 Problem(
                     id=f"{self.cfg.dataset}/{split}/{start + i}",
-                    question=_compact(entry),
+                    question=_compact(entry, self.cfg.question),
                     answer=str(entry["answer"]),
                     solution=str(entry["answer"]),
                     meta={

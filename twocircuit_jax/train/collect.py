@@ -8,23 +8,10 @@ A collector turns the step's problems into a packed batch of fixed shape (train/
 from __future__ import annotations
 
 import time
-from typing import NamedTuple, Optional
-
-import numpy as np
 
 from twocircuit_jax.train import rollout as ro
 from twocircuit_jax.train.evaluate import Evaluator
-
-
-class Collected(NamedTuple):
-    batch: dict  # numpy, [R, T] / [R]: tokens, attention_mask, response_mask, sampler_logp, sample_id, truncated,
-    #              advantages, loss_mask
-    metrics: dict  # reward/*, env/* ... (host floats)
-    lengths: list  # list[int]: generated tokens per real row
-    truncated: list  # list[bool]: per real row
-    weight_version: int  # the oldest sampler weight version in the batch
-    gen_s: float  # seconds inside the rollout engine
-    row_turn: Optional[np.ndarray] = None  # [R] int32 turn index per row (-1 = empty row); None for single-turn
+from twocircuit_jax.train.rollout import Collected
 
 
 class SingleTurn:

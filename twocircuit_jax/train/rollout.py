@@ -6,13 +6,24 @@ functions compile once.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
 from twocircuit_jax.grpo.advantages import group_advantages
 from twocircuit_jax.sampler.base import Rollout
 from twocircuit_jax.tasks.rewards import score_batch
+
+
+class Collected(NamedTuple):
+    batch: dict  # numpy, [R, T] / [R]: tokens, attention_mask, response_mask, sampler_logp, sample_id, truncated,
+    #              advantages, loss_mask
+    metrics: dict  # reward/*, env/* ... (host floats)
+    lengths: list  # list[int]: generated tokens per real row
+    truncated: list  # list[bool]: per real row
+    weight_version: int  # the oldest sampler weight version in the batch
+    gen_s: float  # seconds inside the rollout engine
+    row_turn: Optional[np.ndarray] = None  # [R] int32 turn index per row (-1 = empty row); None for single-turn
 
 
 def encode_prompts(tokenizer, task, problems, prompt_len: int, field: str = "train.max_prompt_len") -> list[list[int]]:

@@ -1,0 +1,28 @@
+"""Multi-turn GRPO with the vLLM sampler process: each turn's live trajectories go to the engine in one call, and
+the trainer's view of every row matches the engine's log-probs (dense, fp32) at every turn."""
+
+import json
+
+import pytest
+from agentic_run import agentic_config, build_base
+
+from twocircuit_jax.config import load_config
+from twocircuit_jax.train.loop import GRPOTrainer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def test_vllm_backend_plays_multi_turn_games(tmp_path):
+    base = build_base(str(tmp_path / "base"))
+    d = agentic_config(base, sampler={"backend": "vllm", "startup_timeout_s": 240}, train={"steps": 2, "eval_every": 2})
+    run = tmp_path / "run"
+    GRPOTrainer(load_config(data=d), str(run), show_progress=False).run()
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1, 2] and "eval/accuracy" in rows[-1]
+    for r in rows[1:]:
+        assert r["env/turns_mean"] > 1.0 and r["env/rows"] > 16
+        turns = [k for k in r if k.startswith("mismatch/turn") and k.endswith("prob_gap_mean")]
+        assert len(turns) >= 2
+        for k in turns:
+            assert r[k] < 1e-4, (k, r[k])
+        assert r["sampler/weight_version"] == r["step"] - 1

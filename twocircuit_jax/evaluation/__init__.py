@@ -1,0 +1,1 @@
+"""Evaluation beyond the training task: the benchmark suite (`twocircuit eval --suite`)."""
