@@ -24,14 +24,10 @@ def main(argv=None) -> int:
     os.chdir(ROOT)
     from twocircuit_jax.config import load_config
     from twocircuit_jax.train.loop import GRPOTrainer
-    from twocircuit_jax.train.sft import run_sft
+    from twocircuit_jax.train.sft import base_once
 
     t0 = time.time()
-    if not os.path.isfile(os.path.join(BASE, "config.json")):
-        print(f"[agentic] building the base by SFT on the noisy expert's calculator games -> {BASE}")
-        run_sft(load_config("configs/agentic_base.yaml"), BASE)
-    else:
-        print(f"[agentic] reusing the base at {BASE}")
+    base_once("configs/agentic_base.yaml", BASE, "the agentic base", log=lambda m: print(f"[agentic] {m}"))
     run_dir = args.out or os.path.join("runs", time.strftime(f"agentic-{args.backend}-%Y%m%d-%H%M%S"))
     cfg = load_config("configs/agentic_demo.yaml", [f"sampler.backend={args.backend}"])
     print(

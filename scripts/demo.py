@@ -18,14 +18,10 @@ def main() -> int:
     os.chdir(ROOT)
     from twocircuit_jax.config import load_config
     from twocircuit_jax.train.loop import GRPOTrainer
-    from twocircuit_jax.train.sft import run_sft
+    from twocircuit_jax.train.sft import base_once
 
     t0 = time.time()
-    if not os.path.isfile(os.path.join(BASE, "config.json")):
-        print(f"[demo] building the tiny base model by SFT -> {BASE}")
-        run_sft(load_config("configs/tiny_base.yaml"), BASE)
-    else:
-        print(f"[demo] reusing the base model at {BASE}")
+    base_once("configs/tiny_base.yaml", BASE, "the tiny base model", log=lambda m: print(f"[demo] {m}"))
     run_dir = os.path.join("runs", time.strftime("demo-%Y%m%d-%H%M%S"))
     cfg = load_config("configs/demo.yaml")
     print(

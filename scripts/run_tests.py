@@ -33,6 +33,9 @@ GROUPS = 6
 WEIGHTS = {
     "test_fast_invariants.py": (95, 0),
     "test_guard.py": (90, 0),
+    "test_agentic.py": (75, 0),
+    "test_vllm_agentic.py": (55, 0),
+    "test_eval_suite.py": (22, 3),
     "test_anchor_resume.py": (90, 0),
     "test_fast_bootstrap.py": (75, 9),
     "test_grpo_e2e.py": (70, 0),
@@ -72,6 +75,7 @@ WEIGHTS = {
     "test_fast_sr_quant.py": (5, 8),
     "test_gauges.py": (5, 1),
     "test_health.py": (2, 2),
+    "test_envs.py": (2, 2),
     "test_grpo_advantages.py": (5, 2),
     "test_grpo_tis.py": (5, 2),
     "test_import_graph.py": (5, 0),

@@ -8,12 +8,14 @@ Hugging Face directory (weights + the char tokenizer), which the GRPO config's `
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 import jax
 import numpy as np
 import optax
 
+from twocircuit_jax.config.run import load_config
 from twocircuit_jax.config.sections import SamplingConfig
 from twocircuit_jax.envs.expert import expert_examples
 from twocircuit_jax.model.hf_io import save_hf
@@ -93,3 +95,13 @@ def run_sft(cfg, out_dir: str, log=print) -> dict:
             )
     save_hf(model_cfg, jax.device_get(state.params), out_dir, tokenizer=tokenizer)
     return {"out": out_dir, "history": history, "eval/accuracy": history[-1]["eval/accuracy"] if history else None}
+
+
+def base_once(config_path: str, out_dir: str, what: str, log=print) -> None:
+    """Build the base model `config_path` describes into `out_dir` by SFT, unless a model is already there (the
+    demos reuse theirs)."""
+    if os.path.isfile(os.path.join(out_dir, "config.json")):
+        log(f"reusing the base at {out_dir}")
+        return
+    log(f"building {what} by SFT -> {out_dir}")
+    run_sft(load_config(config_path), out_dir, log=log)
