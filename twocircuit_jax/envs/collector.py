@@ -19,9 +19,6 @@ class MultiTurn:
         self.cfg, self.family, self.tokenizer, self.sampling = cfg, family, tokenizer, sampling
         self.rng = np.random.default_rng([cfg.train.seed, 0xE4F])
 
-    def rows_per_step(self) -> int:
-        return self.cfg.train.train_batch * self.cfg.sampler.n * self.cfg.env.max_turns
-
     def play(self, problems, n, sampler, sampling, seed: int, rng):
         e, t = self.cfg.env, self.cfg.train
         return run_episodes(

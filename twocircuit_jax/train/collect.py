@@ -20,9 +20,6 @@ class SingleTurn:
     def __init__(self, cfg, task, tokenizer, sampling):
         self.cfg, self.task, self.tokenizer, self.sampling = cfg, task, tokenizer, sampling
 
-    def rows_per_step(self) -> int:
-        return self.cfg.train.train_batch * self.cfg.sampler.n
-
     def collect(self, gs: int, problems, sampler, seed: int) -> Collected:
         t, n, max_new = self.cfg.train, self.cfg.sampler.n, self.sampling.max_new_tokens
         prompts = ro.encode_prompts(self.tokenizer, self.task, problems, t.max_prompt_len)
