@@ -50,39 +50,18 @@ def row_advantages(ep: Episodes, n: int, env_cfg, grpo_cfg) -> list[list[float]]
 def pack_episodes(ep: Episodes, n: int, max_turns: int, prompt_len: int, max_new: int, pad_id: int, env_cfg, grpo_cfg):
     """(batch, row_turn [R] int32 with -1 on empty rows). batch holds the pack_rows fields plus `advantages` and
     `loss_mask` (0 on empty rows, and on truncated actions under grpo.overlong_mode: mask)."""
-    n_traj = len(ep.rewards)
-    R = n_traj * max_turns
+    R = len(ep.rewards) * max_turns
     adv = row_advantages(ep, n, env_cfg, grpo_cfg)
-    slots = [x.traj * max_turns + x.turn for x in ep.turns]
-    order = np.argsort(slots, kind="stable")
-    # pack_rows fills rows 0..len-1; place each turn at its slot afterwards
-    dense = pack_rows(
-        [ep.turns[j].prompt for j in order],
-        [ep.turns[j].tokens for j in order],
-        [ep.turns[j].logprobs for j in order],
-        [ep.turns[j].truncated for j in order],
-        prompt_len,
-        max_new,
-        pad_id,
-    )
-    empty = pack_rows([], [], [], [], prompt_len, max_new, pad_id, rows=R)
-    idx = np.asarray([slots[j] for j in order], np.int64)
-    batch = {}
-    for k, v in empty.items():
-        if k == "sample_id":
-            batch[k] = v
-            continue
-        v = v.copy()
-        v[idx] = dense[k]
-        batch[k] = v
+    prompts, tokens, logps, trunc = [[]] * R, [[]] * R, [[]] * R, [False] * R  # an empty entry packs an empty row
     row_turn = np.full((R,), -1, np.int32)
     advantages = np.zeros((R,), np.float32)
     loss_mask = np.zeros((R,), np.float32)
-    for j in order:
-        x = ep.turns[j]
+    for x in ep.turns:
         s = x.traj * max_turns + x.turn
+        prompts[s], tokens[s], logps[s], trunc[s] = x.prompt, x.tokens, x.logprobs, x.truncated
         row_turn[s] = x.turn
         advantages[s] = adv[x.traj][x.turn]
         loss_mask[s] = 0.0 if (x.truncated and grpo_cfg.overlong_mode == "mask") else 1.0
+    batch = pack_rows(prompts, tokens, logps, trunc, prompt_len, max_new, pad_id)
     batch["advantages"], batch["loss_mask"] = advantages, loss_mask
     return batch, row_turn
