@@ -111,4 +111,5 @@ def test_mesh_size_mismatch_is_a_clear_error():
         mesh_shape(MeshConfig(3, 1, 1), 8)
     with pytest.raises(ConfigError, match="cannot fill"):
         mesh_shape(MeshConfig(-1, 3, 1), 8)
-    assert mesh_shape(MeshConfig(-1, 2, 2), 8) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert mesh_shape(MeshConfig(-1, 2, 2), 8) == {"data": 2, "stage": 1, "fsdp": 2, "tensor": 2}
+    assert mesh_shape(MeshConfig(-1, 1, 1, 4), 8) == {"data": 2, "stage": 4, "fsdp": 1, "tensor": 1}

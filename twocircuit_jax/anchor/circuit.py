@@ -37,7 +37,7 @@ _ZERO_COUNTERS = ("anchor/optimizer_steps", "anchor/rollouts_generated", "anchor
 
 
 class AnchorCircuit:
-    def __init__(self, run_cfg, model_cfg, params, sketcher=None):
+    def __init__(self, run_cfg, model_cfg, params, sketcher=None, pipeline=None):
         a = self.cfg = run_cfg.anchor
         if a.batch_scope != "ppo_minibatch":
             raise ConfigError("anchor.batch_scope", "only ppo_minibatch replay is implemented")
@@ -69,7 +69,11 @@ class AnchorCircuit:
             mom = jax.eval_shape(lambda: init_anchor_moments(params, a.target_scope))
             self.mom_sh = type(mom)(m={k: by_path[k] for k in mom.m}, v={k: by_path[k] for k in mom.v}, fired=self.rep)
         grad_fn = make_anchor_grad(
-            model_cfg, run_cfg.grpo, run_cfg.sampler.sampling.max_new_tokens, sketcher if self.owns_q else None
+            model_cfg,
+            run_cfg.grpo,
+            run_cfg.sampler.sampling.max_new_tokens,
+            sketcher if self.owns_q else None,
+            pipeline=pipeline,
         )
         carry_sh = {"merger": self.rep, "moments": self.mom_sh}
         # One jitted dense forward/backward (+ EMA and moment updates), compiled once: fixed batch keys/shapes,

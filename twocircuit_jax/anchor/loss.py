@@ -20,17 +20,18 @@ import jax.numpy as jnp
 
 from twocircuit_jax.grpo.loss import agg_loss, kl_penalty, token_entropy, token_logprobs
 from twocircuit_jax.grpo.tis import tis_weights
-from twocircuit_jax.model.qwen2 import forward_with_aux
+from twocircuit_jax.parallel import pipeline as pipe
 
 DENSE = "dense"  # design §3.1 path tag of the anchor pass
 
 
-def anchor_loss(model_cfg, grpo_cfg, max_new_tokens: int, params, batch, hook=None, hook_layers=()):
+def anchor_loss(model_cfg, grpo_cfg, max_new_tokens: int, params, batch, boundary_fn=None, pipeline=None):
     """(loss scalar, (metrics, hook aux)) of the dense anchor pass on `batch` (tokens, attention_mask,
     response_mask, advantages; ref_logp_dense, the reference log-probs with codecs off, when kl_coef > 0;
-    sampler_logp when TIS is on). A hook here only observes (the anchor-owned low-rank basis sketches the activations, unchanged)."""
-    logits, aux = forward_with_aux(
-        model_cfg, params, batch["tokens"], batch["attention_mask"], hook=hook, hook_layers=hook_layers
+    sampler_logp when TIS is on). `boundary_fn` (parallel/pipeline.forward) only observes: the anchor-owned low-rank
+    basis sketches the activations, unchanged. `pipeline`: the staged forward (mesh.stage > 1)."""
+    logits, aux = pipe.forward(
+        model_cfg, params, batch["tokens"], batch["attention_mask"], pipeline=pipeline, boundary_fn=boundary_fn
     )
     logp = token_logprobs(logits, batch["tokens"])  # [B, T] fp32
     mask = batch["response_mask"].astype(jnp.float32)
@@ -78,14 +79,16 @@ def anchor_batch_keys(grpo_cfg) -> list[str]:
     return keys
 
 
-def make_anchor_grad(model_cfg, grpo_cfg, max_new_tokens: int, sketcher=None):
+def make_anchor_grad(model_cfg, grpo_cfg, max_new_tokens: int, sketcher=None, pipeline=None):
     """(params, batch, sketch_state) -> (grads, metrics, aux): one dense forward and backward; XLA inserts the
     `dp` mean. `sketcher(sketch_state, attention_mask) -> (hook, layers)` adds the basis sketch (aux)."""
 
     def fn(params, batch, sketch_state=None):
-        hook, layers = (None, ()) if sketcher is None else sketcher(sketch_state, batch["attention_mask"])
+        boundary_fn = None
+        if sketcher is not None:
+            boundary_fn = lambda mb: (*sketcher(sketch_state, mb["attention_mask"]), {})  # noqa: E731
         (_, (metrics, aux)), grads = jax.value_and_grad(
-            lambda p: anchor_loss(model_cfg, grpo_cfg, max_new_tokens, p, batch, hook, layers), has_aux=True
+            lambda p: anchor_loss(model_cfg, grpo_cfg, max_new_tokens, p, batch, boundary_fn, pipeline), has_aux=True
         )(params)
         metrics["anchor/grad_norm"] = jnp.sqrt(
             sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))

@@ -78,8 +78,34 @@ class RunConfig:
             for m in self.guard.mitigations:
                 if m in ("swap", "anchor_cadence"):
                     require(self.anchor.enabled, "guard.mitigations", f"{m} needs anchor.enabled: true")
+        self._check_stages()
         ticks_per_step = self.train.train_batch // self.train.mini_batch
         require(ticks_per_step >= 1, "train.mini_batch", "must not exceed train.batch")
+
+    def _check_stages(self):
+        """mesh.stage > 1 splits the layer stack into equal stages; the codec's boundaries must be stage boundaries
+        (there is nothing to compress where no stage ends)."""
+        S, L, f = self.mesh.stage, self.model.num_layers, self.fast
+        if S == 1:
+            require(
+                self.train.microbatches in (0, 1),
+                "train.microbatches",
+                f"got {self.train.microbatches}; microbatches split the pipeline's forward, which needs mesh.stage > 1",
+            )
+            return
+        if self.base_model:  # a checkpoint's layer count is checked once it is loaded (parallel/pipeline.py)
+            return
+        require(L % S == 0, "mesh.stage", f"got {S}; must divide model.num_layers={L} (equal stages)")
+        if f.codec_type != "none":
+            from twocircuit_jax.fast.boundaries import boundary_layers
+
+            codec_b, stage_b = boundary_layers(L, f.pp_size), boundary_layers(L, S)
+            require(
+                set(codec_b) <= set(stage_b),
+                "fast.pp_size",
+                f"got {f.pp_size}: codec boundaries {codec_b} are not all stage boundaries {stage_b} of "
+                f"mesh.stage={S}; use a pp_size that divides mesh.stage",
+            )
 
     @property
     def anchor_owns_q(self) -> bool:

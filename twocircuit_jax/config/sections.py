@@ -59,12 +59,17 @@ class MeshConfig:
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    stage: int = field(
+        default=1,
+        metadata=doc("pipeline stages: the layer stack split at the fast circuit's boundaries, one part per stage"),
+    )
 
     def check(self):
         sizes = (self.data, self.fsdp, self.tensor)
         require(sum(s == -1 for s in sizes) <= 1, "data", "at most one mesh axis may be -1")
         for n, s in zip(("data", "fsdp", "tensor"), sizes):
             require(s == -1 or s >= 1, n, f"got {s}; must be >= 1 or -1")
+        require(self.stage >= 1, "stage", f"got {self.stage}; must be >= 1 (-1 is not allowed on the stage axis)")
 
 
 @dataclass(frozen=True)
@@ -332,6 +337,10 @@ class TrainConfig:
     probe_every: int = field(default=0, metadata=doc("steps between dense probes (kl/ref_dense, kl/gain); 0 = off"))
     max_prompt_len: int = 32
     skip_nonfinite: bool = True
+    microbatches: int = field(
+        default=0,
+        metadata=doc("pipeline microbatches per forward (mesh.stage > 1); 0 = mesh.stage", "M"),
+    )
 
     def check(self):
         require(self.steps >= 0, "steps", f"got {self.steps}; must be >= 0")
@@ -343,6 +352,7 @@ class TrainConfig:
         )
         require(self.eval_every >= 0, "eval_every", f"got {self.eval_every}; must be >= 0 (0 = only at the ends)")
         require(self.checkpoint_every >= 0, "checkpoint_every", f"got {self.checkpoint_every}; must be >= 0")
+        require(self.microbatches >= 0, "microbatches", f"got {self.microbatches}; must be >= 0 (0 = mesh.stage)")
 
 
 @dataclass(frozen=True)

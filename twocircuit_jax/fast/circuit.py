@@ -163,6 +163,22 @@ class FastCircuit:
 
         return fn, self.boundaries
 
+    def boundary_fn(self, codec_state, tag, step):
+        """For parallel.pipeline.forward: fn(rows of one (micro)batch) -> (hook, layers, wires), or None when no
+        codec acts on `tag`. Wires (the packed formats, fast/wire.py) are built only on a staged mesh."""
+        if not self.applies(tag):
+            return None
+        staged = self.mesh.shape.get("stage", 1) > 1
+
+        def fn(mb):
+            ctx = (mb["sample_id"], mb["positions"], mb["attention_mask"])
+            hook, layers = self.hook(codec_state, tag, step, *ctx)
+            path = Path(tag, step, *ctx)
+            wires = {b: self.codec.wire(codec_state, b, path) for b in layers} if staged else {}
+            return hook, layers, wires
+
+        return fn
+
     # --- the low-rank basis, when the codec learns one (wired by the loop) --------------------------------------
     def basis_sketcher(self, basis_state, attention_mask):
         """A dense pass that only sketches (the anchor's fire takes it from the loop); see LowRankCodec.sketcher."""

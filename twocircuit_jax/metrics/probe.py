@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from twocircuit_jax.grpo.loss import kl_penalty, token_logprobs
 from twocircuit_jax.grpo.tis import tis_weights
-from twocircuit_jax.model.qwen2 import default_positions, forward_with_aux
+from twocircuit_jax.parallel import pipeline as pipe
 
 # Parameter groups of the fidelity gauge, by the first matching path fragment (docs/architecture.md's pytree).
 GROUPS = (
@@ -85,8 +85,10 @@ def make_fidelity_fn(
     compute: Callable,
     grad_transform: Optional[Callable],
     make_dense_loss: Callable,
+    pipeline=None,
 ):
-    """fn(params, ref_params, batch, cs) -> {fidelity/*: scalar}; `cs` is the circuit state.
+    """fn(params, ref_params, batch, cs) -> {fidelity/*: scalar}; `cs` is the circuit state; `pipeline` the staged
+    forward (mesh.stage > 1, parallel/pipeline.py) or None.
 
     `compute(params, batch, cs) -> (grads, loss, metrics, cs)` is the train step's own gradient (the circuit's grad_fn,
     PowerSGD included); `grad_transform` the merger (None without the anchor); `make_dense_loss()` the dense GRPO
@@ -96,35 +98,40 @@ def make_fidelity_fn(
     dense_loss = make_dense_loss()
 
     def dense_logp(p, batch):
-        logits, _ = forward_with_aux(model_cfg, p, batch["tokens"], batch["attention_mask"])
+        logits, _ = pipe.forward(model_cfg, p, batch["tokens"], batch["attention_mask"], pipeline=pipeline)
         return jax.lax.stop_gradient(token_logprobs(logits, batch["tokens"]))
+
+    def boundary_states(p, batch, boundary_fn):
+        """{boundary: [B, T, H]} what each boundary's receiver rebuilds in one forward (rows in batch order)."""
+        _, aux = pipe.forward(
+            model_cfg,
+            p,
+            batch["tokens"],
+            batch["attention_mask"],
+            pipeline=pipeline,
+            rows={"sample_id": batch["sample_id"]},
+            boundary_fn=boundary_fn,
+            reduce=False,
+        )
+        return aux if pipeline is None else {b: pipe.join_rows(h) for b, h in aux.items()}
 
     def boundary_errors(params, batch, cs):
         if codec is None or not codec.applies("train"):
             return {}
-        hook, layers = codec.hook(
-            cs.codec,
-            "train",
-            cs.clock.step,
-            batch["sample_id"],
-            default_positions(batch["attention_mask"]),
-            batch["attention_mask"],
-        )
+        codec_fn = codec.boundary_fn(cs.codec, "train", cs.clock.step)
 
-        def seen(layer, h):  # what the receiver of boundary `layer` rebuilds, in the codec view
-            out, _ = hook(layer, h)
-            return out, out
+        def seen(mb):  # the codec view: the receiver's rebuilt activation, as the aux
+            hook, layers, wires = codec_fn(mb)
+            return (lambda layer, h: (hook(layer, h)[0],) * 2), layers, wires
+
+        def dense(mb):
+            return (lambda layer, h: (h, h)), codec_fn(mb)[1], {}
 
         p = jax.lax.stop_gradient(params)
-        _, codec_h = forward_with_aux(
-            model_cfg, p, batch["tokens"], batch["attention_mask"], hook=seen, hook_layers=layers
-        )
-        _, dense_h = forward_with_aux(
-            model_cfg, p, batch["tokens"], batch["attention_mask"], hook=lambda layer, h: (h, h), hook_layers=layers
-        )
+        codec_h, dense_h = boundary_states(p, batch, seen), boundary_states(p, batch, dense)
         w = batch["attention_mask"].astype(jnp.float32)[..., None]
         out = {}
-        for b in layers:
+        for b in sorted(codec_h):
             d = (codec_h[b].astype(jnp.float32) - dense_h[b].astype(jnp.float32)) * w
             ref = dense_h[b].astype(jnp.float32) * w
             out[f"fidelity/boundary_rel_err/{b}"] = jnp.sqrt(jnp.sum(d * d) / jnp.maximum(jnp.sum(ref * ref), 1e-30))

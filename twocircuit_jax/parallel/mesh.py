@@ -1,7 +1,8 @@
 """Device mesh from config and partition rules mapping parameter paths to PartitionSpecs.
 
-Axes: `data` (pure data parallel: replicated params), `fsdp` (params and optimizer state sharded, batch too),
-`tensor` (matrix columns/rows split). A dimension that does not divide by its mesh axes stays replicated on them:
+Axes: `data` (pure data parallel: replicated params), `stage` (pipeline stages: each holds its part of the layer
+stack, parallel/pipeline.py), `fsdp` (params and optimizer state sharded, batch too), `tensor` (matrix columns/rows
+split). A dimension that does not divide by its mesh axes stays replicated on them:
 the tiny test models have vocab and hidden sizes that the 8-device mesh does not divide.
 """
 
@@ -18,22 +19,24 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.config.sections import MeshConfig
 
-AXES = ("data", "fsdp", "tensor")
+AXES = ("data", "stage", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both
 
-# (regex on the '/'-joined param path, spec for the array). Stacked layer arrays lead with the layer axis (None).
+# (regex on the '/'-joined param path, spec for the array). Stacked layer arrays lead with the layer axis, split
+# over `stage` (contiguous: stage s holds layers s*L/S .. (s+1)*L/S - 1; with stage = 1 it is not split).
 PARAM_RULES: list[tuple[str, tuple]] = [
     (r"^embed$", ("tensor", "fsdp")),
     (r"^lm_head$", ("fsdp", "tensor")),
-    (r"^layers/(q_proj|k_proj|v_proj|gate_proj|up_proj)/kernel$", (None, "fsdp", "tensor")),
-    (r"^layers/(o_proj|down_proj)/kernel$", (None, "tensor", "fsdp")),
-    (r"^layers/(q_proj|k_proj|v_proj)/bias$", (None, "tensor")),
-    (r".*", ()),  # norms and anything else: replicated
+    (r"^layers/(q_proj|k_proj|v_proj|gate_proj|up_proj)/kernel$", ("stage", "fsdp", "tensor")),
+    (r"^layers/(o_proj|down_proj)/kernel$", ("stage", "tensor", "fsdp")),
+    (r"^layers/(q_proj|k_proj|v_proj)/bias$", ("stage", "tensor")),
+    (r"^layers/", ("stage",)),  # per-layer norms
+    (r".*", ()),  # final norm and anything else: replicated
 ]
 
 
 def mesh_shape(cfg: MeshConfig, n_devices: int) -> dict:
-    sizes = {"data": cfg.data, "fsdp": cfg.fsdp, "tensor": cfg.tensor}
+    sizes = {"data": cfg.data, "stage": cfg.stage, "fsdp": cfg.fsdp, "tensor": cfg.tensor}
     known = math.prod(s for s in sizes.values() if s != -1)
     for k, s in sizes.items():
         if s == -1:
@@ -43,7 +46,7 @@ def mesh_shape(cfg: MeshConfig, n_devices: int) -> dict:
     if math.prod(sizes.values()) != n_devices:
         raise ConfigError(
             "mesh",
-            f"data*fsdp*tensor = {sizes['data']}*{sizes['fsdp']}*{sizes['tensor']} = "
+            f"data*stage*fsdp*tensor = {sizes['data']}*{sizes['stage']}*{sizes['fsdp']}*{sizes['tensor']} = "
             f"{math.prod(sizes.values())}, but there are {n_devices} devices; sizes must multiply "
             f"to the device count (use -1 on one axis to take the rest)",
         )
@@ -67,7 +70,7 @@ def _fit(spec: tuple, shape: tuple, mesh: Mesh) -> P:
     """Drop mesh axes that do not divide the dimension (or are absent from the array's rank)."""
     out = []
     for dim, ax in zip(shape, spec + (None,) * (len(shape) - len(spec))):
-        if ax is not None and dim % mesh.shape[ax] != 0:
+        if ax is not None and (ax not in mesh.shape or dim % mesh.shape[ax] != 0):
             ax = None
         out.append(ax)
     while out and out[-1] is None:

@@ -11,41 +11,40 @@ import jax
 import jax.numpy as jnp
 
 from twocircuit_jax.grpo.loss import grpo_loss, token_entropy, token_logprobs
-from twocircuit_jax.model.qwen2 import default_positions, forward_with_aux
+from twocircuit_jax.parallel import pipeline as pipe
 from twocircuit_jax.train.step import AUX
 
 TRAIN, OLD, REF, DENSE = "train", "old_logprob", "ref_logprob", "dense"
 
 
-def _policy_pass(model_cfg, params, batch, cs, codec, tag):
-    hook, layers = None, ()
+def _policy_pass(model_cfg, params, batch, cs, codec, tag, pipeline=None):
+    """The forward of one path: `pipeline` (parallel/pipeline.Pipeline, mesh.stage > 1) or the one-program model."""
+    boundary_fn = None
     if codec is not None and codec.applies(tag):
-        hook, layers = codec.hook(
-            cs.codec,
-            tag,
-            cs.clock.step,
-            batch["sample_id"],
-            default_positions(batch["attention_mask"]),
-            batch["attention_mask"],
-        )
-    logits, aux = forward_with_aux(
-        model_cfg, params, batch["tokens"], batch["attention_mask"], hook=hook, hook_layers=layers
+        boundary_fn = codec.boundary_fn(cs.codec, tag, cs.clock.step)
+    return pipe.forward(
+        model_cfg,
+        params,
+        batch["tokens"],
+        batch["attention_mask"],
+        pipeline=pipeline,
+        rows={"sample_id": batch["sample_id"]} if "sample_id" in batch else None,
+        boundary_fn=boundary_fn,
     )
-    return logits, aux
 
 
-def make_logp_fn(model_cfg, codec=None, tag: str = OLD):
+def make_logp_fn(model_cfg, codec=None, tag: str = OLD, pipeline=None):
     """(params, batch, cs) -> (logp [B,T], entropy [B,T], codec aux). No gradient is taken through it."""
 
     def fn(params, batch, cs):
-        logits, aux = _policy_pass(model_cfg, params, batch, cs, codec, tag)
+        logits, aux = _policy_pass(model_cfg, params, batch, cs, codec, tag, pipeline)
         logits = jax.lax.stop_gradient(logits)
         return token_logprobs(logits, batch["tokens"]), token_entropy(logits), aux
 
     return fn
 
 
-def make_grpo_loss(model_cfg, grpo_cfg, max_new_tokens: int, codec=None):
+def make_grpo_loss(model_cfg, grpo_cfg, max_new_tokens: int, codec=None, pipeline=None):
     """loss_fn(params, batch, cs) -> (loss, metrics) for train.step.make_train_step.
 
     batch carries old_logp (and ref_logp when kl_coef > 0), advantages, response_mask (loss mask applied),
@@ -58,7 +57,7 @@ def make_grpo_loss(model_cfg, grpo_cfg, max_new_tokens: int, codec=None):
     """
 
     def loss_fn(params, batch, cs):
-        logits, aux = _policy_pass(model_cfg, params, batch, cs, codec, TRAIN)
+        logits, aux = _policy_pass(model_cfg, params, batch, cs, codec, TRAIN, pipeline)
         logp = token_logprobs(logits, batch["tokens"])
         ent = token_entropy(jax.lax.stop_gradient(logits)) if grpo_cfg.entropy_coeff == 0 else token_entropy(logits)
         ref = batch.get("ref_logp") if grpo_cfg.kl_coef > 0 else None

@@ -34,7 +34,7 @@ from twocircuit_jax.train.circuit_state import CircuitState, Clock, init_clock, 
 from twocircuit_jax.train.collect import make_collector
 from twocircuit_jax.train.grpo_step import DENSE, OLD, REF, make_grpo_loss, make_logp_fn
 from twocircuit_jax.train.guard import Guard, apply_mitigations, mitigate
-from twocircuit_jax.train.setup import check_vocab, load_model, load_run_tokenizer, make_sampler
+from twocircuit_jax.train.setup import check_vocab, load_model, load_run_tokenizer, make_pipeline, make_sampler
 from twocircuit_jax.train.step import (
     build_train_step,
     default_grad_fn,
@@ -118,6 +118,9 @@ class GRPOTrainer:
         """Fast circuit and anchor when the config turns them on (None = absent, not merely idle), and the circuit
         state with its shardings: every field exists from tick 1, so the step compiles once."""
         codec_state = grad_state = merger = moments = None
+        self.pipeline = None
+        if self.mesh.shape["stage"] > 1:
+            self.pipeline = make_pipeline(self.cfg, self.model_cfg, self.mesh)
         if self.cfg.fast.codec_type != "none" or self.cfg.fast.grad_codec_type != "none":
             from twocircuit_jax.fast.circuit import FastCircuit
 
@@ -127,7 +130,9 @@ class GRPOTrainer:
             from twocircuit_jax.anchor.circuit import AnchorCircuit
 
             sketcher = self.codec.basis_sketcher if (self.codec and self.cfg.anchor_owns_q) else None
-            self.anchor = AnchorCircuit(self.cfg, self.model_cfg, self.state.params, sketcher=sketcher)
+            self.anchor = AnchorCircuit(
+                self.cfg, self.model_cfg, self.state.params, sketcher=sketcher, pipeline=self.pipeline
+            )
             merger, moments = self.anchor.init_merger_state(), self.anchor.init_moments()
         self.cs = CircuitState(init_clock(), codec_state, grad_state, merger, moments)
         rep = pmesh.replicated(self.mesh)
@@ -143,7 +148,8 @@ class GRPOTrainer:
     def _compile(self):
         cfg, mesh = self.cfg, self.mesh
         codec = self.codec if (self.codec and self.codec.has_activation_codec) else None
-        loss_fn = make_grpo_loss(self.model_cfg, cfg.grpo, self.max_new, codec)
+        pl = self.pipeline
+        loss_fn = make_grpo_loss(self.model_cfg, cfg.grpo, self.max_new, codec, pl)
         grad_fn = self.codec.grad_fn(self.state_sh.params) if self.codec else None
         grad_transform = self.anchor.grad_transform if self.anchor else None
         self.fidelity = None
@@ -155,7 +161,8 @@ class GRPOTrainer:
                 codec,
                 (grad_fn or default_grad_fn)(loss_fn),
                 grad_transform,
-                lambda: make_grpo_loss(self.model_cfg, cfg.grpo, self.max_new, None),
+                lambda: make_grpo_loss(self.model_cfg, cfg.grpo, self.max_new, None, pl),
+                pipeline=pl,
             )
             self.fidelity = dispatch.jit(fid)
         self.train_step = build_train_step(
@@ -169,9 +176,11 @@ class GRPOTrainer:
             grad_transform=grad_transform,
             skip_nonfinite=cfg.train.skip_nonfinite,
         )
-        self.logp_old = dispatch.jit(make_logp_fn(self.model_cfg, codec, OLD))
-        self.logp_ref = dispatch.jit(make_logp_fn(self.model_cfg, codec, REF))
-        self.logp_dense = dispatch.jit(make_logp_fn(self.model_cfg, None, DENSE))  # the probe: codecs off everywhere
+        self.logp_old = dispatch.jit(make_logp_fn(self.model_cfg, codec, OLD, pl))
+        self.logp_ref = dispatch.jit(make_logp_fn(self.model_cfg, codec, REF, pl))
+        self.logp_dense = dispatch.jit(
+            make_logp_fn(self.model_cfg, None, DENSE, pl)
+        )  # the probe: codecs off everywhere
 
     def _shard_batch(self, batch):
         return jax.device_put(batch, pmesh.batch_shardings(batch, self.mesh))
@@ -339,6 +348,8 @@ class GRPOTrainer:
         self.history["length/mean"].append(metrics["length/mean"])
         metrics["length/slope"] = length_slope(self.history["length/mean"])
         metrics["time/step_s"] = time.perf_counter() - t_start
+        if self.pipeline is not None:
+            metrics["pipeline/bubble_fraction"] = self.pipeline.bubble
         metrics["time/tokens_per_s"] = sum(col.lengths) / max(col.gen_s, 1e-9)
         metrics["sampler/weight_version"] = col.weight_version
         metrics["sampler/restarts"] = getattr(self.sampler, "restarts", 0)

@@ -99,3 +99,32 @@ def write_json(path: str, obj) -> None:
     with open(tmp, "w") as fh:
         json.dump(obj, fh, indent=1)
     os.replace(tmp, path)
+
+
+def make_pipeline(run_cfg, model_cfg, mesh):
+    """The staged forward for mesh.stage > 1 (parallel/pipeline.py), with the run's shapes checked: equal stages of
+    the (possibly loaded) model, and every forward's rows split into `train.microbatches` parts that divide over the
+    data-parallel replicas."""
+    from twocircuit_jax.fast.boundaries import boundary_layers
+    from twocircuit_jax.parallel.mesh import dp_size
+    from twocircuit_jax.parallel.pipeline import Pipeline
+
+    S, L = mesh.shape["stage"], model_cfg.num_layers
+    if L % S:
+        raise ConfigError("mesh.stage", f"got {S}; must divide the model's {L} layers (equal stages)")
+    f = run_cfg.fast
+    if f.codec_type != "none" and not set(boundary_layers(L, f.pp_size)) <= set(boundary_layers(L, S)):
+        raise ConfigError(
+            "fast.pp_size",
+            f"got {f.pp_size}: codec boundaries {boundary_layers(L, f.pp_size)} must be stage boundaries "
+            f"{boundary_layers(L, S)}; use a pp_size that divides mesh.stage={S}",
+        )
+    pipeline = Pipeline(model_cfg, mesh, run_cfg.train.microbatches)
+    rows, M, dp = run_cfg.train.mini_batch * run_cfg.sampler.n, pipeline.microbatches, dp_size(mesh)
+    if rows % (M * dp):
+        raise ConfigError(
+            "train.microbatches",
+            f"{M} microbatches (0 = mesh.stage) of a mini-batch's {rows} rows (train.mini_batch*sampler.n) must each "
+            f"split over the {dp} data-parallel replicas: {rows} must divide by {M}*{dp}",
+        )
+    return pipeline

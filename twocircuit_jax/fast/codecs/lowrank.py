@@ -278,6 +278,12 @@ class LowRankCodec(ActivationCodec):
         )
         return fn(self.check_layer(layer), h)
 
+    def wire(self, state, layer, path):
+        """r coefficients per token against the active basis (fast/wire.py LowRankWire)."""
+        from twocircuit_jax.fast.wire import LowRankWire
+
+        return LowRankWire(state.Q[self.check_layer(layer)])
+
     def absorb(self, state, aux_by_layer):
         """A fast-owned basis adds the train forward's sketch (summed over the global batch) to its running V."""
         return accumulate_sketch(state, aux_by_layer) if self.owns_basis else state

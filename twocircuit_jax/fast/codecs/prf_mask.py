@@ -240,6 +240,24 @@ class PrfMaskCodec(ActivationCodec):
         )
         return fn(self.check_layer(layer), h)
 
+    def wire(self, state, layer, path):
+        """k kept values per token; the receiver regenerates which channels they are (fast/wire.py MaskWire)."""
+        from twocircuit_jax.fast.wire import MaskWire
+
+        layer, cfg = self.check_layer(layer), self.cfg
+        if not cfg.exact_k:
+            raise ValueError(
+                "fast.codec.exact_k: false sends a varying number of values per token, which has no fixed-size "
+                "message on a real stage boundary (mesh.stage > 1); set exact_k: true"
+            )
+        p, width = layer_p(cfg, self.boundaries, layer), self.hidden
+        keep = lambda: _keep(cfg, p, layer, path.step, path.sample_ids, path.positions, width)  # noqa: E731
+        return MaskWire(
+            keep,
+            lambda h: _apply_reference(cfg, p, layer, path.step, path.sample_ids, path.positions, h)[0],
+            keep_count(p, width),
+        )
+
     def wire_bytes(self, tokens, hidden, boundaries, act_bytes=2):
         """(1−p)·H values per token (exact_k: k values); no index bytes: the receiver regenerates the mask."""
         nb, N, H = len(boundaries), int(tokens), int(hidden)

@@ -1,0 +1,160 @@
+"""Real pipeline stages (parallel/pipeline.py) on the 8-device fake mesh: the staged forward and train step equal the
+one-program ones (codec none: the plain step; each codec: its emulated path, same keys and basis), what crosses a
+boundary in the compiled program is the codec's packed payload, and the layer stack is split over the stages."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from tiny_run import NARROW_MODEL, circuit_state, narrow_batch
+
+from twocircuit_jax.config import load_config
+from twocircuit_jax.config.base import ConfigError
+from twocircuit_jax.fast.circuit import FastCircuit
+from twocircuit_jax.model.qwen2 import init_params
+from twocircuit_jax.parallel import dispatch, mesh as pmesh, pipeline as pipe
+from twocircuit_jax.train.grpo_step import OLD, make_grpo_loss, make_logp_fn
+from twocircuit_jax.train.setup import make_pipeline
+from twocircuit_jax.train.step import build_train_step, init_state, state_shardings
+
+NEW = 6
+SGD = optax.sgd(0.5)
+
+
+def run_cfg(mesh: dict, layers: int = 4, microbatches: int = 0, **fast):
+    fast = dict(fast)
+    if fast.get("codec") == "lowrank":
+        fast.setdefault("rank", 3)
+    return load_config(
+        data={
+            "model": {**NARROW_MODEL, "num_layers": layers},
+            "mesh": mesh,
+            "grpo": {"kl_coef": 0.0},
+            "sampler": {"n": 4},
+            "fast": {"pp_size": 4, **fast},
+            "anchor": {"enabled": False},
+            "train": {"train_batch": 4, "mini_batch": 4, "max_prompt_len": 6, "microbatches": microbatches},
+        }
+    )
+
+
+def one_step(cfg, params, batch):
+    """(new params, metrics, old log-probs, jitted step) of one tick of the run `cfg` describes, staged when its mesh
+    has stages."""
+    mesh = pmesh.make_mesh(cfg.mesh)
+    circuit = FastCircuit(cfg, cfg.model, mesh) if cfg.fast.codec_type != "none" else None
+    pl = make_pipeline(cfg, cfg.model, mesh) if cfg.mesh.stage > 1 else None
+    sh = state_shardings(init_state(params, SGD), mesh)
+    step = build_train_step(
+        make_grpo_loss(cfg.model, cfg.grpo, NEW, circuit, pl),
+        SGD,
+        sh,
+        mesh,
+        absorb_aux=circuit.absorb_aux if circuit else None,
+    )
+    cs = circuit_state(circuit, params)
+    b = jax.device_put(dict(batch), pmesh.batch_shardings(batch, mesh))
+    b["old_logp"] = dispatch.jit(make_logp_fn(cfg.model, circuit, OLD, pl))(params, b, cs)[0]
+    state = jax.device_put(init_state(jax.tree.map(jnp.copy, params), SGD), sh)
+    new, _, m = step(state, cs, b)
+    return new.params, m, b["old_logp"], step
+
+
+@pytest.fixture(scope="module")
+def narrow():
+    cfg = run_cfg({"data": 8})
+    return init_params(cfg.model, jax.random.key(0), std=0.3), narrow_batch()[0]
+
+
+def _close(a, b, tol=2e-5):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(
+    "codec,extra",
+    [("none", {}), ("prf_mask", {"p": 0.75}), ("lowrank", {})],
+)
+def test_staged_step_equals_the_one_program_step(narrow, codec, extra):
+    """data 2 x stage 4, 4 microbatches: loss, old log-probs and updated parameters of one tick equal the unstaged
+    8-replica step's (codec none: the plain step; a codec: its emulated path with the same PRF keys or basis)."""
+    params, batch = narrow
+    p0, m0, lp0, _ = one_step(run_cfg({"data": 8}, codec=codec, **extra), params, batch)
+    p1, m1, lp1, step = one_step(run_cfg({"data": 2, "stage": 4}, codec=codec, **extra), params, batch)
+    np.testing.assert_allclose(np.asarray(lp1), np.asarray(lp0), rtol=1e-5, atol=1e-5)
+    for k in ("loss", "grad/norm", "pg/loss"):
+        if k in m0:
+            np.testing.assert_allclose(float(m1[k]), float(m0[k]), rtol=1e-5, atol=1e-7)
+    _close(p1, p0)
+    assert not any(
+        np.array_equal(np.asarray(a), np.asarray(b))
+        for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(params))
+        if a.size > 16
+    )
+    # each stage's devices hold their own layer: the leading layer axis is split 4 ways
+    q = p1["layers"]["q_proj"]["kernel"]
+    assert {s.data.shape[0] for s in q.addressable_shards} == {1}
+
+
+def test_eight_stages_and_microbatch_counts_agree(narrow):
+    """stage 8 (one layer each) with 2 and 8 microbatches, and data 2 x stage 4 with 1 microbatch, all equal the
+    unstaged forward and gradient of an 8-layer model."""
+    _, batch = narrow
+    cfg = run_cfg({"data": 8}, layers=8, codec="none")
+    params = init_params(cfg.model, jax.random.key(1), std=0.3)
+
+    def loss(pl, p):
+        logits, _ = pipe.forward(cfg.model, p, batch["tokens"], batch["attention_mask"], pipeline=pl)
+        return jnp.sum(jax.nn.log_softmax(logits)[..., 3] * batch["response_mask"])
+
+    v0, g0 = jax.jit(jax.value_and_grad(lambda p: loss(None, p)))(params)
+    for mesh, m in (({"data": 1, "stage": 8}, 2), ({"data": 1, "stage": 8}, 8), ({"data": 2, "stage": 4}, 1)):
+        mc = run_cfg(mesh, layers=8, microbatches=m, codec="none")
+        pl = make_pipeline(mc, mc.model, pmesh.make_mesh(mc.mesh))
+        assert pl.bubble == pytest.approx((pl.stages - 1) / (m + pl.stages - 1))
+        v, g = jax.jit(jax.value_and_grad(lambda p, pl=pl: loss(pl, p)))(params)
+        np.testing.assert_allclose(float(v), float(v0), rtol=1e-5)
+        for x, y in zip(jax.tree.leaves(g), jax.tree.leaves(g0)):  # fp32 sums in another order: relative to the norm
+            assert float(jnp.linalg.norm(x - y)) <= 1e-5 * float(jnp.linalg.norm(y)) + 1e-7
+
+
+def _permute_shapes(hlo: str) -> list[tuple[str, tuple]]:
+    """(dtype, shape) of every collective-permute's result in compiled HLO text."""
+    out = []
+    for m in re.finditer(r"= (\w+)\[([\d,]*)\][^\n]*? collective-permute(?:-start)?\(", hlo):
+        out.append((m.group(1), tuple(int(x) for x in m.group(2).split(",") if x)))
+    return out
+
+
+@pytest.mark.parametrize("codec,extra,width", [("prf_mask", {"p": 0.75}, 4), ("lowrank", {}, 3), ("none", {}, 16)])
+def test_compiled_step_sends_packed_payloads(narrow, codec, extra, width):
+    """Every collective-permute of the staged train step (forward messages and their transposes, the backward
+    ones) carries the codec's payload: k = 4 kept values (p = 0.75 of H = 16), r = 3 coefficients, or H = 16."""
+    params, batch = narrow
+    cfg = run_cfg({"data": 2, "stage": 4}, codec=codec, **extra)
+    _, _, _, step = one_step(cfg, params, batch)
+    mesh = pmesh.make_mesh(cfg.mesh)
+    circuit = FastCircuit(cfg, cfg.model, mesh) if codec != "none" else None
+    cs = circuit_state(circuit, params)
+    b = dict(jax.device_put(dict(batch), pmesh.batch_shardings(batch, mesh)), old_logp=jnp.zeros((16, 12)))
+    state = init_state(params, SGD)
+    hlo = step.lower(state, cs, b).compile().as_text()
+    shapes = _permute_shapes(hlo)
+    assert len(shapes) >= 2 * 3, shapes  # 3 boundaries, forward and backward
+    # microbatch of 16 / 4 rows, split over 2 data replicas: 2 rows x 12 tokens x payload width per message
+    assert {s for _, s in shapes} == {(2, 12, width)}, shapes
+
+
+def test_stage_config_errors():
+    with pytest.raises(ConfigError, match="mesh.stage"):
+        run_cfg({"data": 1, "stage": 8}, layers=4, codec="none")
+    with pytest.raises(ConfigError, match="fast.pp_size"):
+        run_cfg({"data": 4, "stage": 2}, codec="prf_mask")  # boundaries (0, 1, 2) are not all stage boundaries
+    with pytest.raises(ConfigError, match="train.microbatches"):
+        run_cfg({"data": 8}, microbatches=2, codec="none")
+    cfg = run_cfg({"data": 2, "stage": 4}, microbatches=16, codec="none")
+    with pytest.raises(ConfigError, match="train.microbatches"):
+        make_pipeline(cfg, cfg.model, pmesh.make_mesh(cfg.mesh))

@@ -1,0 +1,193 @@
+"""Real pipeline stages (mesh axis `stage`): a GPipe forward whose boundary messages cross devices with `ppermute`.
+
+The layer stack [L, ...] is split over `stage` in S equal contiguous parts (parallel/mesh.py PARAM_RULES), so each
+stage's devices hold L/S layers. The batch is cut into M microbatches (`train.microbatches`). Under `shard_map`
+(manual over `stage` only; `data`/`fsdp`/`tensor` stay with XLA's partitioner) the schedule runs M + S - 1 ticks:
+at tick i stage s runs its layers on microbatch i - s, then every stage boundary k (between stages k and k+1)
+moves its message with one `ppermute` from k to k+1. The backward pass is autodiff of that loop: each forward
+`ppermute` transposes into one from k+1 to k, carrying the cotangent of the message, in reverse tick order (GPipe:
+all forwards, then all backwards). The idle fraction of a stage is the bubble, (S - 1) / (M + S - 1).
+
+What crosses boundary k is decided by the caller through `boundary_fn(mb)` (the fast circuit, the anchor's sketch,
+the probe), built per microbatch from its rows (attention mask, positions, sample ids):
+  hook(layer, h) -> (_, aux)     an observer at the sender: only `aux` is kept (the codec's metrics, a sketch);
+                                 its h output is ignored, since what the receiver gets is the wire's
+  wires {layer: Wire}            how a boundary's message is encoded and decoded (fast/wire.py); a stage boundary
+                                 without one sends the dense activation
+The embedding runs before the pipeline and the final norm and head after it, both under the ordinary partitioner
+(replicated over `stage`: the last stage's hidden states are summed over `stage` once per forward, the only
+collective of the pipeline besides the boundary messages).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from twocircuit_jax.fast.boundaries import boundary_layers
+from twocircuit_jax.fast.wire import DenseWire
+from twocircuit_jax.model import qwen2
+
+AXIS = "stage"
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """Share of stage-ticks that hold no microbatch in the GPipe schedule (forward and backward alike)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def split_rows(x, m: int):
+    """[B, ...] -> [M, B/M, ...], microbatch j = rows j, j+M, j+2M, ... (every data shard's contiguous block of rows
+    holds an equal part of each microbatch, so the split moves no data between replicas)."""
+    return x.reshape((x.shape[0] // m, m) + x.shape[1:]).swapaxes(0, 1)
+
+
+def join_rows(x):
+    """Inverse of `split_rows`: [M, B/M, ...] -> [B, ...]."""
+    return x.swapaxes(0, 1).reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+
+
+class Pipeline:
+    """The staged forward of one model on one mesh: `forward(params, tokens, attention_mask, rows, boundary_fn)`."""
+
+    def __init__(self, model_cfg, mesh, microbatches: int):
+        self.cfg, self.mesh = model_cfg, mesh
+        self.stages = int(mesh.shape[AXIS])
+        L = model_cfg.num_layers
+        if L % self.stages:
+            raise ValueError(f"mesh.stage={self.stages} must divide model.num_layers={L} (equal stages)")
+        self.microbatches = int(microbatches) or self.stages
+        self.per_stage = L // self.stages
+        self.boundaries = boundary_layers(L, self.stages)  # stage k ends at layer boundaries[k]
+
+    @property
+    def bubble(self) -> float:
+        return bubble_fraction(self.stages, self.microbatches)
+
+    def check_batch(self, rows: int, dp: int):
+        m = self.microbatches
+        if rows % m or (rows // m) % dp:
+            raise ValueError(
+                f"train.microbatches={m}: a forward's {rows} rows must split into {m} microbatches whose size "
+                f"divides over the {dp} data-parallel replicas"
+            )
+
+    def forward(self, params, tokens, attention_mask, rows: Optional[dict] = None, boundary_fn: Callable = None):
+        """(logits [B, T, V] fp32, {hooked layer: aux with a leading [M] microbatch axis}).
+
+        rows: extra per-row arrays [B, ...] the boundary functions read (sample ids), split with the batch.
+        boundary_fn(mb) -> (hook or None, hook_layers, {layer: Wire}); mb holds the microbatch's rows plus
+        `attention_mask` and `positions`. Hooked layers and wired layers must be stage boundaries."""
+        cfg, M, S = self.cfg, self.microbatches, self.stages
+        B, T = tokens.shape
+        self.check_batch(B, 1)
+        rows = dict(rows or {})
+        rows["attention_mask"] = attention_mask
+        rows["positions"] = qwen2.default_positions(attention_mask)
+        rows_mb = jax.tree.map(lambda a: split_rows(a, M), rows)
+        x_mb = split_rows(qwen2._embed(cfg, params, tokens), M)
+        probe = boundary_fn(jax.tree.map(lambda a: a[0], rows_mb)) if boundary_fn else (None, (), {})
+        hook_layers, wired = tuple(probe[1]), dict(probe[2])
+        bad = (set(hook_layers) | set(wired)) - set(self.boundaries)
+        if bad:
+            raise ValueError(f"pipeline: layers {sorted(bad)} are not stage boundaries {self.boundaries}")
+        # The aux shapes, for the zeros that stages without the boundary (and bubble ticks) contribute.
+        aux_like = {}
+        if probe[0] is not None and hook_layers:
+            h_like = jax.ShapeDtypeStruct(x_mb.shape[1:], x_mb.dtype)
+            for b in hook_layers:
+                aux_like[b] = jax.eval_shape(lambda h, b=b: probe[0](b, h)[1], h_like)
+
+        def pick(tree, j):
+            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, jnp.clip(j, 0, M - 1), keepdims=False), tree)
+
+        def body_fn(layers, x_mb, rows_mb):
+            s = jax.lax.axis_index(AXIS)
+
+            def stage_layers(h, mb):
+                cos, sin = qwen2.rope_tables(mb["positions"], cfg.head_dim, cfg.rope_theta)
+                mask = mb["attention_mask"]
+                causal = jnp.tril(jnp.ones((T, T), bool))
+                bias = jnp.where(causal[None] & (mask[:, None, :] > 0), 0.0, qwen2._NEG).astype(jnp.float32)
+                for j in range(self.per_stage):
+                    h, _ = qwen2._layer(cfg, qwen2.layer_params({"layers": layers}, j), h, cos, sin, bias)
+                return h
+
+            def tick(carry, i):
+                state, outs, auxes = carry
+                inp = jnp.where(s == 0, pick(x_mb, i), state)
+                y = stage_layers(inp, pick(rows_mb, i - s))
+                new_state = jnp.zeros_like(y)
+                for k, b in enumerate(self.boundaries):
+                    m = i - k  # the microbatch crossing boundary k at this tick (sender k, receiver k + 1)
+                    hook, _, wires = boundary_fn(pick(rows_mb, m)) if boundary_fn else (None, (), {})
+                    wire = wires.get(b, DenseWire())
+                    recv = wire.transfer(y, s == k, s == k + 1, lambda p, k=k: jax.lax.ppermute(p, AXIS, [(k, k + 1)]))
+                    new_state = jnp.where(s == k + 1, recv, new_state)
+                    if b in aux_like:
+                        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_like[b])
+                        a = jax.lax.cond(s == k, lambda h: hook(b, jax.lax.stop_gradient(h))[1], lambda h: zeros, y)
+                        ok = (m >= 0) & (m < M)
+                        auxes[b] = jax.tree.map(
+                            lambda buf, v: jnp.where(
+                                ok, jax.lax.dynamic_update_index_in_dim(buf, v, jnp.clip(m, 0, M - 1), 0), buf
+                            ),
+                            auxes[b],
+                            a,
+                        )
+                m_last = i - (S - 1)
+                done = (s == S - 1) & (m_last >= 0)
+                outs = jnp.where(
+                    done, jax.lax.dynamic_update_index_in_dim(outs, y, jnp.clip(m_last, 0, M - 1), 0), outs
+                )
+                return (new_state, outs, auxes), None
+
+            auxes = {b: jax.tree.map(lambda a: jnp.zeros((M,) + a.shape, a.dtype), al) for b, al in aux_like.items()}
+            init = (jnp.zeros_like(x_mb[0]), jnp.zeros_like(x_mb), auxes)
+            (_, outs, auxes), _ = jax.lax.scan(tick, init, jnp.arange(M + S - 1))
+            # Only the last stage's `outs` (and the sender's aux) are non-zero: the sum over stages is a broadcast.
+            return jax.lax.psum(outs, AXIS), jax.lax.psum(auxes, AXIS)
+
+        layer_specs = jax.tree.map(lambda _: P(AXIS), params["layers"])
+        staged = jax.shard_map(
+            body_fn,
+            mesh=self.mesh,
+            in_specs=(layer_specs, P(), P()),
+            out_specs=(P(), P()),
+            axis_names={AXIS},
+            check_vma=False,
+        )
+        hidden, aux = staged(params["layers"], x_mb, rows_mb)
+        return qwen2._head(cfg, params, join_rows(hidden)), aux
+
+
+SUMMED_AUX = ("sketch", "tokens")  # aux leaves that add up over microbatches; the others (ratios, errors) average
+
+
+def _leaf_name(path) -> str:
+    k = path[-1]
+    return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+
+
+def reduce_aux(aux: dict) -> dict:
+    """{layer: aux [M, ...]} -> {layer: aux}: sketches and token counts summed over microbatches, the rest averaged."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, a: jnp.sum(a, axis=0) if _leaf_name(p) in SUMMED_AUX else jnp.mean(a, axis=0), aux
+    )
+
+
+def forward(model_cfg, params, tokens, attention_mask, *, pipeline=None, rows=None, boundary_fn=None, reduce=True):
+    """The policy forward every pass of the trainer uses: (logits [B, T, V], {boundary layer: aux}).
+
+    Without a pipeline (mesh.stage = 1) this is `qwen2.forward_with_aux` with the hook `boundary_fn` builds for the
+    whole batch (a codec acts in place: the emulated path). With one, the staged forward above; aux is reduced over
+    microbatches (`reduce=False`: kept per microbatch, [M, ...], rows in `split_rows` order)."""
+    if pipeline is None:
+        mb = dict(rows or {}, attention_mask=attention_mask, positions=qwen2.default_positions(attention_mask))
+        hook, layers, _ = boundary_fn(mb) if boundary_fn is not None else (None, (), {})
+        return qwen2.forward_with_aux(model_cfg, params, tokens, attention_mask, hook=hook, hook_layers=layers)
+    logits, aux = pipeline.forward(params, tokens, attention_mask, rows, boundary_fn)
+    return logits, (reduce_aux(aux) if reduce else aux)
