@@ -13,7 +13,9 @@ gradients match the reference exactly. `gain` is treated as a constant (stop-gra
 Tiling: rows are padded to a multiple of `block_rows` and channels to a multiple of `block_cols` (power-of-two
 blocks, full width when H is small) so no result depends on out-of-bounds reads (NaN in interpret mode).
 The padding copy costs one extra pass over h when H or N is ragged; H % 128 == 0 with N % block_rows == 0 pads
-nothing.
+nothing. Block defaults per target (pallas_kernels/platform.py): TPU and interpret mode up to [256, 512] (VMEM
+holds it easily; fewer, larger steps); CUDA [16, 256] under Triton, whose blocks live in registers (each element
+carries a dozen live uint32 temporaries of the hash, so a larger block would spill).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import prf
+from pallas_kernels import platform as plat, prf
 
 
 class MaskRows(NamedTuple):
@@ -65,27 +67,22 @@ def _kernel(h_ref, khi_ref, klo_ref, thi_ref, tlo_ref, tj_ref, flip_ref, gain_re
     o_ref[...] = jnp.where(keep, x * rows.gain, 0.0).astype(o_ref.dtype)
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _blocks(n: int, h: int, block_rows, block_cols):
+def _blocks(tgt, n: int, h: int, block_rows, block_cols):
+    if tgt == "cuda":
+        cols = plat.pow2_divisor(h, 256)
+        block_cols = block_cols or (cols if cols >= 32 else min(256, plat.pow2_at_least(h)))
+        block_rows = block_rows or min(16, plat.pow2_at_least(n))
+        if block_rows & (block_rows - 1) or block_cols & (block_cols - 1):
+            raise ValueError(f"prf_mask kernel (cuda): blocks must be powers of two, got {block_rows}x{block_cols}")
+        return block_rows, block_cols
     if block_cols is None:
-        block_cols = next((b for b in (512, 256, 128) if h % b == 0), None) or min(512, _pow2_at_least(h))
+        block_cols = next((b for b in (512, 256, 128) if h % b == 0), None) or min(512, plat.pow2_at_least(h))
     if block_rows is None:
-        block_rows = min(256, max(8, _pow2_at_least(n)))
+        block_rows = min(256, max(8, plat.pow2_at_least(n)))
     return block_rows, block_cols
 
 
-def _check_backend(interpret: bool):
-    if not interpret and jax.default_backend() == "cpu":
-        raise RuntimeError(
-            "use_kernel: the Pallas prf_mask kernel cannot run on the CPU backend; pass interpret=True "
-            "(tests) or set use_kernel=false to use the jnp reference"
-        )
-
-
-def _call(h, rows: MaskRows, interpret: bool, block_rows: int, block_cols: int):
+def _call(h, rows: MaskRows, interpret: bool, block_rows: int, block_cols: int, tgt):
     n, width = h.shape
     n_pad = -n % block_rows
     w_pad = -width % block_cols
@@ -101,25 +98,27 @@ def _call(h, rows: MaskRows, interpret: bool, block_rows: int, block_cols: int):
         in_specs=[pl.BlockSpec((block_rows, block_cols), lambda i, k: (i, k))] + [row_spec] * len(rows),
         out_specs=pl.BlockSpec((block_rows, block_cols), lambda i, k: (i, k)),
         interpret=interpret,
+        name="prf_mask",
+        compiler_params=plat.compiler_params(tgt, 2),
     )(h, *rows)
     return out[:n, :width]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _masked(h, rows, interpret, block_rows, block_cols):
-    return _call(h, rows, interpret, block_rows, block_cols)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _masked(h, rows, interpret, block_rows, block_cols, tgt):
+    return _call(h, rows, interpret, block_rows, block_cols, tgt)
 
 
-def _masked_fwd(h, rows, interpret, block_rows, block_cols):
-    return _call(h, rows, interpret, block_rows, block_cols), rows
+def _masked_fwd(h, rows, interpret, block_rows, block_cols, tgt):
+    return _call(h, rows, interpret, block_rows, block_cols, tgt), rows
 
 
-def _masked_bwd(interpret, block_rows, block_cols, rows, g):
+def _masked_bwd(interpret, block_rows, block_cols, tgt, rows, g):
     # backward wire message = g * gain * m: the same kernel on the cotangent; rows get no cotangent
     zero_rows = jax.tree.map(
         lambda r: jnp.zeros(r.shape, jax.dtypes.float0) if r.dtype != jnp.float32 else jnp.zeros_like(r), rows
     )
-    return _call(g, rows, interpret, block_rows, block_cols), zero_rows
+    return _call(g, rows, interpret, block_rows, block_cols, tgt), zero_rows
 
 
 _masked.defvjp(_masked_fwd, _masked_bwd)
@@ -132,12 +131,14 @@ def prf_mask_kernel(
     interpret: bool = False,
     block_rows: int | None = None,
     block_cols: int | None = None,
+    platform: str | None = None,
 ) -> jax.Array:
     """Kernel version of `prf_mask_reference` (same values and gradients). h [N, H] float32/bfloat16.
 
-    Raises RuntimeError on the CPU backend unless interpret=True: never a silent fallback."""
-    _check_backend(interpret)
+    Raises RuntimeError on the CPU backend unless interpret=True or a lowering `platform` is named (export only):
+    never a silent fallback."""
+    tgt = plat.target(interpret, platform, "prf_mask_kernel")
     if h.ndim != 2:
         raise ValueError(f"prf_mask_kernel: h must be [N, H], got shape {h.shape}")
-    block_rows, block_cols = _blocks(h.shape[0], h.shape[1], block_rows, block_cols)
-    return _masked(h, rows, interpret, block_rows, block_cols)
+    block_rows, block_cols = _blocks(tgt, h.shape[0], h.shape[1], block_rows, block_cols)
+    return _masked(h, rows, interpret, block_rows, block_cols, tgt)

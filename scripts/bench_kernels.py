@@ -1,12 +1,15 @@
 """Pallas kernels against their jnp references on an accelerator (design §3.6 "Kernels"): time and bandwidth.
 
     python scripts/bench_kernels.py [--tokens 16384] [--hidden 1536] [--rank 77] [--iters 50] [--dtype bfloat16]
+    python scripts/bench_kernels.py --cpu-smoke   # tiny shapes, CUDA tiling in interpret mode: checks the script
 
 Times, forward only, jitted, median of `--iters`: the PRF mask (h [N, H] -> h*m*g), the low-rank project /
 reconstruct (M [N, H], Q [H, r] -> M·Q·Qᵀ) and PowerSGD's error-feedback projection ((G + E)·Q on a [H, F] leaf).
 Achieved bandwidth = bytes the op must move (inputs read once + output written once) / time, reported against
-the device's measured copy bandwidth (a jitted x -> x + 1 over a 1 GiB buffer: read + write). On CPU the kernels
-cannot be compiled; the script says so and exits 2 (it never silently times the interpreter or the reference).
+the device's measured copy bandwidth (a jitted x -> x + 1 over a 1 GiB buffer: read + write), one table row per
+kernel. Last line `bench_kernels: PASS` when every timing is a positive finite number (a slow kernel is reported,
+not failed: the table is the result). On CPU the kernels cannot be compiled; the script says so and exits 2 (it never
+silently times the interpreter or the reference), unless --cpu-smoke asks for exactly that, at toy sizes.
 """
 
 from __future__ import annotations
@@ -30,11 +33,11 @@ def _timed(fn, *args, iters):
     return statistics.median(ts)
 
 
-def copy_bandwidth(iters: int) -> float:
+def copy_bandwidth(iters: int, mib: int = 1024) -> float:
     import jax
     import jax.numpy as jnp
 
-    x = jnp.zeros((256, 1024, 1024), jnp.float32)  # 1 GiB
+    x = jnp.zeros((mib, 256, 1024), jnp.float32)  # `mib` MiB
     t = _timed(jax.jit(lambda a: a + 1.0), x, iters=iters)
     return 2 * x.size * 4 / t
 
@@ -48,11 +51,18 @@ def main(argv=None) -> int:
     ap.add_argument("--grad-rank", type=int, default=8)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--cpu-smoke", action="store_true", help="toy sizes in interpret mode (CUDA tiling)")
     args = ap.parse_args(argv)
+    import math
+
     import jax
     import jax.numpy as jnp
 
-    if jax.default_backend() == "cpu":
+    kw, copy_mib = {}, 1024
+    if args.cpu_smoke:
+        args.tokens, args.hidden, args.rank, args.mlp, args.grad_rank, args.iters = 64, 96, 3, 64, 2, 2
+        kw, copy_mib = {"interpret": True, "platform": "cuda"}, 8
+    elif jax.default_backend() == "cpu":
         print(
             "bench_kernels: no accelerator (backend cpu); the Pallas kernels cannot be compiled here and the "
             "interpreter would time nothing useful. Run on a GPU/TPU host.",
@@ -93,40 +103,45 @@ def main(argv=None) -> int:
     cases = [
         (
             "prf_mask",
-            lambda x, rw: prf_mask_kernel(x, rw),
+            lambda x, rw: prf_mask_kernel(x, rw, **kw),
             lambda x, rw: prf_mask_reference(x, rw),
             (h, rows),
             2 * N * H * item + N * 7 * 4,
         ),
         (
             "lowrank",
-            lambda m, q: project_reconstruct(m, q),
+            lambda m, q: project_reconstruct(m, q, **kw),
             lambda m, q: lowrank_reference(m, q)[1],
             (h, Q),
             2 * N * H * item + H * r * 4,
         ),
         (
             "powersgd_ef_project",
-            lambda g, e, q: ef_project(g, e, q),
+            lambda g, e, q: ef_project(g, e, q, **kw),
             ef_project_reference,
             (G, E, Qg),
             2 * H * F * 4 + F * args.grad_rank * 4 + H * args.grad_rank * 4,
         ),
     ]
-    bw = copy_bandwidth(args.iters)
+    bw = copy_bandwidth(args.iters, copy_mib)
     print(
         f"device={jax.devices()[0].device_kind} copy_bandwidth={bw / 1e9:.1f} GB/s dtype={args.dtype} "
         f"tokens={N} hidden={H} rank={r}"
     )
+    head = ("kernel", "kernel_ms", "ref_ms", "speedup", "kernel_GB/s", "of_copy", "ref_GB/s", "ref_of_copy")
+    print(f"{head[0]:<22}" + "".join(f"{h:>12}" for h in head[1:]))
+    ok = True
     for name, kern, ref, xs, nbytes in cases:
         tk = _timed(jax.jit(kern), *xs, iters=args.iters)
         tr = _timed(jax.jit(ref), *xs, iters=args.iters)
-        print(
-            f"{name}: kernel_ms={tk * 1e3:.3f} reference_ms={tr * 1e3:.3f} speedup={tr / tk:.2f} "
-            f"kernel_bw={nbytes / tk / 1e9:.1f} GB/s ({nbytes / tk / bw:.0%} of copy) "
-            f"reference_bw={nbytes / tr / 1e9:.1f} GB/s ({nbytes / tr / bw:.0%} of copy)"
-        )
-    return 0
+        ok &= all(math.isfinite(t) and t > 0 for t in (tk, tr))
+        cells = (tk * 1e3, tr * 1e3, tr / tk, nbytes / tk / 1e9, nbytes / tk / bw, nbytes / tr / 1e9, nbytes / tr / bw)
+        fmt = ("{:.3f}", "{:.3f}", "{:.2f}", "{:.1f}", "{:.0%}", "{:.1f}", "{:.0%}")
+        print(f"{name:<22}" + "".join(f"{f.format(c):>12}" for f, c in zip(fmt, cells)))
+    print(
+        f"bench_kernels: {'PASS' if ok else 'FAIL'}{' (cpu-smoke: interpreter timings, meaningless)' * args.cpu_smoke}"
+    )
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

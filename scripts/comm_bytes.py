@@ -29,27 +29,6 @@ def _setup_devices(n: int):
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def _batch_shapes(cfg):
-    import jax
-    import jax.numpy as jnp
-
-    t, s = cfg.train, cfg.sampler
-    B, T = t.mini_batch * s.n, t.max_prompt_len + s.sampling.max_new_tokens
-    f = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt)  # noqa: E731
-    b = {
-        "tokens": f((B, T), jnp.int32),
-        "attention_mask": f((B, T), jnp.int32),
-        "response_mask": f((B, T), jnp.float32),
-        "sampler_logp": f((B, T), jnp.float32),
-        "advantages": f((B,), jnp.float32),
-        "sample_id": f((B,), jnp.int32),
-        "old_logp": f((B, T), jnp.float32),
-    }
-    if cfg.grpo.kl_coef > 0:
-        b["ref_logp"] = f((B, T), jnp.float32)
-    return b
-
-
 _MEASURED: dict = {}  # (config, devices) -> result: the dense twin compiles once per process
 
 
@@ -62,56 +41,17 @@ def measure(cfg, devices) -> dict:
 
 
 def _measure(cfg, devices) -> dict:
-    import jax
-
     from twocircuit_jax.fast import bytes as fbytes
-    from twocircuit_jax.fast.circuit import FastCircuit
-    from twocircuit_jax.model.qwen2 import init_params
     from twocircuit_jax.parallel import mesh as pmesh
-    from twocircuit_jax.train.circuit_state import CircuitState, init_clock
-    from twocircuit_jax.train.grpo_step import make_grpo_loss
-    from twocircuit_jax.train.step import build_train_step, init_state, make_optimizer, state_shardings
+    from twocircuit_jax.train.abstract_step import abstract_train_step
 
     model_cfg = cfg.model
-    mesh = pmesh.make_mesh(cfg.mesh, devices)
-    opt = make_optimizer(cfg.optim)
-    params = jax.eval_shape(lambda: init_params(model_cfg, jax.random.key(0)))
-    state = jax.eval_shape(lambda p: init_state(p, opt), params)
-    state_sh = state_shardings(state, mesh)
-    on = cfg.fast.codec_type != "none" or cfg.fast.grad_codec_type != "none"
-    circuit = FastCircuit(cfg, model_cfg, mesh) if on else None
-    # The circuit state from shapes alone (the fast circuit's fields; the merger adds no collective: M is
-    # replicated and rewrites an already-reduced gradient elementwise).
-    cs = jax.eval_shape(init_clock)
-    cs = CircuitState(cs, None, None, None, None)
-    if circuit:
-        cs = cs._replace(
-            codec=jax.eval_shape(circuit.init_codec_state), grad=jax.eval_shape(circuit.init_grad_state, params)
-        )
-    act_codec = circuit if (circuit and circuit.has_activation_codec) else None
-    loss_fn = make_grpo_loss(model_cfg, cfg.grpo, cfg.sampler.sampling.max_new_tokens, act_codec)
-    grad_fn = circuit.grad_fn(state_sh.params) if circuit else None
-    batch = _batch_shapes(cfg)
-    rep = pmesh.replicated(mesh)
-    # from shapes alone every input needs an explicit sharding; PowerSGD's error memory lives split over dp
-    cs_sh = jax.tree.map(lambda _: rep, cs)
-    if circuit:
-        cs_sh = cs_sh._replace(grad=circuit.grad_state_shardings(cs.grad))
-    # The loop's own builder: the same loss, gradient codec, shardings and donation as a training run.
-    jitted = build_train_step(
-        loss_fn,
-        opt,
-        state_sh,
-        mesh,
-        circuit_sharding=cs_sh,
-        grad_fn=grad_fn,
-        absorb_aux=circuit.absorb_aux if circuit else None,
-        skip_nonfinite=cfg.train.skip_nonfinite,
-        batch_sharding=pmesh.batch_shardings(batch, mesh),
-    )
+    step = abstract_train_step(cfg, devices)
+    jitted, (state, cs, batch), circuit, mesh = step.jitted, step.args, step.circuit, step.mesh
+    params = step.params
     hlo = jitted.lower(state, cs, batch).compile().as_text()
     coll = fbytes.collective_bytes_from_hlo(hlo)
-    anchor = _anchor_fire_bytes(cfg, mesh, params, state_sh.params, circuit, cs) if cfg.anchor.enabled else 0.0
+    anchor = _anchor_fire_bytes(cfg, mesh, params, step.param_shardings, circuit, cs) if cfg.anchor.enabled else 0.0
     ticks = cfg.ticks_per_step * cfg.train.ppo_epochs
     from twocircuit_jax.fast.boundaries import boundary_layers
 
@@ -142,8 +82,9 @@ def _anchor_fire_bytes(cfg, mesh, params, param_sh, circuit, cs) -> float:
     from twocircuit_jax.anchor.loss import anchor_batch_keys, make_anchor_grad
     from twocircuit_jax.fast import bytes as fbytes
     from twocircuit_jax.parallel import mesh as pmesh
+    from twocircuit_jax.train.abstract_step import batch_shapes
 
-    shapes = _batch_shapes(cfg)
+    shapes = batch_shapes(cfg)
     shapes["ref_logp_dense"] = shapes.get("ref_logp")
     batch = {k: shapes[k] for k in anchor_batch_keys(cfg.grpo)}
     owns = circuit is not None and cfg.anchor_owns_q

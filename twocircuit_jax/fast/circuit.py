@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from pallas_kernels.platform import PLATFORMS
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.fast import bytes as fbytes
 from twocircuit_jax.fast.boundaries import boundary_layers
@@ -41,7 +42,11 @@ def _rel_err(h, out, attention_mask):
 
 
 class FastCircuit:
-    def __init__(self, run_cfg, model_cfg, mesh):
+    def __init__(self, run_cfg, model_cfg, mesh, *, lowering_platform: str | None = None):
+        """lowering_platform ("cuda" or "tpu"): build the kernels for that accelerator although the local backend is
+        another one, so the train step can be lowered (jax.export, AOT) for it from a CPU host. Lowering only: such
+        a step cannot run on CPU (jax's pallas_call has no CPU lowering outside interpret mode). Training never
+        sets it; the kernels then target the local backend."""
         f = run_cfg.fast
         self.run_cfg, self.fcfg, self.model_cfg, self.mesh = run_cfg, f, model_cfg, mesh
         try:
@@ -49,6 +54,13 @@ class FastCircuit:
         except ValueError as e:
             raise ConfigError("fast.pp_size", str(e)) from None
         self.interpret = bool(f.kernel_interpret)
+        if lowering_platform is not None and lowering_platform not in PLATFORMS:
+            raise ValueError(f"lowering_platform: got {lowering_platform!r}; allowed {', '.join(PLATFORMS)} or None")
+        if lowering_platform is not None and self.interpret:
+            raise ConfigError(
+                "fast.kernel_interpret", "interpret mode runs on the host; it cannot be lowered for an accelerator"
+            )
+        self.lowering_platform = lowering_platform
         try:
             self.codec = make_activation_codec(
                 f.codec,
@@ -56,12 +68,13 @@ class FastCircuit:
                 boundaries=self.boundaries,
                 mesh=mesh,
                 interpret=self.interpret,
+                platform=lowering_platform,
                 owns_basis=not run_cfg.anchor_owns_q,
             )
         except ValueError as e:
             raise ConfigError("fast.codec", str(e)) from None
         self.has_activation_codec = self.codec is not None
-        self.grad_codec = make_grad_codec(f.grad_codec, mesh=mesh, interpret=self.interpret)
+        self.grad_codec = make_grad_codec(f.grad_codec, mesh=mesh, interpret=self.interpret, platform=lowering_platform)
         self._check_kernels()
         self.dp = dp_size(mesh)
         if self.grad_codec is not None:
@@ -87,7 +100,8 @@ class FastCircuit:
         return bool(getattr(self.codec, "owns_basis", False))
 
     def _check_kernels(self):
-        """A kernel asked for must be able to run: there is no silent fallback to the jnp reference."""
+        """A kernel asked for must be able to run (or, with an explicit lowering platform, be lowered): there is no
+        silent fallback to the jnp reference."""
         f = self.fcfg
         asked = [
             (path, sec)
@@ -100,7 +114,7 @@ class FastCircuit:
         ):
             if codec is not None and getattr(codec.cfg, "use_kernel", False) and not codec.has_kernel:
                 raise ConfigError(path, f"{name} has no Pallas kernel; set it false")
-        if asked and jax.default_backend() == "cpu" and not self.interpret:
+        if asked and jax.default_backend() == "cpu" and not self.interpret and self.lowering_platform is None:
             raise ConfigError(
                 asked[0][0],
                 "the Pallas kernels cannot be compiled on the CPU backend; set it false (jnp reference) or "

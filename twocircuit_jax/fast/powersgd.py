@@ -106,19 +106,21 @@ def _orth_batched(P, eps, key):
     return Q.reshape(lead + P.shape[-2:])
 
 
-def _project(g, e, Q, cfg, interpret):
+def _project(g, e, Q, cfg, interpret, platform):
     """P = (g + e)·Q in fp32, through the Pallas kernel when cfg.use_kernel."""
     if cfg.use_kernel:
         if g.ndim > 3:  # the kernel takes [n, m] or [L, n, m]
             lead = g.shape[:-2]
             g, e, Q = (a.reshape((-1,) + a.shape[-2:]) for a in (g, e, Q))
-            P = ef_project(g, e, Q, interpret=interpret)
+            P = ef_project(g, e, Q, interpret=interpret, platform=platform)
             return P.reshape(lead + P.shape[-2:])
-        return ef_project(g, e, Q, interpret=interpret)
+        return ef_project(g, e, Q, interpret=interpret, platform=platform)
     return jnp.einsum("...nm,...mr->...nr", g.astype(F32) + e, Q)
 
 
-def powersgd_reduce(grads, state: PowerSGDState, cfg, axis_name: str, *, skip=False, interpret: bool = False):
+def powersgd_reduce(
+    grads, state: PowerSGDState, cfg, axis_name: str, *, skip=False, interpret: bool = False, platform=None
+):
     """One tick of the dp reduction. Returns (mean_grad_estimate like grads, new_state, metrics).
 
     skip (bool or traced bool): leave e and Q unchanged (design §2: a skipped update keeps the error memories);
@@ -127,7 +129,7 @@ def powersgd_reduce(grads, state: PowerSGDState, cfg, axis_name: str, *, skip=Fa
     powersgd/skipped, powersgd/bytes_compressed, powersgd/bytes_dense (per replica, logical, design §3.6).
     """
     if cfg.use_kernel:
-        check_can_run(interpret, "powersgd (fast.grad_codec.use_kernel=true)")
+        check_can_run(interpret, "powersgd (fast.grad_codec.use_kernel=true)", platform)
     leaves = flat_leaves(grads)
     plan = plan_leaves(cfg, grads)
     comp = [p for p in plan if p.compress]
@@ -141,7 +143,7 @@ def powersgd_reduce(grads, state: PowerSGDState, cfg, axis_name: str, *, skip=Fa
 
     def compressed(_):
         M = {p.path: leaves[p.path].astype(F32) + state.e[p.path] for p in comp}
-        Ps = [_project(leaves[p.path], state.e[p.path], state.Q[p.path], cfg, interpret) for p in comp]
+        Ps = [_project(leaves[p.path], state.e[p.path], state.Q[p.path], cfg, interpret, platform) for p in comp]
         Ps = _unpack(jax.lax.psum(_pack(Ps), axis_name), Ps)
         Ph = [_orth_batched(P, cfg.reortho_eps, jax.random.PRNGKey(cfg.seed ^ _SALT ^ i)) for i, P in enumerate(Ps)]
         Qs = [jnp.einsum("...nm,...nr->...mr", M[p.path], ph) for p, ph in zip(comp, Ph)]
@@ -209,7 +211,7 @@ class PowerSGDCodec(GradCodec):
         return state_specs(state, axes)
 
     def reduce(self, grads, state, axes):
-        return powersgd_reduce(grads, state, self.cfg, axes, interpret=self.interpret)
+        return powersgd_reduce(grads, state, self.cfg, axes, interpret=self.interpret, platform=self.platform)
 
     def wire_bytes(self, params_like, state=None) -> dict:
         """Compressed-branch bytes; while the warm-up still holds at `state` (its last reduction took the plain

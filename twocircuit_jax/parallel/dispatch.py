@@ -41,6 +41,11 @@ class Jitted:
             jax.block_until_ready(out)  # host sync, CPU backend only
         return out
 
+    @property
+    def wrapped(self):
+        """The plain `jax.jit` object (jax.export accepts nothing else)."""
+        return self._jitted
+
     def __get__(self, obj, objtype=None):  # as a method decorator: bind `self` like a function would
         return self if obj is None else functools.partial(self.__call__, obj)
 

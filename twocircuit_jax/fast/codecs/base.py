@@ -73,9 +73,21 @@ class ActivationCodec:
     config: ClassVar[type]  # the config section class this codec is built from
     has_kernel: ClassVar[bool] = False  # a Pallas kernel exists (fast.codec.use_kernel may be true)
 
-    def __init__(self, cfg, *, hidden: int, boundaries: Sequence[int], mesh=None, interpret: bool = False, **_):
+    def __init__(
+        self,
+        cfg,
+        *,
+        hidden: int,
+        boundaries: Sequence[int],
+        mesh=None,
+        interpret: bool = False,
+        platform: str | None = None,
+        **_,
+    ):
         self.cfg, self.hidden, self.boundaries = cfg, int(hidden), tuple(int(b) for b in boundaries)
-        self.mesh, self.interpret = mesh, bool(interpret)
+        # platform: the kernels' lowering target when it is not the local backend (export only; see
+        # pallas_kernels/platform.py)
+        self.mesh, self.interpret, self.platform = mesh, bool(interpret), platform
 
     def init(self) -> Any:
         return None
@@ -162,8 +174,8 @@ class GradCodec:
     config: ClassVar[type]  # the config section class this codec is built from
     has_kernel: ClassVar[bool] = False  # a Pallas kernel exists (fast.grad_codec.use_kernel may be true)
 
-    def __init__(self, cfg, *, mesh=None, interpret: bool = False, **_):
-        self.cfg, self.mesh, self.interpret = cfg, mesh, bool(interpret)
+    def __init__(self, cfg, *, mesh=None, interpret: bool = False, platform: str | None = None, **_):
+        self.cfg, self.mesh, self.interpret, self.platform = cfg, mesh, bool(interpret), platform
 
     def check_mesh(self, mesh) -> None:
         return None

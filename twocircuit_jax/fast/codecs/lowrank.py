@@ -84,9 +84,10 @@ def init_lowrank(cfg, hidden: int, boundaries: Sequence[int]) -> LowRankState:
     )
 
 
-def _codec(h2d, Q, use_kernel: bool, interpret: bool, mesh=None):
+def _codec(h2d, Q, use_kernel: bool, interpret: bool, mesh=None, platform=None):
     if use_kernel:
-        return shard_rows(lambda m, q: project_reconstruct(m, q, interpret=interpret), mesh, n_row_args=1)(h2d, Q)
+        kernel = lambda m, q: project_reconstruct(m, q, interpret=interpret, platform=platform)  # noqa: E731
+        return shard_rows(kernel, mesh, n_row_args=1)(h2d, Q)
     return lowrank_reference(h2d, Q)[1]
 
 
@@ -101,6 +102,7 @@ def make_lowrank_hook(
     interpret: bool = False,
     cfg=None,
     mesh=None,
+    platform=None,
 ):
     """Boundary hook `hook(layer, h [B, T, H]) -> (h_new, aux)`.
 
@@ -109,7 +111,8 @@ def make_lowrank_hook(
     "recon_rel_err": [] f32 ‖M − M̂‖_F/‖M‖_F over real tokens}. attention_mask [B, T] (1 = real) keeps padding
     out of the sketch and the error. Layers not in `boundaries` raise: a silent identity would hide a wiring bug.
     cfg (a LowRankConfig), when given, supplies use_kernel (`fast.codec.use_kernel`). The Pallas kernel on CPU needs
-    interpret=True, otherwise this raises (never a silent fallback to the jnp path).
+    interpret=True (or an explicit lowering `platform`, export only), otherwise this raises (never a silent fallback
+    to the jnp path).
     """
     if cfg is not None:
         use_kernel = bool(cfg.use_kernel)
@@ -118,7 +121,7 @@ def make_lowrank_hook(
     if missing:
         raise ValueError(f"lowrank hook: no basis for boundaries {sorted(missing)}; state has {sorted(state.Q)}")
     if use_kernel:
-        check_can_run(interpret, "lowrank codec (fast.codec.use_kernel=true)")
+        check_can_run(interpret, "lowrank codec (fast.codec.use_kernel=true)", platform)
 
     def hook(layer, h):
         layer = int(layer)
@@ -127,7 +130,7 @@ def make_lowrank_hook(
         Q = jax.lax.stop_gradient(state.Q[layer])
         B, T, H = h.shape
         h2d = h.reshape(B * T, H)
-        Mh = _codec(h2d, Q, use_kernel, interpret, mesh).reshape(B, T, H)
+        Mh = _codec(h2d, Q, use_kernel, interpret, mesh, platform).reshape(B, T, H)
         # Diagnostics and sketch in fp32, outside the gradient path (cost: one extra N×H×r product for the sketch).
         M = jax.lax.stop_gradient(h).astype(F32)
         w = jnp.ones((B, T), F32) if attention_mask is None else attention_mask.astype(F32)
@@ -275,6 +278,7 @@ class LowRankCodec(ActivationCodec):
             cfg=self.cfg,
             interpret=self.interpret,
             mesh=self.mesh,
+            platform=self.platform,
         )
         return fn(self.check_layer(layer), h)
 

@@ -134,7 +134,7 @@ def _apply_reference(cfg, p, layer, step, sample_ids, positions, h):
     return rescale(cfg, p, h, masked), keep
 
 
-def _apply_kernel(cfg, p, layer, step, sample_ids, positions, h, interpret, mesh=None):
+def _apply_kernel(cfg, p, layer, step, sample_ids, positions, h, interpret, mesh=None, platform=None):
     if cfg.prf_impl == "threefry":
         raise ValueError(
             "fast.codec.use_kernel: the Pallas mask kernel hashes with u32pair; prf_impl 'threefry' "
@@ -151,7 +151,7 @@ def _apply_kernel(cfg, p, layer, step, sample_ids, positions, h, interpret, mesh
     col = lambda x, dt=jnp.uint32: jnp.broadcast_to(jnp.asarray(x, dt), (b, t)).reshape(b * t, 1)
     flip = jnp.where(odd, prf.u32(0xFFFFFFFF), prf.u32(0)).astype(jnp.uint32)
     rows = MaskRows(col(rk.hi), col(rk.lo), col(thr.hi), col(thr.lo), col(thr_j), col(flip), col(gain, jnp.float32))
-    kernel = shard_rows(lambda x, r: prf_mask_kernel(x, r, interpret=interpret), mesh, n_row_args=2)
+    kernel = shard_rows(lambda x, r: prf_mask_kernel(x, r, interpret=interpret, platform=platform), mesh, n_row_args=2)
     out = kernel(h.reshape(b * t, width), rows).reshape(b, t, width)
     if cfg.rescale_mode == "rms_match":
         g = jax.lax.stop_gradient(_rms(h.astype(jnp.float32)) / _rms(out.astype(jnp.float32)))[..., None]
@@ -159,13 +159,16 @@ def _apply_kernel(cfg, p, layer, step, sample_ids, positions, h, interpret, mesh
     return out
 
 
-def make_mask_hook(cfg, boundaries, step, sample_ids, positions, attention_mask=None, *, interpret=False, mesh=None):
+def make_mask_hook(
+    cfg, boundaries, step, sample_ids, positions, attention_mask=None, *, interpret=False, mesh=None, platform=None
+):
     """Build hook(layer, h [B, T, H]) -> (h~, {"mask_ratio": 1 - mean(m) over real tokens}).
 
     step: global step gs (int or traced int32 scalar); sample_ids [B] int32 global rows; positions [B, T] int32
     counted from each row's first real token (padding may hold anything); attention_mask [B, T] (1 = real token)
     only excludes padding from the metric. cfg.use_kernel selects the Pallas kernel (interpret=True on CPU); with a
-    `mesh` the kernel runs per device on its own rows (pallas_kernels/sharding.py)."""
+    `mesh` the kernel runs per device on its own rows (pallas_kernels/sharding.py); `platform` names the kernel's
+    lowering target when it is not the local backend (export only, pallas_kernels/platform.py)."""
     boundaries = tuple(int(x) for x in boundaries)
     _validate(cfg, boundaries)
 
@@ -173,7 +176,7 @@ def make_mask_hook(cfg, boundaries, step, sample_ids, positions, attention_mask=
         p = layer_p(cfg, boundaries, layer)
         width = h.shape[-1]
         if cfg.use_kernel:
-            out = _apply_kernel(cfg, p, layer, step, sample_ids, positions, h, interpret, mesh)
+            out = _apply_kernel(cfg, p, layer, step, sample_ids, positions, h, interpret, mesh, platform)
             # exact-k: the ratio is static; Bernoulli: the metric re-hashes in XLA (one extra pass, metric only)
             keep = None if cfg.exact_k else _keep(cfg, p, layer, step, sample_ids, positions, width)
         else:
@@ -237,6 +240,7 @@ class PrfMaskCodec(ActivationCodec):
             path.attention_mask,
             interpret=self.interpret,
             mesh=self.mesh,
+            platform=self.platform,
         )
         return fn(self.check_layer(layer), h)
 
