@@ -13,6 +13,14 @@ anchor. Both sides are per replica (a replica's share of the tokens) and per ste
 train forwards). Last line:
     dense_bytes=D compressed_bytes=C ratio=R
 Note: XLA:CPU widens bf16 collectives to f32, so bf16 parameters are counted at 4 bytes on both sides.
+
+With `mesh.stage > 1` the boundaries are real (parallel/pipeline.py) and nothing comes from a formula: the compiled
+step's collectives are split into boundary_fwd, boundary_bwd (the stage messages and their transposes),
+stage_exit (the last stage's hidden states summed over `stage`) and grad_reduce (the rest: the data-parallel
+gradient mean and scalar reductions), each counted per data replica times how often its loop runs
+(fast/hlo_bytes.py), against the same mesh with fast.codec=none. A gradient codec is refused there. `--memory`
+prints the compiled program's per-device argument, output and temporary bytes (XLA's memory analysis) for the config
+and for its unstaged twin (the stage devices used as data replicas), so one sees whether a model fits a mesh.
 """
 
 from __future__ import annotations
@@ -109,11 +117,55 @@ def dense_twin(cfg):
     )
 
 
+def _compiled(cfg, devices):
+    from twocircuit_jax.train.abstract_step import abstract_train_step
+
+    step = abstract_train_step(cfg, devices)
+    return step.jitted.lower(*step.args).compile(), step.mesh
+
+
+def staged_report(cfg, devices, memory: bool) -> int:
+    """Boundary bytes from the compiled staged step against its codec-none twin on the same mesh (per data replica,
+    per GRPO step), and with --memory the per-device memory of the step against the unstaged twin."""
+    from twocircuit_jax.fast.hlo_bytes import PARTS, memory_bytes, staged_bytes
+    from twocircuit_jax.parallel import mesh as pmesh
+
+    ticks = cfg.ticks_per_step * cfg.train.ppo_epochs
+    rows = {}
+    if cfg.mesh.stage > 1:
+        if cfg.fast.grad_codec_type != "none":
+            print("error: fast.grad_codec with mesh.stage > 1 is not supported", file=sys.stderr)
+            return 2
+        for name, c in (("dense", dense_twin(cfg)), ("config", cfg)):
+            compiled, mesh = _compiled(c, devices)
+            parts = staged_bytes(compiled.as_text(), pmesh.dp_size(mesh))
+            rows[name] = {p: parts[p] * ticks for p in PARTS}
+            print(f"{name}: " + " ".join(f"{p}={rows[name][p]:.0f}" for p in PARTS) + f" counts={parts['counts']}")
+        d = rows["dense"]["boundary_fwd"] + rows["dense"]["boundary_bwd"]
+        c = rows["config"]["boundary_fwd"] + rows["config"]["boundary_bwd"]
+        print(f"per data replica per step ({ticks} ticks), counted from the compiled programs")
+        print(f"boundary_dense_bytes={d:.0f} boundary_compressed_bytes={c:.0f} boundary_ratio={d / c:.2f}x")
+    if memory:
+        flat = dataclasses.replace(
+            cfg, mesh=dataclasses.replace(cfg.mesh, data=cfg.mesh.data * cfg.mesh.stage, stage=1)
+        )
+        for name, c in (("unstaged", flat), ("staged", cfg)):
+            if c.mesh.stage == 1 and name == "staged":
+                continue
+            m = memory_bytes(_compiled(c, devices)[0])
+            print(
+                f"memory {name} (mesh {c.mesh.data}x{c.mesh.stage}x{c.mesh.fsdp}x{c.mesh.tensor}), per device: "
+                + " ".join(f"{k}={v / 2**20:.1f}MiB" for k, v in m.items())
+            )
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--devices", type=int, default=8, help="fake CPU devices (only before jax is imported)")
+    ap.add_argument("--memory", action="store_true", help="per-device memory of the compiled step, staged vs not")
     args = ap.parse_args(argv)
     _setup_devices(args.devices)
     import jax
@@ -133,6 +185,8 @@ def main(argv=None) -> int:
         )
         return 2
     devices = jax.devices()[: args.devices]
+    if cfg.mesh.stage > 1 or args.memory:
+        return staged_report(cfg, devices, args.memory)
     comp = measure(cfg, devices)
     dense = measure(dense_twin(cfg), devices)
     for name, r in (("dense", dense), ("config", comp)):

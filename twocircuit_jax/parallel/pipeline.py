@@ -21,6 +21,7 @@ collective of the pipeline besides the boundary messages).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import jax
@@ -32,6 +33,15 @@ from twocircuit_jax.fast.wire import DenseWire
 from twocircuit_jax.model import qwen2
 
 AXIS = "stage"
+# Named scopes of the pipeline's collectives, read back from the compiled program by fast/bytes.py (a backward
+# message is the transpose of a forward one: its op name carries "transpose(").
+BOUNDARY, STAGE_EXIT = "stage_boundary", "stage_exit"
+
+
+def _send(payload, k: int):
+    """Boundary k's message, stage k -> k + 1 (every data replica's pair at once)."""
+    with jax.named_scope(BOUNDARY):
+        return jax.lax.ppermute(payload, AXIS, [(k, k + 1)])
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:
@@ -89,6 +99,13 @@ class Pipeline:
         rows["positions"] = qwen2.default_positions(attention_mask)
         rows_mb = jax.tree.map(lambda a: split_rows(a, M), rows)
         x_mb = split_rows(qwen2._embed(cfg, params, tokens), M)
+        act_dtype = x_mb.dtype
+        # XLA:CPU aborts on a bf16 all-reduce inside a partially manual shard_map ("Invalid binary instruction
+        # opcode copy"): the hidden states cross the two reductions over `stage` (the exit sum, and the embedding
+        # cotangent's sum that transposes the replicated input) in fp32 there. Lossless: bf16 -> fp32 -> bf16.
+        wide = jax.default_backend() == "cpu" and act_dtype == jnp.bfloat16
+        if wide:
+            x_mb = x_mb.astype(jnp.float32)
         probe = boundary_fn(jax.tree.map(lambda a: a[0], rows_mb)) if boundary_fn else (None, (), {})
         hook_layers, wired = tuple(probe[1]), dict(probe[2])
         bad = (set(hook_layers) | set(wired)) - set(self.boundaries)
@@ -118,14 +135,14 @@ class Pipeline:
 
             def tick(carry, i):
                 state, outs, auxes = carry
-                inp = jnp.where(s == 0, pick(x_mb, i), state)
+                inp = jnp.where(s == 0, pick(x_mb, i).astype(act_dtype), state)
                 y = stage_layers(inp, pick(rows_mb, i - s))
                 new_state = jnp.zeros_like(y)
                 for k, b in enumerate(self.boundaries):
                     m = i - k  # the microbatch crossing boundary k at this tick (sender k, receiver k + 1)
                     hook, _, wires = boundary_fn(pick(rows_mb, m)) if boundary_fn else (None, (), {})
                     wire = wires.get(b, DenseWire())
-                    recv = wire.transfer(y, s == k, s == k + 1, lambda p, k=k: jax.lax.ppermute(p, AXIS, [(k, k + 1)]))
+                    recv = wire.transfer(y, s == k, s == k + 1, functools.partial(_send, k=k))
                     new_state = jnp.where(s == k + 1, recv, new_state)
                     if b in aux_like:
                         zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_like[b])
@@ -146,10 +163,11 @@ class Pipeline:
                 return (new_state, outs, auxes), None
 
             auxes = {b: jax.tree.map(lambda a: jnp.zeros((M,) + a.shape, a.dtype), al) for b, al in aux_like.items()}
-            init = (jnp.zeros_like(x_mb[0]), jnp.zeros_like(x_mb), auxes)
+            init = (jnp.zeros(x_mb.shape[1:], act_dtype), jnp.zeros(x_mb.shape, act_dtype), auxes)
             (_, outs, auxes), _ = jax.lax.scan(tick, init, jnp.arange(M + S - 1))
             # Only the last stage's `outs` (and the sender's aux) are non-zero: the sum over stages is a broadcast.
-            return jax.lax.psum(outs, AXIS), jax.lax.psum(auxes, AXIS)
+            with jax.named_scope(STAGE_EXIT):
+                return jax.lax.psum(outs.astype(x_mb.dtype), AXIS), jax.lax.psum(auxes, AXIS)
 
         layer_specs = jax.tree.map(lambda _: P(AXIS), params["layers"])
         staged = jax.shard_map(
@@ -161,7 +179,7 @@ class Pipeline:
             check_vma=False,
         )
         hidden, aux = staged(params["layers"], x_mb, rows_mb)
-        return qwen2._head(cfg, params, join_rows(hidden)), aux
+        return qwen2._head(cfg, params, join_rows(hidden).astype(act_dtype)), aux
 
 
 SUMMED_AUX = ("sketch", "tokens")  # aux leaves that add up over microbatches; the others (ratios, errors) average

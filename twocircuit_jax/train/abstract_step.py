@@ -49,6 +49,7 @@ def abstract_train_step(cfg, devices, *, lowering_platform: str | None = None) -
     from twocircuit_jax.parallel import mesh as pmesh
     from twocircuit_jax.train.circuit_state import CircuitState, init_clock
     from twocircuit_jax.train.grpo_step import make_grpo_loss
+    from twocircuit_jax.train.setup import make_pipeline
     from twocircuit_jax.train.step import build_train_step, init_state, make_optimizer, state_shardings
 
     model_cfg = cfg.model
@@ -67,7 +68,8 @@ def abstract_train_step(cfg, devices, *, lowering_platform: str | None = None) -
             codec=jax.eval_shape(circuit.init_codec_state), grad=jax.eval_shape(circuit.init_grad_state, params)
         )
     act_codec = circuit if (circuit and circuit.has_activation_codec) else None
-    loss_fn = make_grpo_loss(model_cfg, cfg.grpo, cfg.sampler.sampling.max_new_tokens, act_codec)
+    pipeline = make_pipeline(cfg, model_cfg, mesh) if mesh.shape["stage"] > 1 else None
+    loss_fn = make_grpo_loss(model_cfg, cfg.grpo, cfg.sampler.sampling.max_new_tokens, act_codec, pipeline)
     grad_fn = circuit.grad_fn(state_sh.params) if circuit else None
     batch = batch_shapes(cfg)
     rep = pmesh.replicated(mesh)

@@ -1,0 +1,131 @@
+"""Bytes per collective of a compiled program with real pipeline stages, split by what they carry.
+
+`staged_bytes(hlo_text)` reads the compiled (SPMD-partitioned) HLO text of a step that uses parallel/pipeline.py:
+  boundary_fwd   collective-permutes under the pipeline's `stage_boundary` scope (forward messages)
+  boundary_bwd   their transposes (op name with "transpose("): the backward messages
+  stage_exit     the last stage's hidden states and the boundary aux summed over `stage` (forward and backward)
+  grad_reduce    every other collective: the data-parallel gradient mean and the loss's scalar reductions
+Each instruction counts its result bytes (one device's message) times how often it runs: a collective inside a
+`while` body (the pipeline's tick loop) runs `known_trip_count` times per call of the loop, which XLA records in
+the loop's backend config; a loop without one is an error rather than a guess. A collective-permute counts once per
+source-target pair per data replica (`pairs / replicas`), so all numbers are per data replica.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from twocircuit_jax.fast.bytes import COLLECTIVE_KINDS, _shape_bytes
+
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
+_CALLEES = re.compile(r"\b(?:body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+
+PARTS = ("boundary_fwd", "boundary_bwd", "stage_exit", "grad_reduce")
+
+
+def _computations(hlo_text: str):
+    """{name: [instruction lines]} and the entry computation's name."""
+    comps, entry, cur = {}, None, None
+    for line in hlo_text.splitlines():
+        m = _HEADER.match(line) if line[:1] not in (" ", "\t", "") else None  # instructions are indented
+        if m:
+            cur = m.group(2)
+            comps[cur] = []
+            if m.group(1):
+                entry = cur
+        elif cur is not None and line.strip() == "}":
+            cur = None
+        elif cur is not None:
+            comps[cur].append(line)
+    if entry is None:
+        raise ValueError("compiled HLO text without an ENTRY computation")
+    return comps, entry
+
+
+def _multiplicity(comps: dict, entry: str) -> dict:
+    """How many times each computation runs per call of the entry (while bodies times their trip count)."""
+    edges = {c: [] for c in comps}
+    for name, lines in comps.items():
+        for line in lines:
+            trip = 1
+            if " while(" in line:
+                m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+                if m is None:
+                    raise ValueError(f"while loop without known_trip_count in {name}: cannot count its collectives")
+                trip = int(m.group(1))
+            for callee in _CALLEES.findall(line):
+                is_body = f"body={callee}" in line.replace("%", "")
+                edges[name].append((callee, trip if is_body else 1))
+            for group in _BRANCHES.findall(line):
+                edges[name].extend((c.strip().lstrip("%"), 1) for c in group.split(","))
+    mult = {entry: 1}
+    order, seen = [], set()
+
+    def visit(c):  # post-order DFS: callees after callers in the reversed list
+        if c in seen or c not in edges:
+            return
+        seen.add(c)
+        for callee, _ in edges[c]:
+            visit(callee)
+        order.append(c)
+
+    visit(entry)
+    for c in reversed(order):
+        for callee, n in edges[c]:
+            mult[callee] = mult.get(callee, 0) + mult.get(c, 0) * n
+    return mult
+
+
+def staged_bytes(hlo_text: str, replicas: int) -> dict:
+    """{part: bytes per data replica per call} for PARTS, plus "counts" (instructions per part)."""
+    comps, entry = _computations(hlo_text)
+    mult = _multiplicity(comps, entry)
+    out = {p: 0.0 for p in PARTS}
+    counts = {p: 0 for p in PARTS}
+    for name, lines in comps.items():
+        for line in lines:
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            shape, op = m.group(2), m.group(3)
+            base = op[: -len("-start")] if op.endswith("-start") else op
+            if base not in COLLECTIVE_KINDS:
+                continue
+            op_name = (_OP_NAME.search(line) or [None, ""])[1]
+            b = _shape_bytes(shape) * mult.get(name, 0)
+            if base == "collective-permute":
+                pairs = _PAIRS.search(line)
+                n_pairs = pairs.group(1).count("{") if pairs else replicas
+                b *= n_pairs / replicas
+            if "stage_boundary" in op_name:
+                part = "boundary_bwd" if "transpose(" in op_name else "boundary_fwd"
+            elif "stage_exit" in op_name:
+                part = "stage_exit"
+            else:
+                part = "grad_reduce"
+            out[part] += b
+            counts[part] += 1
+    out["counts"] = counts
+    return out
+
+
+def memory_bytes(compiled) -> dict:
+    """Per-device bytes of a compiled program (XLA's memory analysis): arguments, outputs, temporaries."""
+    m = compiled.memory_analysis()
+    if m is None:
+        raise ValueError("this backend reports no memory analysis for compiled programs")
+    return {
+        "argument": float(m.argument_size_in_bytes),
+        "output": float(m.output_size_in_bytes),
+        "temp": float(m.temp_size_in_bytes),
+        "alias": float(getattr(m, "alias_size_in_bytes", 0)),
+    }
+
+
+def describe(parts: dict) -> str:
+    return json.dumps({k: round(v) for k, v in parts.items() if k in PARTS})
