@@ -30,6 +30,9 @@ def _parser() -> argparse.ArgumentParser:
     with_config(t, "run folder, e.g. runs/NAME")
     t.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in --out")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from twocircuit_jax.parallel.distributed import add_flags
+
+    add_flags(t)
     s = sub.add_parser("sft", help="supervised training of a base model (the tiny embedded default)")
     with_config(s, "output folder (a Hugging Face checkpoint directory)")
     e = sub.add_parser("eval", help="held-out evaluation on the config's task, or on a benchmark suite (--suite)")
@@ -105,16 +108,7 @@ def _dispatch(args) -> int:
     from twocircuit_jax.config import load_config
 
     if args.cmd == "train":
-        from twocircuit_jax.train.loop import GRPOTrainer
-
-        cfg = load_config(args.config, args.set)
-        if not args.resume and os.path.isdir(args.out) and os.listdir(args.out):
-            from twocircuit_jax.config.base import ConfigError
-
-            raise ConfigError("--out", f"{args.out} exists and is not empty; use --resume or a new folder")
-        summary = GRPOTrainer(cfg, args.out, resume=args.resume, show_progress=not args.no_progress).run()
-        print(json.dumps(summary))
-        return 0
+        return _train(args)
     if args.cmd == "sft":
         from twocircuit_jax.train.sft import run_sft
 
@@ -160,6 +154,29 @@ def _dispatch(args) -> int:
         print(json.dumps({"runs": [r.name for r in runs], "written": plot_runs(runs, args.out)}))
         return 0
     raise AssertionError(args.cmd)
+
+
+def _train(args) -> int:
+    from twocircuit_jax.config import load_config
+    from twocircuit_jax.config.base import ConfigError
+    from twocircuit_jax.parallel import distributed
+
+    launch = distributed.resolve(args)  # flags and environment checked before anything starts
+    cfg = load_config(args.config, args.set)
+    distributed.initialize(launch)  # before the first JAX computation (the model init in the trainer)
+    from twocircuit_jax.train.loop import GRPOTrainer
+
+    if not args.resume and os.path.isdir(args.out) and os.listdir(args.out):
+        raise ConfigError("--out", f"{args.out} exists and is not empty; use --resume or a new folder")
+    if launch.source != "single":
+        from jax.experimental import multihost_utils
+
+        # Every process has looked at --out before any writes into it (process 0 creates files there first).
+        multihost_utils.sync_global_devices("twocircuit_out_checked")
+    summary = GRPOTrainer(cfg, args.out, resume=args.resume, show_progress=not args.no_progress).run()
+    if distributed.is_primary():
+        print(json.dumps(summary))
+    return 0
 
 
 def _eval(args) -> int:

@@ -32,6 +32,7 @@ from twocircuit_jax.anchor.retention import ReplayBuffer, host_snapshot
 from twocircuit_jax.anchor.swap import init_anchor_moments, swap_optimizer_moments, update_anchor_moments
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.parallel import dispatch
+from twocircuit_jax.parallel.host import to_global, to_host
 
 _ZERO_COUNTERS = ("anchor/optimizer_steps", "anchor/rollouts_generated", "anchor/rewards_recomputed")
 
@@ -191,7 +192,7 @@ class AnchorCircuit:
             else:
                 self.warmup_fires += 1
         carry = {"merger": cs.merger, "moments": cs.moments}
-        dev = jax.device_put(weights, self.param_sh)  # host → device, params-sized
+        dev = to_global(weights, self.param_sh)  # host → device, params-sized
         carry, fm, sketch = self._fire_jit(dev, fire_batch, carry, basis if self.owns_q else None)  # serialised on CPU
         # Nothing above may fail after this point: state changes only now.
         if window is not None:
@@ -259,7 +260,7 @@ class AnchorCircuit:
         return pickle.dumps(
             {
                 "snapshots": dict(b._snapshots),
-                "batches": [(t, s, jax.device_get(x)) for t, s, x in b._batches],
+                "batches": [(t, s, to_host(x)) for t, s, x in b._batches],  # every process: may gather
                 "tau": b._tau,
                 "step": b._step,
                 "step_ticks": dict(b._step_ticks),

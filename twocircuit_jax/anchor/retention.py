@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from twocircuit_jax.anchor.merger import path_str
+from twocircuit_jax.parallel.host import to_host
 
 
 class CanaryMismatchError(RuntimeError):
@@ -51,7 +52,7 @@ def host_snapshot(params, dtype) -> Any:
     """Copy params to host numpy, floating leaves cast to the sampler dtype; arrays are made read-only."""
 
     def one(x):
-        a = np.asarray(jax.device_get(x))
+        a = to_host(x)  # a gather when the params are sharded over several processes (collective)
         a = np.array(a.astype(dtype) if _is_float(a) else a, copy=True)
         a.setflags(write=False)
         return a

@@ -24,8 +24,10 @@ import jax
 
 @functools.cache
 def serial_dispatch() -> bool:
-    """True where a multi-device program must finish before the next is dispatched (XLA:CPU, >1 local device)."""
-    return jax.default_backend() == "cpu" and jax.local_device_count() > 1
+    """True where a multi-device program must finish before the next is dispatched (XLA:CPU, >1 device). The
+    global count, so that processes of one CPU device each, whose programs meet at cross-process (gloo)
+    rendezvous, are serialised too: not seen to hang here, but the same hazard, for a host sync per call."""
+    return jax.default_backend() == "cpu" and jax.device_count() > 1
 
 
 class Jitted:

@@ -16,6 +16,7 @@ import numpy as np
 from twocircuit_jax.config.sections import ModelConfig, SamplingConfig
 from twocircuit_jax.model.qwen2 import decode_step, init_cache
 from twocircuit_jax.parallel import dispatch
+from twocircuit_jax.parallel.host import to_host
 from twocircuit_jax.sampler.base import Rollout
 
 
@@ -110,7 +111,9 @@ class JaxSampler:
             jnp.float32(sampling.top_p),
             max_new_tokens=sampling.max_new_tokens,
         )
-        toks, lps, lengths, trunc = jax.device_get(out)  # host sync: the loop scores text on the host
+        # Host sync: the loop scores text on the host. With params sharded over several processes the outputs may
+        # be too; `to_host` then gathers them (every process generates the same rows, so all call it together).
+        toks, lps, lengths, trunc = to_host(out)
         tokens = [toks[i, : lengths[i]].tolist() for i in range(len(rows))]
         logps = [lps[i, : lengths[i]].astype(np.float64).tolist() for i in range(len(rows))]
         return Rollout(tokens, logps, [bool(t) for t in trunc], self.version)

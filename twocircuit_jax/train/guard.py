@@ -70,8 +70,9 @@ def apply_mitigations(cfg, names):
 class Guard:
     """Host-side decisions: `decide(step, health, alarming)` -> None or the action to take now."""
 
-    def __init__(self, cfg, run_dir: str):
+    def __init__(self, cfg, run_dir: str, write: bool = True):
         self.cfg, self.path = cfg, os.path.join(run_dir, "guard.jsonl")
+        self.writes = write  # False on every process but 0 of a multi-process run: one guard.jsonl, one writer
         self.streak = 0  # consecutive steps in alarm
         self.rollbacks = 0
         self.applied: list[str] = []  # mitigations in force
@@ -128,6 +129,8 @@ class Guard:
         return out
 
     def _write(self) -> None:
+        if not self.writes:
+            return
         tmp = self.path + ".tmp"
         with open(tmp, "w") as fh:
             for a in self.actions:

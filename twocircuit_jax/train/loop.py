@@ -28,6 +28,8 @@ from twocircuit_jax.metrics.logger import MetricsLogger
 from twocircuit_jax.metrics.mismatch import mismatch_by_turn, mismatch_metrics
 from twocircuit_jax.metrics.probe import dense_probe_metrics, make_fidelity_fn
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
+from twocircuit_jax.parallel.distributed import is_primary
+from twocircuit_jax.parallel.host import to_global, to_host
 from twocircuit_jax.train import rollout as ro
 from twocircuit_jax.train.checkpoint import CheckpointManager
 from twocircuit_jax.train.circuit_state import CircuitState, Clock, init_clock, place, set_clock
@@ -59,7 +61,7 @@ class GRPOTrainer:
         os.makedirs(run_dir, exist_ok=True)
         self.ckpt = CheckpointManager(os.path.join(run_dir, "checkpoints"), keep_last=2)
         self.user_cfg = cfg  # as given; the guard's mitigations in force are applied on top (and saved in the meta)
-        self.guard = Guard(cfg.guard, run_dir) if cfg.guard.enabled else None
+        self.guard = Guard(cfg.guard, run_dir, write=is_primary()) if cfg.guard.enabled else None
         if resume and self.guard and self.ckpt.latest() is not None:  # the mitigations shape what gets compiled
             self.guard.load_state_dict(self.ckpt.read_meta(self.ckpt.latest()).get("guard"))
             cfg = apply_mitigations(cfg, self.guard.applied)
@@ -84,10 +86,10 @@ class GRPOTrainer:
         self.optimizer = make_optimizer(cfg.optim)
         state = init_state(params, self.optimizer)
         self.state_sh = state_shardings(state, self.mesh)
-        self.state = jax.device_put(state, self.state_sh)
+        self.state = to_global(state, self.state_sh)
         self.param_sh = self.state_sh.params
         # Frozen reference policy: a copy, since the train state's buffers are donated every tick.
-        self.ref_params = jax.tree.map(jnp.copy, jax.device_put(params, self.param_sh))
+        self.ref_params = jax.tree.map(jnp.copy, to_global(params, self.param_sh))
         self.codec = self.anchor = None
         self._build_circuits()
         self._compile()
@@ -95,10 +97,14 @@ class GRPOTrainer:
         if resume:
             self._restore()
         self._start_sampler()
-        save_config(self.user_cfg, os.path.join(run_dir, "config.yaml"))
-        self.logger = MetricsLogger(
-            run_dir, t.steps, show_progress=show_progress, resume_from_step=self.start_step if resume else None
-        )
+        # Run-level files come from process 0 alone; the others run the same steps and write only their shards of
+        # each checkpoint (train/checkpoint.py).
+        self.logger = None
+        if is_primary():
+            save_config(self.user_cfg, os.path.join(run_dir, "config.yaml"))
+            self.logger = MetricsLogger(
+                run_dir, t.steps, show_progress=show_progress, resume_from_step=self.start_step if resume else None
+            )
 
     # --- construction -----------------------------------------------------------------------------------------
     def _set_cap(self):
@@ -183,7 +189,8 @@ class GRPOTrainer:
         )  # the probe: codecs off everywhere
 
     def _shard_batch(self, batch):
-        return jax.device_put(batch, pmesh.batch_shardings(batch, self.mesh))
+        """Host rows (the same on every process) or device rows, split over the batch axes of the mesh."""
+        return to_global(batch, pmesh.batch_shardings(batch, self.mesh))
 
     # --- checkpoints ------------------------------------------------------------------------------------------
     def _ckpt_state(self):
@@ -225,6 +232,10 @@ class GRPOTrainer:
         Returns its meta."""
         meta = self.ckpt.read_meta(step)
         layout = meta.get("state_layout", 1)
+        # The restore targets carry the shardings the arrays come back with. A fresh circuit state's clock is host
+        # scalars on one local device: restored like that, it would be a per-process array that cannot then be
+        # placed on the global mesh of a multi-process run. Placed first, every leaf returns on its run sharding.
+        self.cs = place(self.cs, self.cs_sh)
         if layout == STATE_LAYOUT:
             # Restore into the fields the checkpoint holds; a field it lacks (one a guard mitigation added since,
             # the swap's moments) keeps its fresh value.
@@ -305,7 +316,7 @@ class GRPOTrainer:
             )
         batch, metrics = dict(col.batch), dict(col.metrics)
         loss_mask = batch.pop("loss_mask")
-        full_mask = jnp.asarray(batch["response_mask"])  # every sampled token: the diagnostics see them all
+        full_mask = self._shard_batch(batch["response_mask"])  # every sampled token: the diagnostics see them all
         batch["response_mask"] = batch["response_mask"] * loss_mask[:, None]  # the loss may exclude some rows
         truncated = batch.pop("truncated")
         self.cs = place(set_clock(self.cs, step=gs), self.cs_sh)  # one input signature for every jitted pass
@@ -386,7 +397,7 @@ class GRPOTrainer:
                 # Both states are donated: `place` commits every leaf to its sharding, no buffer twice.
                 self.cs = place(self.cs, self.cs_sh)
                 if probe and first:  # before the tick: the weights and M it will use
-                    _merge(accum, jax.device_get(self.fidelity(self.state.params, self.ref_params, mb, self.cs)))
+                    _merge(accum, to_host(self.fidelity(self.state.params, self.ref_params, mb, self.cs)))
                 self.state, self.cs, m = self.train_step(self.state, self.cs, mb)
                 m = dict(m)
                 if self.codec:
@@ -394,7 +405,7 @@ class GRPOTrainer:
                 if self.anchor:
                     self.state, sm = self.anchor.after_tick(tau, self.state, self.cs)
                     m.update(sm)
-                _merge(accum, jax.device_get(m))  # host sync, once per tick
+                _merge(accum, to_host(m))  # host sync, once per tick
         out = {k: float(np.mean(v)) for k, v in accum.items()}
         for k in ("grad/skipped", "anchor/fire"):
             if k in accum:
@@ -415,7 +426,8 @@ class GRPOTrainer:
             if self.start_step == 0:
                 ev = self.evaluate(0)
                 summary["base_accuracy"] = ev["eval/accuracy"]
-                self.logger.log(0, {"step": 0, "tick": 0, **ev})
+                if self.logger:
+                    self.logger.log(0, {"step": 0, "tick": 0, **ev})
                 if self.guard:  # a rollback always has somewhere to go
                     self._maybe_save_best(0, ev)
             for gs in range(self.start_step + 1, t.steps + 1):
@@ -437,13 +449,15 @@ class GRPOTrainer:
                     metrics.update(self.evaluate(gs))
                 if "eval/accuracy" in metrics:
                     summary["final_accuracy"] = metrics["eval/accuracy"]
-                self.logger.log(gs, metrics)
+                if self.logger:
+                    self.logger.log(gs, metrics)
                 self._maybe_checkpoint(gs, force=act in ("rollback", "stop", "final"))
                 if act in ("stop", "final"):
                     summary["stopped_by_guard"] = gs
                     break
         finally:
-            self.logger.close()
+            if self.logger:
+                self.logger.close()
             self.sampler.close()
         summary["steps"] = t.steps
         return summary

@@ -47,8 +47,14 @@ def _from_run_checkpoint(path: str):
         mcfg = from_dict(ModelConfig, meta["model_config"])
     except (OSError, json.JSONDecodeError, KeyError) as e:
         raise CheckpointError(f"{meta_path}: unreadable or without model_config ({e})") from None
-    # Restore without a target: plain nested containers of host arrays, in the saved structure.
-    tree = ocp.StandardCheckpointer().restore(os.path.abspath(os.path.join(path, "state")))
+    # Restore into the saved structure, every array whole on this process's first device: a checkpoint written by
+    # a multi-process run names devices (of other processes) that a restore by its saved shardings cannot find.
+    # Costs one device's memory for the whole saved state (optimizer moments included), as a host restore did.
+    ckptr = ocp.StandardCheckpointer()
+    state_dir = os.path.abspath(os.path.join(path, "state"))
+    saved = ckptr.metadata(state_dir).item_metadata.tree
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    tree = ckptr.restore(state_dir, jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), saved))
     train = tree["train"]
     params = train["params"] if isinstance(train, dict) else train[0]
     return mcfg, jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), params)

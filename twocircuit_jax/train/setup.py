@@ -74,6 +74,14 @@ def make_sampler(run_cfg, model_cfg, params, tokenizer, run_dir: str):
         from twocircuit_jax.sampler.jax_sampler import JaxSampler
 
         return JaxSampler(model_cfg, params, prompt_bucket=run_cfg.train.max_prompt_len)
+    if jax.process_count() > 1:
+        # Every process would start its own engine, export its own copy of the weights and get different samples
+        # (vLLM's sampling is not reproducible across engines): the processes' batches would disagree.
+        raise ConfigError(
+            "sampler.backend",
+            f"'{run_cfg.sampler.backend}' runs with one trainer process; this run has {jax.process_count()} "
+            "(use sampler.backend: jax, the embedded sampler, on many hosts)",
+        )
     from twocircuit_jax.model.hf_io import save_hf
     from twocircuit_jax.sampler.vllm_client import VLLMSampler, untie_for_vllm
 

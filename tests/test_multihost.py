@@ -1,0 +1,199 @@
+"""Many processes: `twocircuit train` as 2 processes x 4 CPU devices on the loopback interface (jax.distributed,
+gloo collectives) against 1 process x 8 devices, same config and seed; and the launch flags' validation.
+
+The mesh is fsdp over all 8 devices, so the params, the optimizer state and every batch are split across the two
+processes: nothing the loop holds is addressable by one process alone, which is what a host-side `np.asarray`,
+a `device_put` of host rows or a checkpoint save gets wrong first.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import yaml
+from tiny_run import tiny_config
+
+from twocircuit_jax.cli import main
+from twocircuit_jax.parallel.distributed import Launch, resolve
+from twocircuit_jax.train.policy_io import load_policy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# entropy_coeff: the random tiny model earns no reward on chain_sum, so the entropy term is what moves the weights
+CFG = tiny_config(
+    mesh={"data": 1, "fsdp": -1},
+    optim={"lr": 1e-2},
+    grpo={"kl_coef": 0.0, "entropy_coeff": 0.01},
+    train={"steps": 2, "checkpoint_every": 1},
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(cfg_path, out, *extra, local_devices_flag=False):
+    """Start the two processes of one run; returns their Popen objects."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PJRT_NPROC="64")
+    if local_devices_flag:
+        extra = (*extra, "--local-devices", "4")  # XLA_FLAGS stays at the pytest process's 8: the flag must win
+    else:
+        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    port = _free_port()
+    cmd = [sys.executable, "-m", "twocircuit_jax.cli", "train", "--config", cfg_path, "--out", out, "--no-progress"]
+    cmd += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", *extra]
+    return [
+        subprocess.Popen(
+            cmd + ["--process-id", str(i)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for i in range(2)
+    ]
+
+
+def _wait(procs, timeout=600):
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for i, (p, (so, se)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"process {i} exited {p.returncode}:\n{se[-4000:]}"
+    return [so for so, _ in outs]
+
+
+def _summaries(stdout) -> list:
+    """The run summaries a process printed (gloo prints its connection lines to stdout too)."""
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def _metrics(run):
+    return [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+
+
+def _assert_rows_match(one, many):
+    """Every metric of the 1-process run, step by step, in the 2-process run: fp32 reduction order differs (a gloo
+    all-reduce against one in-process), so to ~1e-6 relative; log-prob gaps near 0 to 1e-6 absolute."""
+    assert [r["step"] for r in many] == [r["step"] for r in one]
+    for a, b in zip(one, many):
+        keys = [k for k in a if not k.startswith("time/")]
+        assert set(keys) <= set(b), set(keys) - set(b)
+        got, want = np.array([float(b[k]) for k in keys]), np.array([float(a[k]) for k in keys])
+        bad = [k for k, x, y in zip(keys, got, want) if not np.isclose(x, y, rtol=1e-5, atol=1e-6)]
+        assert not bad, {k: (a[k], b[k]) for k in bad}
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one(tmp_path):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(CFG))
+    cfg1 = tmp_path / "cfg1.yaml"  # the 2-process run stops after step 1, then resumes to step 2
+    cfg1.write_text(yaml.safe_dump({**CFG, "train": {**CFG["train"], "steps": 1}}))
+    one, many = str(tmp_path / "one"), str(tmp_path / "many")
+
+    procs = _launch(str(cfg1), many)  # the 2-process run's first leg, while this process runs the reference
+    try:
+        assert main(["train", "--config", str(cfg), "--out", one, "--no-progress"]) == 0  # 1 process x 8 devices
+    finally:
+        first = _wait(procs)
+    # only process 0 writes run-level output: one summary line, one record per step (two writers would append twice)
+    assert [s["steps"] for s in _summaries(first[0])] == [1] and _summaries(first[1]) == []
+    assert [r["step"] for r in _metrics(many)] == [0, 1]
+    assert sorted(os.listdir(os.path.join(many, "checkpoints"))) == ["best", "step_00000001"]
+
+    # resume from the sharded step-1 checkpoint, to step 2, as 2 processes again (the device count from the flag)
+    second = _wait(_launch(str(cfg), many, "--resume", local_devices_flag=True))
+    assert [s["steps"] for s in _summaries(second[0])] == [2] and _summaries(second[1]) == []
+    _assert_rows_match(_metrics(one), _metrics(many))
+
+    # the final weights: the 2-process checkpoint (written in shards by both) against the 1-process one
+    _, p1 = load_policy(os.path.join(one, "checkpoints", "step_00000002"))
+    _, p2 = load_policy(os.path.join(many, "checkpoints", "step_00000002"))
+    _, p0 = load_policy(os.path.join(many, "checkpoints", "best"))  # step 0: the initial weights
+    flat1, flat2, flat0 = (np.concatenate([np.ravel(x) for x in jax.tree.leaves(p)]) for p in (p1, p2, p0))
+    assert np.abs(flat1 - flat0).max() > 1e-3  # training moved them: the comparison below means something
+    # Adam divides by sqrt(v): on entries whose gradient is near 0 a 1e-7 relative difference in it moves the update
+    # by up to ~lr * 1e-3 (measured 4e-6 here), against the 2e-2 the weights moved
+    np.testing.assert_allclose(flat2, flat1, rtol=1e-5, atol=2e-5)
+
+
+def _args(**kw):
+    base = dict(coordinator=None, num_processes=None, process_id=None, local_devices=None, distributed="auto")
+    return type("Args", (), {**base, **kw})
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--coordinator", "127.0.0.1:1234"], "--coordinator: needs --num-processes and --process-id too"),
+        (
+            ["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"],
+            "--process-id: got 2; must be in 0 .. 1",
+        ),
+        (["--coordinator", "h:1", "--num-processes", "0", "--process-id", "0"], "--num-processes: got 0"),
+        (["--coordinator", "nohost", "--num-processes", "2", "--process-id", "0"], "--coordinator: got 'nohost'"),
+        (["--coordinator", "h:70000", "--num-processes", "2", "--process-id", "0"], "port in 1 .. 65535"),
+        (["--local-devices", "0"], "--local-devices: got 0"),
+        (["--distributed", "off", "--num-processes", "2"], "need --distributed auto (got off)"),
+    ],
+)
+def test_bad_launch_flags_exit_2(tmp_path, capsys, argv, message):
+    out = tmp_path / "run"
+    cfg = os.path.join(ROOT, "configs", "tiny.yaml")
+    assert main(["train", "--config", cfg, "--out", str(out), "--no-progress", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+def test_slurm_step_without_srun_exit_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SLURM_NTASKS", "4")  # an sbatch script's own shell: the task count, no task of a step
+    for v in ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NODELIST"):
+        monkeypatch.delenv(v, raising=False)
+    cfg = os.path.join(ROOT, "configs", "tiny.yaml")
+    assert main(["train", "--config", cfg, "--out", str(tmp_path / "run"), "--no-progress"]) == 2
+    assert "SLURM_NTASKS: is 4 but SLURM_JOB_ID, SLURM_PROCID, SLURM_LOCALID, SLURM_STEP_NODELIST unset" in (
+        capsys.readouterr().err
+    )
+
+
+def test_local_devices_needs_cpu(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "tpu")
+    cfg = os.path.join(ROOT, "configs", "tiny.yaml")
+    argv = ["train", "--config", cfg, "--out", str(tmp_path / "run"), "--local-devices", "4"]
+    assert main(argv) == 2
+    assert "--local-devices: simulates CPU devices, but JAX_PLATFORMS='tpu'" in capsys.readouterr().err
+
+
+SLURM = {
+    "SLURM_NTASKS": "8",
+    "SLURM_JOB_ID": "77",
+    "SLURM_PROCID": "3",
+    "SLURM_LOCALID": "1",
+    "SLURM_STEP_NODELIST": "n[1-4]",
+}
+
+
+@pytest.mark.parametrize(
+    "kw, env, want",
+    [
+        ({}, {}, Launch("single")),
+        ({}, {"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, Launch("single")),  # one task: nothing to join
+        ({}, SLURM, Launch("slurm", num_processes=8, process_id=3)),
+        ({"distributed": "off"}, SLURM, Launch("single")),
+        ({"coordinator": "n1:9000", "num_processes": 2, "process_id": 1}, SLURM, Launch("flags", "n1:9000", 2, 1)),
+        ({}, {"TPU_WORKER_HOSTNAMES": "t0,t1,t2,t3"}, Launch("tpu")),
+        ({}, {"TPU_WORKER_HOSTNAMES": "t0"}, Launch("single")),  # a single-host TPU VM
+        ({"distributed": "jax", "local_devices": 2}, {}, Launch("jax", local_devices=2)),
+    ],
+)
+def test_resolve_sources(kw, env, want):
+    assert resolve(_args(**kw), env) == want
