@@ -55,6 +55,12 @@ def step_seed(seed: int, gs: int, salt: int = 0) -> int:
     return (seed * 1_000_003 + gs * 7_919 + salt) & 0x7FFFFFFF
 
 
+def _logp_rows(batch: dict) -> dict:
+    """What a log-prob pass reads: one input signature whatever else the step batch has gathered by then (one
+    compilation per pass)."""
+    return {k: batch[k] for k in ("tokens", "attention_mask", "sample_id") if k in batch}
+
+
 class GRPOTrainer:
     def __init__(self, cfg, run_dir: str, *, resume: bool = False, show_progress: bool = True):
         run_dir = os.path.abspath(run_dir)  # orbax wants absolute paths
@@ -323,16 +329,16 @@ class GRPOTrainer:
         dev = self._shard_batch(batch)
         if self.codec and gs == 1:  # a fresh run only: a resumed one restores its basis with the circuit state
             codec_state, bm = self.codec.bootstrap(self.cs.codec, self.state.params, dev)
-            self.cs = self.cs._replace(codec=codec_state)
+            self.cs = place(self.cs._replace(codec=codec_state), self.cs_sh)  # placed like every later step's
             metrics.update(bm)
-        old_logp, ent, old_aux = self.logp_old(self.state.params, dev, self.cs)
+        old_logp, ent, old_aux = self.logp_old(self.state.params, _logp_rows(dev), self.cs)
         dev["old_logp"] = old_logp
         if cfg.grpo.kl_coef > 0:
-            dev["ref_logp"] = self.logp_ref(self.ref_params, dev, self.cs)[0]
+            dev["ref_logp"] = self.logp_ref(self.ref_params, _logp_rows(dev), self.cs)[0]
             if self.anchor:  # the anchor's KL is in the dense view: one more reference forward, codecs off
                 codec_ref = self.codec is not None and self.codec.applies(REF)
                 dev["ref_logp_dense"] = (
-                    self.logp_dense(self.ref_params, dev, self.cs)[0] if codec_ref else dev["ref_logp"]
+                    self.logp_dense(self.ref_params, _logp_rows(dev), self.cs)[0] if codec_ref else dev["ref_logp"]
                 )
         if cfg.grpo.tis != "off":
             w, tis_m = tis_weights(old_logp, dev["sampler_logp"], dev["response_mask"], cfg.grpo.tis, cfg.grpo.tis_cap)
@@ -370,9 +376,11 @@ class GRPOTrainer:
         """design §6 probe: reference KL with codecs off everywhere (`kl/ref_dense`) against the codec view at the
         same point (`kl/ref_codec`), their ratio `kl/gain`, and the dense trainer's own gap to the sampler.
         Cost: two or three extra forwards, no backward."""
-        lp = self.logp_dense(self.state.params, dev, self.cs)[0]
-        lr_dense = self.logp_dense(self.ref_params, dev, self.cs)[0]
-        ref_codec = dev["ref_logp"] if "ref_logp" in dev else self.logp_ref(self.ref_params, dev, self.cs)[0]
+        lp = self.logp_dense(self.state.params, _logp_rows(dev), self.cs)[0]
+        lr_dense = self.logp_dense(self.ref_params, _logp_rows(dev), self.cs)[0]
+        ref_codec = (
+            dev["ref_logp"] if "ref_logp" in dev else self.logp_ref(self.ref_params, _logp_rows(dev), self.cs)[0]
+        )
         return dense_probe_metrics(
             lp, lr_dense, old_logp, ref_codec, dev["sampler_logp"], mask, self.cfg.grpo.kl_estimator
         )
