@@ -71,23 +71,22 @@ class MaskWire(Wire):
     def __init__(self, keep_fn, values_fn, k: int):
         self.keep_fn, self.values_fn, self.k = keep_fn, values_fn, int(k)
 
-    def _slots(self):
+    def _index(self):
+        """(keep [mb, T, H], slot [mb, T, H]: a kept channel's place in the payload, channel [mb, T, k]: the
+        payload's channels in order). Both are gathers along the channel axis only, which the partitioner keeps
+        local to each data shard (a scatter with explicit row indices made it all-gather the microbatch)."""
         keep = self.keep_fn()
         slot = jnp.cumsum(keep.astype(jnp.int32), axis=-1) - 1  # rank of a kept channel among its token's kept ones
-        return keep, jnp.where(keep, slot, self.k)  # dropped channels point past the end (scatter drops them)
+        channel = jnp.argsort(~keep, axis=-1, stable=True)[..., : self.k]  # kept channels first, in channel order
+        return keep, jnp.clip(slot, 0, self.k - 1), channel
 
     def encode(self, h):
-        _, slot = self._slots()
-        mb, T, _ = h.shape
-        bi = jnp.arange(mb)[:, None, None]
-        ti = jnp.arange(T)[None, :, None]
-        out = jnp.zeros((mb, T, self.k), h.dtype)
-        return out.at[bi, ti, slot].set(self.values_fn(h), mode="drop", unique_indices=True)
+        _, _, channel = self._index()
+        return jnp.take_along_axis(self.values_fn(h), channel, axis=-1)
 
     def decode(self, payload, like):
-        keep, slot = self._slots()
-        vals = jnp.take_along_axis(payload, jnp.minimum(slot, self.k - 1), axis=-1)
-        return jnp.where(keep, vals, jnp.zeros((), payload.dtype))
+        keep, slot, _ = self._index()
+        return jnp.where(keep, jnp.take_along_axis(payload, slot, axis=-1), jnp.zeros((), payload.dtype))
 
 
 class LowRankWire(Wire):
