@@ -143,3 +143,13 @@ def test_stage_config_errors():
     cfg = run_cfg({"data": 2, "stage": 4}, microbatches=16, codec="none")
     with pytest.raises(ConfigError, match="train.microbatches"):
         make_pipeline(cfg, cfg.model, pmesh.make_mesh(cfg.mesh))
+    # what has no real-stage form is refused when the circuit is built, naming the field
+    staged = {"data": 2, "stage": 4}
+    for fast, field in (
+        ({"codec": "sr_quant"}, "fast.codec"),
+        ({"codec": "prf_mask", "exact_k": False}, "fast.codec"),
+        ({"codec": "none", "grad_codec": "powersgd", "grad_rank": 2}, "fast.grad_codec"),
+    ):
+        cfg = run_cfg(staged, **fast)
+        with pytest.raises(ConfigError, match=field):
+            FastCircuit(cfg, cfg.model, pmesh.make_mesh(cfg.mesh))

@@ -76,6 +76,7 @@ class FastCircuit:
         self.has_activation_codec = self.codec is not None
         self.grad_codec = make_grad_codec(f.grad_codec, mesh=mesh, interpret=self.interpret, platform=lowering_platform)
         self._check_kernels()
+        self._check_stages()
         self.dp = dp_size(mesh)
         if self.grad_codec is not None:
             try:
@@ -94,6 +95,37 @@ class FastCircuit:
         self.steps = 0  # host counter: end_step calls
         self._mid_step = False
         self._params_like = None
+
+    def _check_stages(self):
+        """On real stages (mesh.stage > 1) the activation codec needs a wire format, and the gradient codec's
+        shard_map over the batch axes does not nest the pipeline's (not built): both refused up front."""
+        if self.mesh.shape.get("stage", 1) == 1:
+            return
+        if self.codec is not None:
+            try:  # a format is built per microbatch inside the step; probe it here with shapes only
+                probe = Path(
+                    TRAIN,
+                    jnp.zeros((), jnp.int32),
+                    jnp.zeros((1,), jnp.int32),
+                    jnp.zeros((1, 1), jnp.int32),
+                    jnp.ones((1, 1), jnp.int32),
+                )
+                jax.eval_shape(
+                    lambda: self.codec.wire(self.init_codec_state_shapes(), self.boundaries[0], probe).payload_like(
+                        jax.ShapeDtypeStruct((1, 1, self.model_cfg.hidden_size), jnp.float32)
+                    )
+                )
+            except ValueError as e:
+                raise ConfigError("fast.codec", str(e)) from None
+        if self.grad_codec is not None:
+            raise ConfigError(
+                "fast.grad_codec",
+                f"{self.fcfg.grad_codec_type} with mesh.stage={self.mesh.shape['stage']} is not supported: the "
+                "gradient codec's per-replica shard_map does not yet nest the pipeline's; use mesh.stage: 1",
+            )
+
+    def init_codec_state_shapes(self):
+        return jax.eval_shape(self.codec.init) if self.codec is not None else None
 
     @property
     def owns_basis(self) -> bool:
