@@ -32,6 +32,8 @@ GROUPS = 6
 # the second number); a file not listed counts DEFAULT_WEIGHT. Re-measure when a file's time changes a lot.
 WEIGHTS = {
     "test_multihost.py": (170, 1),
+    "test_pipeline.py": (120, 120),
+    "test_pipeline_loop.py": (85, 0),
     "test_fast_invariants.py": (95, 0),
     "test_guard.py": (90, 0),
     "test_agentic.py": (75, 0),
@@ -56,7 +58,7 @@ WEIGHTS = {
     "test_anchor_circuit.py": (22, 25),
     "test_fast_bytes.py": (18, 10),
     "test_kernel_lowrank.py": (18, 14),
-    "test_platform_export.py": (25, 25),
+    "test_platform_export.py": (30, 30),
     "test_device_check.py": (21, 21),
     "test_vllm_client_faults.py": (18, 22),
     "test_anchor_swap.py": (17, 9),

@@ -188,3 +188,16 @@ def test_cuda_mask_tiling_is_exact_in_interpret_mode():
     out = jax.jit(lambda h: prf_mask_kernel(h, rows, interpret=True, platform="cuda"))(h)
     ref = prf_mask_reference(h, rows)
     assert bool(jnp.all(out == ref)) and 0.3 < float(jnp.mean(ref != 0)) < 0.7
+
+
+@pytest.mark.parametrize("platform", plat.PLATFORMS)
+def test_staged_train_step_lowers(platform, tiny_config):
+    """The train step on real stages (data 2 x stage 4, the PRF mask's packed payload at the 3 boundaries) lowers
+    for the accelerator: 8 devices, one collective-permute per boundary and direction."""
+    from twocircuit_jax.train.abstract_step import abstract_train_step
+
+    cfg = tiny_config(["mesh.data=2", "mesh.stage=4"])
+    step = abstract_train_step(cfg, jax.devices())
+    exp = export_for(step.jitted.wrapped, platform, *step.args)
+    assert exp.nr_devices == 8
+    assert exp.mlir_module().count("stablehlo.collective_permute") == 2 * 3
