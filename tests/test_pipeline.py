@@ -83,19 +83,32 @@ def _close(a, b, tol=2e-5):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("codec,extra,width", [("none", {}, 16), ("prf_mask", {"p": 0.75}, 4), ("lowrank", {}, 3)])
+@pytest.mark.parametrize(
+    "codec,extra,width",
+    [
+        ("none", {}, 16),
+        ("prf_mask", {"p": 0.75}, 4),
+        ("lowrank", {}, 3),
+        ("sr_quant", {"quant_bits": 2, "quant_block": 8}, 4),  # 16 two-bit codes in 4 bytes (+ 2 scales)
+        ("sr_quant", {"quant_bits": 4, "quant_block": 8, "subset_k": 6}, 3),  # 6 subset codes of 4 bits
+    ],
+)
 def test_staged_step_equals_the_one_program_step(narrow, codec, extra, width):
     """data 2 x stage 4, 4 microbatches: loss, old log-probs and updated parameters of one tick equal the unstaged
     8-replica step's (codec none: the plain step; a codec: its emulated path with the same PRF keys or basis).
     Every collective-permute of the compiled staged step (the forward messages and their transposes, the backward
-    ones) carries the codec's payload: H = 16 values, k = 4 kept values (p = 0.75), or r = 3 coefficients."""
+    ones) carries the codec's payload: H = 16 values, k = 4 kept values (p = 0.75), r = 3 coefficients, or packed
+    quantizer codes (with their block scales in a permute of their own)."""
     params, batch = narrow
     p0, m0, lp0, _ = one_step(run_cfg({"data": 8}, codec=codec, **extra), params, batch)
     p1, m1, lp1, hlo = one_step(run_cfg({"data": 2, "stage": 4}, codec=codec, **extra), params, batch)
     shapes = _permute_shapes(hlo)
-    assert len(shapes) == 2 * 3, shapes  # 3 boundaries, forward and backward
     # a microbatch of 16 / 4 rows split over 2 data replicas: 2 rows x 12 tokens x payload width per message
-    assert {s for _, s in shapes} == {(2, 12, width)}, shapes
+    if codec == "sr_quant":  # codes (u8) and block scales (f32), each direction
+        assert sorted(shapes) == sorted([("f32", (2, 12, 2))] * 6 + [("u8", (2, 12, width))] * 6), shapes
+    else:
+        assert len(shapes) == 2 * 3, shapes  # 3 boundaries, forward and backward
+        assert {s for _, s in shapes} == {(2, 12, width)}, shapes
     np.testing.assert_allclose(np.asarray(lp1), np.asarray(lp0), rtol=1e-5, atol=1e-5)
     for k in ("loss", "grad/norm", "pg/loss"):
         if k in m0:
@@ -146,7 +159,6 @@ def test_stage_config_errors():
     # what has no real-stage form is refused when the circuit is built, naming the field
     staged = {"data": 2, "stage": 4}
     for fast, field in (
-        ({"codec": "sr_quant"}, "fast.codec"),
         ({"codec": "prf_mask", "exact_k": False}, "fast.codec"),
         ({"codec": "none", "grad_codec": "powersgd", "grad_rank": 2}, "fast.grad_codec"),
     ):

@@ -102,8 +102,9 @@ def staged_bytes(hlo_text: str, replicas: int) -> dict:
                 pairs = _PAIRS.search(line)
                 n_pairs = pairs.group(1).count("{") if pairs else replicas
                 b *= n_pairs / replicas
-            if "stage_boundary" in op_name:
-                part = "boundary_bwd" if "transpose(" in op_name else "boundary_fwd"
+            if "stage_boundary" in op_name:  # a transposed send, or a format's own backward send
+                back = "transpose(" in op_name or "stage_boundary_back" in op_name
+                part = "boundary_bwd" if back else "boundary_fwd"
             elif "stage_exit" in op_name:
                 part = "stage_exit"
             else:

@@ -21,7 +21,6 @@ collective of the pipeline besides the boundary messages).
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, Optional
 
 import jax
@@ -38,10 +37,21 @@ AXIS = "stage"
 BOUNDARY, STAGE_EXIT = "stage_boundary", "stage_exit"
 
 
-def _send(payload, k: int):
-    """Boundary k's message, stage k -> k + 1 (every data replica's pair at once)."""
-    with jax.named_scope(BOUNDARY):
-        return jax.lax.ppermute(payload, AXIS, [(k, k + 1)])
+class Link:
+    """Boundary k's two directions: `send` stage k -> k + 1, `send_back` k + 1 -> k (every data replica's pair at
+    once). Autodiff transposes `send` into a reverse send by itself; `send_back` is for a wire format whose backward
+    message is encoded on its own (fast/wire.py SrQuantWire)."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def send(self, payload):
+        with jax.named_scope(BOUNDARY):
+            return jax.lax.ppermute(payload, AXIS, [(self.k, self.k + 1)])
+
+    def send_back(self, payload):
+        with jax.named_scope(BOUNDARY + "_back"):
+            return jax.lax.ppermute(payload, AXIS, [(self.k + 1, self.k)])
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:
@@ -142,7 +152,7 @@ class Pipeline:
                     m = i - k  # the microbatch crossing boundary k at this tick (sender k, receiver k + 1)
                     hook, _, wires = boundary_fn(pick(rows_mb, m)) if boundary_fn else (None, (), {})
                     wire = wires.get(b, DenseWire())
-                    recv = wire.transfer(y, s == k, s == k + 1, functools.partial(_send, k=k))
+                    recv = wire.transfer(y, s == k, s == k + 1, Link(k))
                     new_state = jnp.where(s == k + 1, recv, new_state)
                     if b in aux_like:
                         zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_like[b])

@@ -58,6 +58,43 @@ def quantize(h: jax.Array, unif: jax.Array | None, bits: int, block: int, roundi
     return out.astype(h.dtype)
 
 
+def quantize_codes(h: jax.Array, unif: jax.Array | None, bits: int, block: int, rounding: str = "sr"):
+    """`quantize` split at the wire: (codes uint8 [..., H] in [0, 2^bits - 1], block scales f32 [..., ceil(H/block)]),
+    with dequantize_codes(quantize_codes(h, ...)) == quantize(h, ...) bit for bit (the same fp32 arithmetic)."""
+    width = h.shape[-1]
+    pad = -width % block
+    x = h.astype(jnp.float32)
+    if pad:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+    xb = x.reshape(x.shape[:-1] + (-1, block))
+    s = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
+    levels = 2**bits - 1
+    step = jnp.where(s > 0, 2.0 * s / levels, 1.0)
+    t = (xb + s) / step
+    if rounding == "rn":
+        q = jnp.round(t)
+    else:
+        if pad:
+            unif = jnp.pad(unif, [(0, 0)] * (unif.ndim - 1) + [(0, pad)])
+        lower = jnp.floor(t)
+        q = lower + (unif.reshape(xb.shape) < (t - lower)).astype(jnp.float32)
+    q = jnp.clip(q, 0.0, float(levels)).astype(jnp.uint8).reshape(x.shape)[..., :width]
+    return q, s[..., 0]
+
+
+def dequantize_codes(codes: jax.Array, scales: jax.Array, bits: int, block: int, dtype) -> jax.Array:
+    width = codes.shape[-1]
+    pad = -width % block
+    q = codes.astype(jnp.float32)
+    if pad:
+        q = jnp.pad(q, [(0, 0)] * (q.ndim - 1) + [(0, pad)])
+    qb = q.reshape(q.shape[:-1] + (-1, block))
+    s = scales[..., None]
+    step = jnp.where(s > 0, 2.0 * s / (2**bits - 1), 1.0)
+    out = jnp.where(s > 0, qb * step - s, 0.0).reshape(q.shape)[..., :width]
+    return out.astype(dtype)
+
+
 def _uniforms(cfg, layer, step, sample_ids, positions, width, direction):
     u = mask_lib.flipped_u(cfg, layer, step, sample_ids, positions, width, direction)
     return prf.u_to_unit_float(u)
@@ -166,6 +203,13 @@ class SrQuantCodec(ActivationCodec):
         fn = make_quant_hook(self.cfg, self.boundaries, path.step, path.sample_ids, path.positions, path.attention_mask)
         out, aux = fn(self.check_layer(layer), h)
         return out, {"recon_rel_err": aux["quant_rel_err"]}
+
+    def wire(self, state, layer, path):
+        """Packed codes and fp32 block scales, each direction quantized on its own (fast/wire.py SrQuantWire)."""
+        from twocircuit_jax.fast.wire import SrQuantWire
+
+        ctx = (path.step, path.sample_ids, path.positions)
+        return SrQuantWire(self.cfg, self.check_layer(layer), ctx)
 
     def wire_bytes(self, tokens, hidden, boundaries, act_bytes=2):
         """Every channel at `quant_bits` each, plus one 16-bit scale per block of `quant_block` channels."""
