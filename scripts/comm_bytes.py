@@ -18,7 +18,8 @@ With `mesh.stage > 1` the boundaries are real (parallel/pipeline.py) and nothing
 step's collectives are split into boundary_fwd, boundary_bwd (the stage messages and their transposes),
 stage_exit (the last stage's hidden states summed over `stage`) and grad_reduce (the rest: the data-parallel
 gradient mean and scalar reductions), each counted per data replica times how often its loop runs
-(fast/hlo_bytes.py), against the same mesh with fast.codec=none. A gradient codec is refused there. `--memory`
+(fast/hlo_bytes.py), against the same mesh with fast.codec=none. A gradient codec is refused there (its warm-up
+and compressed branches are both in the program; the unstaged count handles it). `--memory`
 prints the compiled program's per-device argument, output and temporary bytes (XLA's memory analysis) for the config
 and for its unstaged twin (the stage devices used as data replicas), so one sees whether a model fits a mesh.
 """
@@ -134,7 +135,11 @@ def staged_report(cfg, devices, memory: bool) -> int:
     rows = {}
     if cfg.mesh.stage > 1:
         if cfg.fast.grad_codec_type != "none":
-            print("error: fast.grad_codec with mesh.stage > 1 is not supported", file=sys.stderr)
+            print(
+                "error: fast.grad_codec: the staged count reads every branch of the compiled step, and PowerSGD's "
+                "warm-up and compressed branches would both be counted; measure it with mesh.stage=1",
+                file=sys.stderr,
+            )
             return 2
         for name, c in (("dense", dense_twin(cfg)), ("config", cfg)):
             compiled, mesh = _compiled(c, devices)

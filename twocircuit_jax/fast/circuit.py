@@ -117,12 +117,6 @@ class FastCircuit:
                 )
             except ValueError as e:
                 raise ConfigError("fast.codec", str(e)) from None
-        if self.grad_codec is not None:
-            raise ConfigError(
-                "fast.grad_codec",
-                f"{self.fcfg.grad_codec_type} with mesh.stage={self.mesh.shape['stage']} is not supported: the "
-                "gradient codec's per-replica shard_map does not yet nest the pipeline's; use mesh.stage: 1",
-            )
 
     def init_codec_state_shapes(self):
         return jax.eval_shape(self.codec.init) if self.codec is not None else None

@@ -180,9 +180,12 @@ class Pipeline:
                 return jax.lax.psum(outs.astype(x_mb.dtype), AXIS), jax.lax.psum(auxes, AXIS)
 
         layer_specs = jax.tree.map(lambda _: P(AXIS), params["layers"])
+        # Inside another shard_map (a gradient codec's, manual over the batch axes) the pipeline nests in its
+        # context mesh, whose batch axes are already manual.
+        context = jax.sharding.get_abstract_mesh()
         staged = jax.shard_map(
             body_fn,
-            mesh=self.mesh,
+            mesh=self.mesh if context.empty else context,
             in_specs=(layer_specs, P(), P()),
             out_specs=(P(), P()),
             axis_names={AXIS},
