@@ -36,26 +36,8 @@ def quantize(h: jax.Array, unif: jax.Array | None, bits: int, block: int, roundi
     zeros, which never change max|h|."""
     if rounding not in ROUNDINGS:
         raise ValueError(f"fast.codec.rounding: got {rounding!r}; allowed {', '.join(ROUNDINGS)}")
-    width = h.shape[-1]
-    pad = -width % block
-    x = h.astype(jnp.float32)
-    if pad:
-        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
-    xb = x.reshape(x.shape[:-1] + (-1, block))
-    s = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
-    levels = 2**bits - 1  # number of gaps between the 2^bits levels
-    step = jnp.where(s > 0, 2.0 * s / levels, 1.0)
-    t = (xb + s) / step  # in [0, levels]
-    if rounding == "rn":
-        q = jnp.round(t)
-    else:
-        if pad:
-            unif = jnp.pad(unif, [(0, 0)] * (unif.ndim - 1) + [(0, pad)])
-        lower = jnp.floor(t)
-        q = lower + (unif.reshape(xb.shape) < (t - lower)).astype(jnp.float32)
-    q = jnp.clip(q, 0.0, float(levels))
-    out = jnp.where(s > 0, q * step - s, 0.0).reshape(x.shape)[..., :width]
-    return out.astype(h.dtype)
+    codes, scales = quantize_codes(h, unif, bits, block, rounding)
+    return dequantize_codes(codes, scales, bits, block, h.dtype)
 
 
 def quantize_codes(h: jax.Array, unif: jax.Array | None, bits: int, block: int, rounding: str = "sr"):
