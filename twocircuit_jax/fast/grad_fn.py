@@ -76,14 +76,16 @@ def make_codec_grad_fn(codec, mesh, *, axes=BATCH_AXES):
             # P() is a pytree prefix: grads, loss and every metric leaf come out replicated (reduced).
             rep_params = jax.tree.map(lambda _: P(), params)
             out_specs = (P(), P(), P(), sspec)
-            # Manual over the batch axes only: a `stage` axis stays with the partitioner, so the pipeline's own
-            # shard_map (manual over `stage`) nests inside this one.
+            # With real stages, manual over the batch axes only: `stage` stays with the partitioner, so the
+            # pipeline's own shard_map (manual over `stage`) nests inside this one. Otherwise manual over every axis
+            # (XLA:CPU aborts on a bf16 all-reduce inside a partially manual shard_map; a codec may reduce in bf16).
+            staged = mesh.shape.get("stage", 1) > 1
             mean, loss, metrics, new_state = jax.shard_map(
                 body,
                 mesh=mesh,
                 in_specs=(rep_params, batch_spec, cs_spec),
                 out_specs=out_specs,
-                axis_names=set(axes),
+                axis_names=set(axes) if staged else set(mesh.axis_names),
                 check_vma=False,
             )(params, batch, cs)
             return mean, loss, dict(metrics), cs._replace(grad=new_state)

@@ -116,17 +116,18 @@ class Pipeline:
         wide = jax.default_backend() == "cpu" and act_dtype == jnp.bfloat16
         if wide:
             x_mb = x_mb.astype(jnp.float32)
-        probe = boundary_fn(jax.tree.map(lambda a: a[0], rows_mb)) if boundary_fn else (None, (), {})
-        hook_layers, wired = tuple(probe[1]), dict(probe[2])
+        # One call on the first microbatch, traced only for what it declares: the hooked and wired layers.
+        first = boundary_fn(jax.tree.map(lambda a: a[0], rows_mb)) if boundary_fn else (None, (), {})
+        hook_layers, wired = tuple(first[1]), dict(first[2])
         bad = (set(hook_layers) | set(wired)) - set(self.boundaries)
         if bad:
             raise ValueError(f"pipeline: layers {sorted(bad)} are not stage boundaries {self.boundaries}")
         # The aux shapes, for the zeros that stages without the boundary (and bubble ticks) contribute.
         aux_like = {}
-        if probe[0] is not None and hook_layers:
-            h_like = jax.ShapeDtypeStruct(x_mb.shape[1:], x_mb.dtype)
+        if first[0] is not None and hook_layers:
+            h_like = jax.ShapeDtypeStruct(x_mb.shape[1:], act_dtype)
             for b in hook_layers:
-                aux_like[b] = jax.eval_shape(lambda h, b=b: probe[0](b, h)[1], h_like)
+                aux_like[b] = jax.eval_shape(lambda h, b=b: first[0](b, h)[1], h_like)
 
         def pick(tree, j):
             return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, jnp.clip(j, 0, M - 1), keepdims=False), tree)
