@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from twocircuit_jax.grpo.loss import agg_loss, kl_penalty, token_entropy, token_logprobs
+from twocircuit_jax.grpo.loss import agg_loss, kl_penalty
 from twocircuit_jax.grpo.tis import tis_weights
 from twocircuit_jax.parallel import pipeline as pipe
 
@@ -30,10 +30,16 @@ def anchor_loss(model_cfg, grpo_cfg, max_new_tokens: int, params, batch, boundar
     response_mask, advantages; ref_logp_dense, the reference log-probs with codecs off, when kl_coef > 0;
     sampler_logp when TIS is on). `boundary_fn` (parallel/pipeline.forward) only observes: the anchor-owned low-rank
     basis sketches the activations, unchanged. `pipeline`: the staged forward (mesh.stage > 1)."""
-    logits, aux = pipe.forward(
-        model_cfg, params, batch["tokens"], batch["attention_mask"], pipeline=pipeline, boundary_fn=boundary_fn
+    stats, aux = pipe.forward(
+        model_cfg,
+        params,
+        batch["tokens"],
+        batch["attention_mask"],
+        pipeline=pipeline,
+        boundary_fn=boundary_fn,
+        entropy_grad=grpo_cfg.entropy_coeff != 0,
     )
-    logp = token_logprobs(logits, batch["tokens"])  # [B, T] fp32
+    logp, ent = stats  # [B, T] fp32 each
     mask = batch["response_mask"].astype(jnp.float32)
     count = jnp.maximum(jnp.sum(mask), 1.0)
     adv = jax.lax.stop_gradient(batch["advantages"].astype(jnp.float32))[:, None]  # [B, 1]
@@ -56,7 +62,6 @@ def anchor_loss(model_cfg, grpo_cfg, max_new_tokens: int, params, batch, boundar
         kl_mat = kl_penalty(logp, jnp.where(mask > 0, ref, logp), grpo_cfg.kl_estimator)
         kl_loss = agg_loss(kl_mat, mask, grpo_cfg.loss_agg, **agg)
         loss = loss + grpo_cfg.kl_coef * kl_loss
-    ent = token_entropy(logits if grpo_cfg.entropy_coeff != 0 else jax.lax.stop_gradient(logits))
     if grpo_cfg.entropy_coeff != 0:
         loss = loss - grpo_cfg.entropy_coeff * agg_loss(ent, mask, grpo_cfg.loss_agg, **agg)
     metrics = {

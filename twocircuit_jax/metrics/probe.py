@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from twocircuit_jax.grpo.loss import kl_penalty, token_logprobs
+from twocircuit_jax.grpo.loss import kl_penalty
 from twocircuit_jax.grpo.tis import tis_weights
 from twocircuit_jax.parallel import pipeline as pipe
 
@@ -98,8 +98,8 @@ def make_fidelity_fn(
     dense_loss = make_dense_loss()
 
     def dense_logp(p, batch):
-        logits, _ = pipe.forward(model_cfg, p, batch["tokens"], batch["attention_mask"], pipeline=pipeline)
-        return jax.lax.stop_gradient(token_logprobs(logits, batch["tokens"]))
+        stats, _ = pipe.forward(model_cfg, p, batch["tokens"], batch["attention_mask"], pipeline=pipeline)
+        return jax.lax.stop_gradient(stats.logp)
 
     def boundary_states(p, batch, boundary_fn):
         """{boundary: [B, T, H]} what each boundary's receiver rebuilds in one forward (rows in batch order)."""

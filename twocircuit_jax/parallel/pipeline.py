@@ -14,14 +14,17 @@ the probe), built per microbatch from its rows (attention mask, positions, sampl
                                  its h output is ignored, since what the receiver gets is the wire's
   wires {layer: Wire}            how a boundary's message is encoded and decoded (fast/wire.py); a stage boundary
                                  without one sends the dense activation
-The embedding runs before the pipeline and the final norm and head after it, both under the ordinary partitioner
-(replicated over `stage`: the last stage's hidden states are summed over `stage` once per forward, the only
-collective of the pipeline besides the boundary messages).
+The ends are stage-local too: the first stage embeds microbatch i at tick i, and the last stage applies the final
+norm and LM head to each microbatch as it leaves, reducing the logits at once to what the loss reads (`TokenStats`:
+the token log-probs and entropies, [B, T] each). Only those two scalars per token (and the boundary aux) are summed
+over `stage` at the exit; logits and hidden states never leave the last stage. The embedding, final norm and head
+weights are replicated over `stage` (sharded over `fsdp`/`tensor` like the rest): the last stage reads them, the
+first stage reads the embedding, and their gradients are summed over `stage` once per backward.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,12 +32,27 @@ from jax.sharding import PartitionSpec as P
 
 from twocircuit_jax.fast.boundaries import boundary_layers
 from twocircuit_jax.fast.wire import DenseWire
+from twocircuit_jax.grpo.loss import token_entropy, token_logprobs
 from twocircuit_jax.model import qwen2
+from twocircuit_jax.model.qwen2 import dtype_of
 
 AXIS = "stage"
 # Named scopes of the pipeline's collectives, read back from the compiled program by fast/bytes.py (a backward
 # message is the transpose of a forward one: its op name carries "transpose(").
 BOUNDARY, STAGE_EXIT = "stage_boundary", "stage_exit"
+
+
+class TokenStats(NamedTuple):
+    """What every pass of the trainer reads from the logits, reduced where the logits are made."""
+
+    logp: jax.Array  # [B, T] fp32: log π(tokens[:, t] | tokens[:, :t]); column 0 is 0 (grpo/loss.py)
+    entropy: jax.Array  # [B, T] fp32: entropy of the distribution that predicts tokens[:, t]; column 0 is 0
+
+
+def token_stats(logits, tokens, entropy_grad: bool = False) -> TokenStats:
+    """logits [B, T, V] -> TokenStats; the entropy is a constant to autodiff unless `entropy_grad`."""
+    ent = token_entropy(logits if entropy_grad else jax.lax.stop_gradient(logits))
+    return TokenStats(token_logprobs(logits, tokens), ent)
 
 
 class Link:
@@ -95,45 +113,48 @@ class Pipeline:
                 f"divides over the {dp} data-parallel replicas"
             )
 
-    def forward(self, params, tokens, attention_mask, rows: Optional[dict] = None, boundary_fn: Callable = None):
-        """(logits [B, T, V] fp32, {hooked layer: aux with a leading [M] microbatch axis}).
+    def forward(self, params, tokens, attention_mask, rows=None, boundary_fn=None, entropy_grad=False):
+        """(TokenStats [B, T] each, {hooked layer: aux with a leading [M] microbatch axis}).
 
         rows: extra per-row arrays [B, ...] the boundary functions read (sample ids), split with the batch.
         boundary_fn(mb) -> (hook or None, hook_layers, {layer: Wire}); mb holds the microbatch's rows plus
-        `attention_mask` and `positions`. Hooked layers and wired layers must be stage boundaries."""
+        `tokens`, `attention_mask` and `positions`. Hooked layers and wired layers must be stage boundaries."""
         cfg, M, S = self.cfg, self.microbatches, self.stages
         B, T = tokens.shape
         self.check_batch(B, 1)
         rows = dict(rows or {})
+        rows["tokens"] = tokens
         rows["attention_mask"] = attention_mask
         rows["positions"] = qwen2.default_positions(attention_mask)
         rows_mb = jax.tree.map(lambda a: split_rows(a, M), rows)
-        x_mb = split_rows(qwen2._embed(cfg, params, tokens), M)
-        act_dtype = x_mb.dtype
+        ends = {k: v for k, v in params.items() if k != "layers"}  # embedding, final norm, head
+        act_dtype = dtype_of(cfg.compute_dtype)
         # XLA:CPU aborts on a bf16 all-reduce inside a partially manual shard_map ("Invalid binary instruction
-        # opcode copy"): the hidden states cross the two reductions over `stage` (the exit sum, and the embedding
-        # cotangent's sum that transposes the replicated input) in fp32 there. Lossless: bf16 -> fp32 -> bf16.
-        wide = jax.default_backend() == "cpu" and act_dtype == jnp.bfloat16
-        if wide:
-            x_mb = x_mb.astype(jnp.float32)
+        # opcode copy"): the end weights, whose gradients are summed over `stage`, enter in fp32 there and are cast
+        # back inside (lossless both ways, so the values are those of the bf16 weights).
+        narrow = {k: v.dtype for k, v in ends.items()}
+        if jax.default_backend() == "cpu":
+            ends = {k: v.astype(jnp.float32) if v.dtype == jnp.bfloat16 else v for k, v in ends.items()}
         # One call on the first microbatch, traced only for what it declares: the hooked and wired layers.
         first = boundary_fn(jax.tree.map(lambda a: a[0], rows_mb)) if boundary_fn else (None, (), {})
         hook_layers, wired = tuple(first[1]), dict(first[2])
         bad = (set(hook_layers) | set(wired)) - set(self.boundaries)
         if bad:
             raise ValueError(f"pipeline: layers {sorted(bad)} are not stage boundaries {self.boundaries}")
+        mb_rows = B // M
+        h_like = jax.ShapeDtypeStruct((mb_rows, T, cfg.hidden_size), act_dtype)
         # The aux shapes, for the zeros that stages without the boundary (and bubble ticks) contribute.
         aux_like = {}
         if first[0] is not None and hook_layers:
-            h_like = jax.ShapeDtypeStruct(x_mb.shape[1:], act_dtype)
             for b in hook_layers:
                 aux_like[b] = jax.eval_shape(lambda h, b=b: first[0](b, h)[1], h_like)
 
         def pick(tree, j):
             return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, jnp.clip(j, 0, M - 1), keepdims=False), tree)
 
-        def body_fn(layers, x_mb, rows_mb):
+        def body_fn(layers, ends, rows_mb):
             s = jax.lax.axis_index(AXIS)
+            ends = {k: v.astype(narrow[k]) for k, v in ends.items()}
 
             def stage_layers(h, mb):
                 cos, sin = qwen2.rope_tables(mb["positions"], cfg.head_dim, cfg.rope_theta)
@@ -144,9 +165,17 @@ class Pipeline:
                     h, _ = qwen2._layer(cfg, qwen2.layer_params({"layers": layers}, j), h, cos, sin, bias)
                 return h
 
+            def head(y, tok):  # the last stage: logits [mb, T, V] reduced at once to two scalars per token
+                return token_stats(qwen2._head(cfg, ends, y), tok, entropy_grad)
+
+            stats_zero = TokenStats(*(jnp.zeros((mb_rows, T), jnp.float32) for _ in range(2)))
+
             def tick(carry, i):
                 state, outs, auxes = carry
-                inp = jnp.where(s == 0, pick(x_mb, i).astype(act_dtype), state)
+                # Only the first stage embeds (a per-device branch: the other stages skip the lookup).
+                inp = jax.lax.cond(
+                    s == 0, lambda st: qwen2._embed(cfg, ends, pick(rows_mb["tokens"], i)), lambda st: st, state
+                )
                 y = stage_layers(inp, pick(rows_mb, i - s))
                 new_state = jnp.zeros_like(y)
                 for k, b in enumerate(self.boundaries):
@@ -168,17 +197,24 @@ class Pipeline:
                         )
                 m_last = i - (S - 1)
                 done = (s == S - 1) & (m_last >= 0)
-                outs = jnp.where(
-                    done, jax.lax.dynamic_update_index_in_dim(outs, y, jnp.clip(m_last, 0, M - 1), 0), outs
+                st = jax.lax.cond(done, lambda y: head(y, pick(rows_mb["tokens"], m_last)), lambda y: stats_zero, y)
+                outs = jax.tree.map(
+                    lambda buf, v: jnp.where(
+                        done, jax.lax.dynamic_update_index_in_dim(buf, v, jnp.clip(m_last, 0, M - 1), 0), buf
+                    ),
+                    outs,
+                    st,
                 )
                 return (new_state, outs, auxes), None
 
             auxes = {b: jax.tree.map(lambda a: jnp.zeros((M,) + a.shape, a.dtype), al) for b, al in aux_like.items()}
-            init = (jnp.zeros(x_mb.shape[1:], act_dtype), jnp.zeros(x_mb.shape, act_dtype), auxes)
+            outs = jax.tree.map(lambda a: jnp.zeros((M,) + a.shape, a.dtype), stats_zero)
+            init = (jnp.zeros(h_like.shape, act_dtype), outs, auxes)
             (_, outs, auxes), _ = jax.lax.scan(tick, init, jnp.arange(M + S - 1))
-            # Only the last stage's `outs` (and the sender's aux) are non-zero: the sum over stages is a broadcast.
+            # Only the last stage's `outs` (and the sender's aux) are non-zero: the sum over stages is a broadcast
+            # of two fp32 scalars per token.
             with jax.named_scope(STAGE_EXIT):
-                return jax.lax.psum(outs.astype(x_mb.dtype), AXIS), jax.lax.psum(auxes, AXIS)
+                return jax.lax.psum(outs, AXIS), jax.lax.psum(auxes, AXIS)
 
         layer_specs = jax.tree.map(lambda _: P(AXIS), params["layers"])
         # Inside another shard_map (a gradient codec's, manual over the batch axes) the pipeline nests in its
@@ -192,8 +228,8 @@ class Pipeline:
             axis_names={AXIS},
             check_vma=False,
         )
-        hidden, aux = staged(params["layers"], x_mb, rows_mb)
-        return qwen2._head(cfg, params, join_rows(hidden).astype(act_dtype)), aux
+        stats, aux = staged(params["layers"], ends, rows_mb)
+        return TokenStats(*(join_rows(a) for a in stats)), aux
 
 
 SUMMED_AUX = ("sketch", "tokens")  # aux leaves that add up over microbatches; the others (ratios, errors) average
@@ -211,15 +247,30 @@ def reduce_aux(aux: dict) -> dict:
     )
 
 
-def forward(model_cfg, params, tokens, attention_mask, *, pipeline=None, rows=None, boundary_fn=None, reduce=True):
-    """The policy forward every pass of the trainer uses: (logits [B, T, V], {boundary layer: aux}).
+def forward(
+    model_cfg,
+    params,
+    tokens,
+    attention_mask,
+    *,
+    pipeline=None,
+    rows=None,
+    boundary_fn=None,
+    reduce=True,
+    entropy_grad=False,
+):
+    """The policy forward every pass of the trainer uses: (TokenStats [B, T] each, {boundary layer: aux}).
 
     Without a pipeline (mesh.stage = 1) this is `qwen2.forward_with_aux` with the hook `boundary_fn` builds for the
-    whole batch (a codec acts in place: the emulated path). With one, the staged forward above; aux is reduced over
-    microbatches (`reduce=False`: kept per microbatch, [M, ...], rows in `split_rows` order)."""
+    whole batch (a codec acts in place: the emulated path), and the stats of its logits. With one, the staged
+    forward above; aux is reduced over microbatches (`reduce=False`: kept per microbatch, [M, ...], rows in
+    `split_rows` order). `entropy_grad`: whether the entropy carries a gradient (an entropy bonus); without it the
+    backward skips the entropy's share of the head."""
     if pipeline is None:
-        mb = dict(rows or {}, attention_mask=attention_mask, positions=qwen2.default_positions(attention_mask))
+        mb = dict(rows or {}, tokens=tokens, attention_mask=attention_mask)
+        mb["positions"] = qwen2.default_positions(attention_mask)
         hook, layers, _ = boundary_fn(mb) if boundary_fn is not None else (None, (), {})
-        return qwen2.forward_with_aux(model_cfg, params, tokens, attention_mask, hook=hook, hook_layers=layers)
-    logits, aux = pipeline.forward(params, tokens, attention_mask, rows, boundary_fn)
-    return logits, (reduce_aux(aux) if reduce else aux)
+        logits, aux = qwen2.forward_with_aux(model_cfg, params, tokens, attention_mask, hook=hook, hook_layers=layers)
+        return token_stats(logits, tokens, entropy_grad), aux
+    stats, aux = pipeline.forward(params, tokens, attention_mask, rows, boundary_fn, entropy_grad)
+    return stats, (reduce_aux(aux) if reduce else aux)

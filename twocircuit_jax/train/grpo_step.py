@@ -10,15 +10,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from twocircuit_jax.grpo.loss import grpo_loss, token_entropy, token_logprobs
+from twocircuit_jax.grpo.loss import grpo_loss
 from twocircuit_jax.parallel import pipeline as pipe
 from twocircuit_jax.train.step import AUX
 
 TRAIN, OLD, REF, DENSE = "train", "old_logprob", "ref_logprob", "dense"
 
 
-def _policy_pass(model_cfg, params, batch, cs, codec, tag, pipeline=None):
-    """The forward of one path: `pipeline` (parallel/pipeline.Pipeline, mesh.stage > 1) or the one-program model."""
+def _policy_pass(model_cfg, params, batch, cs, codec, tag, pipeline=None, entropy_grad=False):
+    """(TokenStats, codec aux) of one path: `pipeline` (parallel/pipeline.Pipeline, mesh.stage > 1) or the
+    one-program model."""
     boundary_fn = None
     if codec is not None and codec.applies(tag):
         boundary_fn = codec.boundary_fn(cs.codec, tag, cs.clock.step)
@@ -30,6 +31,7 @@ def _policy_pass(model_cfg, params, batch, cs, codec, tag, pipeline=None):
         pipeline=pipeline,
         rows={"sample_id": batch["sample_id"]} if "sample_id" in batch else None,
         boundary_fn=boundary_fn,
+        entropy_grad=entropy_grad,
     )
 
 
@@ -37,9 +39,8 @@ def make_logp_fn(model_cfg, codec=None, tag: str = OLD, pipeline=None):
     """(params, batch, cs) -> (logp [B,T], entropy [B,T], codec aux). No gradient is taken through it."""
 
     def fn(params, batch, cs):
-        logits, aux = _policy_pass(model_cfg, params, batch, cs, codec, tag, pipeline)
-        logits = jax.lax.stop_gradient(logits)
-        return token_logprobs(logits, batch["tokens"]), token_entropy(logits), aux
+        stats, aux = _policy_pass(model_cfg, params, batch, cs, codec, tag, pipeline)
+        return jax.lax.stop_gradient(stats.logp), stats.entropy, aux
 
     return fn
 
@@ -57,9 +58,10 @@ def make_grpo_loss(model_cfg, grpo_cfg, max_new_tokens: int, codec=None, pipelin
     """
 
     def loss_fn(params, batch, cs):
-        logits, aux = _policy_pass(model_cfg, params, batch, cs, codec, TRAIN, pipeline)
-        logp = token_logprobs(logits, batch["tokens"])
-        ent = token_entropy(jax.lax.stop_gradient(logits)) if grpo_cfg.entropy_coeff == 0 else token_entropy(logits)
+        stats, aux = _policy_pass(
+            model_cfg, params, batch, cs, codec, TRAIN, pipeline, entropy_grad=grpo_cfg.entropy_coeff != 0
+        )
+        logp, ent = stats
         ref = batch.get("ref_logp") if grpo_cfg.kl_coef > 0 else None
         old = jnp.where(cs.clock.first_minibatch, jax.lax.stop_gradient(logp), batch["old_logp"])
         loss, metrics = grpo_loss(
