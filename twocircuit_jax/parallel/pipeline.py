@@ -37,6 +37,7 @@ from twocircuit_jax.model import qwen2
 from twocircuit_jax.model.qwen2 import dtype_of
 
 AXIS = "stage"
+DATA = "data"  # the replica axis the pipeline handles by hand (parallel/mesh.py)
 # Named scopes of the pipeline's collectives, read back from the compiled program by fast/bytes.py (a backward
 # message is the transpose of a forward one: its op name carries "transpose(").
 BOUNDARY, STAGE_EXIT = "stage_boundary", "stage_exit"
@@ -113,15 +114,20 @@ class Pipeline:
                 f"divides over the {dp} data-parallel replicas"
             )
 
-    def forward(self, params, tokens, attention_mask, rows=None, boundary_fn=None, entropy_grad=False):
+    def forward(self, params, tokens, attention_mask, rows=None, boundary_fn=None, entropy_grad=False, row_aux=False):
         """(TokenStats [B, T] each, {hooked layer: aux with a leading [M] microbatch axis}).
 
         rows: extra per-row arrays [B, ...] the boundary functions read (sample ids), split with the batch.
         boundary_fn(mb) -> (hook or None, hook_layers, {layer: Wire}); mb holds the microbatch's rows plus
-        `tokens`, `attention_mask` and `positions`. Hooked layers and wired layers must be stage boundaries."""
+        `tokens`, `attention_mask` and `positions`. Hooked layers and wired layers must be stage boundaries.
+        row_aux: the hooks' aux is per row ([rows of the microbatch, ...]: kept whole); otherwise it is a summary of
+        the microbatch, summed (sketches, token counts) or averaged (the rest) over the data replicas."""
         cfg, M, S = self.cfg, self.microbatches, self.stages
         B, T = tokens.shape
-        self.check_batch(B, 1)
+        context = jax.sharding.get_abstract_mesh()
+        data_manual = context.empty or DATA not in context.manual_axes
+        replicas = self.mesh.shape[DATA] if data_manual else 1
+        self.check_batch(B, replicas)
         rows = dict(rows or {})
         rows["tokens"] = tokens
         rows["attention_mask"] = attention_mask
@@ -135,13 +141,13 @@ class Pipeline:
         narrow = {k: v.dtype for k, v in ends.items()}
         if jax.default_backend() == "cpu":
             ends = {k: v.astype(jnp.float32) if v.dtype == jnp.bfloat16 else v for k, v in ends.items()}
+        mb_rows = B // M // replicas  # a replica's rows of one microbatch
         # One call on the first microbatch, traced only for what it declares: the hooked and wired layers.
-        first = boundary_fn(jax.tree.map(lambda a: a[0], rows_mb)) if boundary_fn else (None, (), {})
+        first = boundary_fn(jax.tree.map(lambda a: a[0, :mb_rows], rows_mb)) if boundary_fn else (None, (), {})
         hook_layers, wired = tuple(first[1]), dict(first[2])
         bad = (set(hook_layers) | set(wired)) - set(self.boundaries)
         if bad:
             raise ValueError(f"pipeline: layers {sorted(bad)} are not stage boundaries {self.boundaries}")
-        mb_rows = B // M
         h_like = jax.ShapeDtypeStruct((mb_rows, T, cfg.hidden_size), act_dtype)
         # The aux shapes, for the zeros that stages without the boundary (and bubble ticks) contribute.
         aux_like = {}
@@ -214,18 +220,27 @@ class Pipeline:
             # Only the last stage's `outs` (and the sender's aux) are non-zero: the sum over stages is a broadcast
             # of two fp32 scalars per token.
             with jax.named_scope(STAGE_EXIT):
-                return jax.lax.psum(outs, AXIS), jax.lax.psum(auxes, AXIS)
+                outs, auxes = jax.lax.psum(outs, AXIS), jax.lax.psum(auxes, AXIS)
+            if data_manual and not row_aux:
+                auxes = jax.tree_util.tree_map_with_path(
+                    lambda p, a: jax.lax.psum(a, DATA) if _leaf_name(p) in SUMMED_AUX else jax.lax.pmean(a, DATA),
+                    auxes,
+                )
+            return outs, auxes
 
         layer_specs = jax.tree.map(lambda _: P(AXIS), params["layers"])
-        # Inside another shard_map (a gradient codec's, manual over the batch axes) the pipeline nests in its
-        # context mesh, whose batch axes are already manual.
-        context = jax.sharding.get_abstract_mesh()
+        # Manual over `data` too: each replica runs its rows of every microbatch and accumulates its own gradient,
+        # which the shard_map's transpose sums over `data` once per backward. Left to the partitioner, the tick
+        # loop's gradient carry (replicated over `data`) is all-reduced at every tick, and the first stage's
+        # embedding scatter all-gathers the batch. Inside another shard_map (a gradient codec's, already manual over
+        # the batch axes) the pipeline nests in its context mesh, manual over `stage` only.
+        rows_spec = P(None, DATA) if data_manual else P()
         staged = jax.shard_map(
             body_fn,
             mesh=self.mesh if context.empty else context,
-            in_specs=(layer_specs, P(), P()),
-            out_specs=(P(), P()),
-            axis_names={AXIS},
+            in_specs=(layer_specs, P(), rows_spec),
+            out_specs=(rows_spec, rows_spec if row_aux else P()),
+            axis_names={AXIS, DATA} if data_manual else {AXIS},
             check_vma=False,
         )
         stats, aux = staged(params["layers"], ends, rows_mb)
@@ -272,5 +287,5 @@ def forward(
         hook, layers, _ = boundary_fn(mb) if boundary_fn is not None else (None, (), {})
         logits, aux = qwen2.forward_with_aux(model_cfg, params, tokens, attention_mask, hook=hook, hook_layers=layers)
         return token_stats(logits, tokens, entropy_grad), aux
-    stats, aux = pipeline.forward(params, tokens, attention_mask, rows, boundary_fn, entropy_grad)
+    stats, aux = pipeline.forward(params, tokens, attention_mask, rows, boundary_fn, entropy_grad, row_aux=not reduce)
     return stats, (reduce_aux(aux) if reduce else aux)
