@@ -42,6 +42,7 @@ WEIGHTS = {
     "test_anchor_resume.py": (90, 0),
     "test_fast_bootstrap.py": (75, 9),
     "test_grpo_e2e.py": (70, 0),
+    "test_trainer_api.py": (95, 0),
     "test_vllm_loop.py": (60, 0),
     "test_fast_e2e.py": (57, 0),
     "test_comm_bytes.py": (45, 0),

@@ -15,6 +15,7 @@ from twocircuit_jax.config.env import EnvConfig
 from twocircuit_jax.config.health import GuardConfig, HealthConfig
 from twocircuit_jax.config.sections import (
     AnchorConfig,
+    EvalConfig,
     FastConfig,
     GRPOConfig,
     MeshConfig,
@@ -47,6 +48,7 @@ class RunConfig:
         metadata={"doc": "multi-turn environment; `type: none` = the single-turn task above"},
     )
     train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
     sft: SFTConfig = SFTConfig()
     health: HealthConfig = HealthConfig()
     guard: GuardConfig = GuardConfig()

@@ -333,7 +333,8 @@ class TrainConfig:
     eval_size: int = 64
     eval_greedy: bool = True
     seed: int = 0
-    checkpoint_every: int = 0
+    checkpoint_every: int = field(default=0, metadata=doc("steps between periodic checkpoints; 0 = none"))
+    final_checkpoint: bool = field(default=True, metadata=doc("checkpoint after the last step"))
     probe_every: int = field(default=0, metadata=doc("steps between dense probes (kl/ref_dense, kl/gain); 0 = off"))
     max_prompt_len: int = 32
     skip_nonfinite: bool = True
@@ -353,6 +354,14 @@ class TrainConfig:
         require(self.eval_every >= 0, "eval_every", f"got {self.eval_every}; must be >= 0 (0 = only at the ends)")
         require(self.checkpoint_every >= 0, "checkpoint_every", f"got {self.checkpoint_every}; must be >= 0")
         require(self.microbatches >= 0, "microbatches", f"got {self.microbatches}; must be >= 0 (0 = mesh.stage)")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """When the held-out evaluation runs besides every `train.eval_every` steps."""
+
+    at_start: bool = field(default=True, metadata=doc("evaluate the base model before step 1 (logged as step 0)"))
+    at_end: bool = field(default=True, metadata=doc("evaluate after the last step"))
 
 
 @dataclass(frozen=True)

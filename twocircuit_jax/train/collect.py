@@ -29,9 +29,11 @@ class SingleTurn:
         _, loss_mask, adv, metrics, _ = ro.score_and_advantages(
             self.task, self.tokenizer, problems, out, n, max_new, self.cfg.grpo
         )
+        score_s = time.perf_counter() - t0 - gen_s
         batch = ro.pack_batch(prompts, out, n, t.max_prompt_len, max_new, self.tokenizer.pad_id)
         batch["advantages"], batch["loss_mask"] = adv, loss_mask
-        return Collected(batch, metrics, [len(x) for x in out.tokens], list(out.truncated), out.weight_version, gen_s)
+        lengths = [len(x) for x in out.tokens]
+        return Collected(batch, metrics, lengths, list(out.truncated), out.weight_version, gen_s, None, score_s)
 
     def evaluator(self, problems, greedy: bool) -> Evaluator:
         t = self.cfg.train
