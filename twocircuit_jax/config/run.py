@@ -56,7 +56,9 @@ class RunConfig:
     def check(self):
         """Cross-section rules (design §4 config checks, §3 validation)."""
         f, a = self.fast, self.anchor
-        if f.codec_type != "none" or not self.base_model:  # a checkpoint's layer count is known only once loaded
+        # pp_size places the activation codec's boundaries: with no codec it places nothing and is not checked. A
+        # checkpoint's layer count is known only once loaded (fast/circuit.py checks it then).
+        if f.codec_type != "none" and not self.base_model:
             require(
                 f.pp_size <= self.model.num_layers,
                 "fast.pp_size",

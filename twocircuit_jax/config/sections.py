@@ -120,6 +120,20 @@ class SamplerConfig:
 
     def check(self):
         require(self.n >= 1, "n", f"got {self.n}; must be >= 1")
+        s = self.sampling
+        for name, value, policy in (
+            ("temperature", s.temperature, 1.0),
+            ("top_p", s.top_p, 1.0),
+            ("top_k", s.top_k, 0),
+        ):
+            require(
+                value == policy,
+                f"sampling.{name}",
+                f"got {value}; rollouts sample the policy itself (temperature 1, top_p 1, top_k 0): the PPO ratio, "
+                "truncated IS and the mismatch metrics compare the sampler's log-probs with the trainer's, which are "
+                "the untempered, untruncated policy's (design §1). Held-out evaluation is greedy "
+                "(train.eval_greedy: true) or samples at temperature 1",
+            )
         require(self.max_staleness >= 0, "max_staleness", f"got {self.max_staleness}; must be >= 0")
         require(0 <= self.port < 65536, "port", f"got {self.port}; allowed 0..65535 (0 = pick a free port)")
         require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "allowed (0, 1]")
