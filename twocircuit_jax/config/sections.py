@@ -419,6 +419,40 @@ class MathFilesTask(TaskConfig):
         require(len(self.train_files) > 0, "train_files", "at least one local .jsonl or .parquet file is required")
 
 
+@register(TaskConfig, "python")
+@dataclass(frozen=True)
+class PythonTask(TaskConfig):
+    """One's own reward functions on one's own rows (tasks/python_task.py). From Python, pass them to
+    `twocircuit_jax.GRPOTrainer(cfg, reward_fns=[...], train_dataset=..., eval_dataset=...)` instead."""
+
+    prompt_template: str = field(
+        default="{prompt}", metadata=doc("the prompt text; {prompt} and any text field of the row are filled in")
+    )
+    reward_fns: tuple[str, ...] = field(
+        default=(), metadata=doc("module:function or file.py:function, (prompts, completions, **fields) -> floats")
+    )
+    reward_weights: tuple[float, ...] = field(default=(), metadata=doc("one per reward function; () = all 1"))
+    train_files: tuple[str, ...] = field(default=(), metadata=doc("local .jsonl or .parquet rows"))
+    eval_files: tuple[str, ...] = field(default=(), metadata=doc("held-out rows; () = no evaluation"))
+    prompt_key: str = field(default="prompt", metadata=doc("the rows' prompt field"))
+    max_reward_failure_frac: float = field(
+        default=0.5, metadata=doc("stop the run when more of a step's (row, function) reward calls raise")
+    )
+
+    def check(self):
+        require(
+            0 <= self.max_reward_failure_frac <= 1,
+            "max_reward_failure_frac",
+            f"got {self.max_reward_failure_frac}; allowed [0, 1]",
+        )
+        if self.reward_weights:
+            require(
+                len(self.reward_weights) == len(self.reward_fns),
+                "reward_weights",
+                f"got {len(self.reward_weights)} weights for {len(self.reward_fns)} reward_fns",
+            )
+
+
 @dataclass(frozen=True)
 class SFTConfig:
     """Supervised training of the tiny base model on task solutions."""

@@ -48,8 +48,9 @@ class SingleTurn:
         pass
 
 
-def make_collector(cfg, tokenizer, sampling):
-    """(collector, problem source): the environment's when `env.type` is set, else the task's."""
+def make_collector(cfg, tokenizer, sampling, task=None):
+    """(collector, problem source): the environment's when `env.type` is set, else the task's (`task` when given:
+    one built from Python objects, else the one `cfg.task` names)."""
     if cfg.env.enabled:
         from twocircuit_jax.envs import make_env
         from twocircuit_jax.envs.collector import MultiTurn
@@ -58,5 +59,5 @@ def make_collector(cfg, tokenizer, sampling):
         return MultiTurn(cfg, family, tokenizer, sampling), family
     from twocircuit_jax.tasks import make_task
 
-    task = make_task(cfg.task)
+    task = task if task is not None else make_task(cfg.task)
     return SingleTurn(cfg, task, tokenizer, sampling), task

@@ -10,6 +10,7 @@ fire and swap, the basis refresh at the end of a step.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -63,9 +64,88 @@ def _logp_rows(batch: dict) -> dict:
     return {k: batch[k] for k in ("tokens", "attention_mask", "sample_id") if k in batch}
 
 
+def _as_config(cfg):
+    """A RunConfig from a RunConfig, a dict of sections or a YAML path."""
+    from twocircuit_jax.config.run import RunConfig, load_config
+
+    if isinstance(cfg, RunConfig):
+        return cfg
+    if isinstance(cfg, dict):
+        return load_config(data=cfg)
+    if isinstance(cfg, (str, os.PathLike)):
+        return load_config(os.fspath(cfg))
+    raise TypeError(f"config: got {type(cfg).__name__}; expected a RunConfig, a dict of sections or a YAML path")
+
+
+def _python_task(cfg, reward_fns, reward_weights, train_dataset, eval_dataset):
+    """(config, task) for reward functions and rows given as Python objects; the config's task becomes
+    `type: python` (allowed when it is one already or left at the default), naming the functions it was given."""
+    from twocircuit_jax.config.base import from_dict
+    from twocircuit_jax.config.sections import PythonTask as PyCfg, TaskConfig
+    from twocircuit_jax.tasks.python_task import PythonTask, load_function, reward_fns as named_fns
+
+    if cfg.env.enabled:
+        raise ConfigError("env.type", "reward_fns / train_dataset train a single-turn task; set env.type: none")
+    tc = cfg.task
+    if not isinstance(tc, PyCfg):
+        if tc != from_dict(TaskConfig, {}):
+            raise ConfigError(
+                "task.type",
+                f"got {type(tc).__name__}; reward_fns / train_dataset need task.type: python (or no task section)",
+            )
+        tc = PyCfg()
+    if reward_fns is None:
+        if not tc.reward_fns:
+            raise ConfigError("reward_fns", "no reward functions: pass reward_fns=[...] or set task.reward_fns")
+        reward_fns = [load_function(s, f"task.reward_fns[{i}]") for i, s in enumerate(tc.reward_fns)]
+    weights = tc.reward_weights if reward_weights is None else tuple(float(w) for w in reward_weights)
+    fns = named_fns(reward_fns, weights)
+    if train_dataset is None:
+        if not tc.train_files:
+            raise ConfigError("train_dataset", "no training rows: pass train_dataset=... or set task.train_files")
+        from twocircuit_jax.tasks.math_files_task import read_records
+
+        train_dataset = [r for f in tc.train_files for _, r in read_records(f)]
+    if eval_dataset is None and tc.eval_files:
+        from twocircuit_jax.tasks.math_files_task import read_records
+
+        eval_dataset = [r for f in tc.eval_files for _, r in read_records(f)]
+    # The saved config names the functions (module:qualname) and weights it ran with; a record, since a function
+    # defined in a script or notebook cannot be imported back.
+    names = tuple(f"{getattr(f.fn, '__module__', '?')}:{getattr(f.fn, '__qualname__', f.name)}" for f in fns)
+    tc = dataclasses.replace(tc, reward_fns=names, reward_weights=tuple(f.weight for f in fns))
+    cfg = dataclasses.replace(cfg, task=tc)
+    return cfg, PythonTask(tc, fns, train_dataset, eval_dataset)
+
+
 class GRPOTrainer:
-    def __init__(self, cfg, run_dir: str, *, resume: bool = False, show_progress: bool = True):
-        run_dir = os.path.abspath(run_dir)  # orbax wants absolute paths
+    """GRPO on a task from the config, or on one's own reward functions and rows:
+
+        trainer = GRPOTrainer(cfg, "runs/x", reward_fns=[f, g], train_dataset=rows, eval_dataset=held_out)
+        trainer.run()            # or: metrics = trainer.step(), one GRPO step at a time
+
+    `cfg` is a RunConfig, a dict of sections or a YAML path; `run_dir` defaults to runs/<cfg.name>. Reward
+    functions are callables `(prompts, completions, **fields) -> list[float]` (tasks/python_task.py), weighted by
+    `reward_weights`; datasets are iterables of dicts (a `datasets.Dataset` too) with the prompt field
+    (`task.prompt_key`, default "prompt") and the fields the functions read."""
+
+    def __init__(
+        self,
+        cfg,
+        run_dir: str | None = None,
+        *,
+        reward_fns=None,
+        reward_weights=None,
+        train_dataset=None,
+        eval_dataset=None,
+        resume: bool = False,
+        show_progress: bool = True,
+    ):
+        cfg = _as_config(cfg)
+        task = None
+        if any(x is not None for x in (reward_fns, reward_weights, train_dataset, eval_dataset)):
+            cfg, task = _python_task(cfg, reward_fns, reward_weights, train_dataset, eval_dataset)
+        run_dir = os.path.abspath(run_dir or os.path.join("runs", cfg.name))  # orbax wants absolute paths
         os.makedirs(run_dir, exist_ok=True)
         self.ckpt = CheckpointManager(os.path.join(run_dir, "checkpoints"), keep_last=2)
         self.user_cfg = cfg  # as given; the guard's mitigations in force are applied on top (and saved in the meta)
@@ -78,8 +158,14 @@ class GRPOTrainer:
         t, s = cfg.train, cfg.sampler
         self.tokenizer = load_run_tokenizer(cfg)
         self._set_cap()
-        self.collector, self.task = make_collector(cfg, self.tokenizer, self.rollout_sampling)  # task or environment
+        # the task or the environment
+        self.collector, self.task = make_collector(cfg, self.tokenizer, self.rollout_sampling, task)
         self.train_problems = list(self.task.train_problems())
+        if len(self.train_problems) < t.train_batch:
+            raise ConfigError(
+                "train.train_batch",
+                f"got {t.train_batch}; the task has only {len(self.train_problems)} training problems",
+            )
         self.eval_problems = list(self.task.eval_problems())[: t.eval_size]
         model_cfg, params = load_model(cfg, t.seed)
         self.model_cfg = check_vocab(model_cfg, self.tokenizer)
@@ -128,7 +214,8 @@ class GRPOTrainer:
     # --- construction -----------------------------------------------------------------------------------------
     def _set_cap(self):
         self.max_new = self.cfg.sampler.sampling.max_new_tokens
-        # Rollouts sample the unmodified policy (design §1): temperature 1, no truncation.
+        # Rollouts sample the unmodified policy (design §1): temperature 1, no truncation (SamplerConfig.check
+        # refuses any other sampler.sampling).
         self.rollout_sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=self.max_new)
         if getattr(self, "collector", None) is not None:  # a guard mitigation changed the config or the cap
             self.collector.cfg, self.collector.sampling = self.cfg, self.rollout_sampling
