@@ -46,6 +46,7 @@ WEIGHTS = {
     "test_python_task.py": (90, 2),
     "test_example.py": (40, 1),
     "test_knobs.py": (6, 6),
+    "test_config_fields.py": (10, 10),
     "test_vllm_loop.py": (60, 0),
     "test_fast_e2e.py": (57, 0),
     "test_comm_bytes.py": (45, 0),

@@ -282,7 +282,9 @@ class AnchorConfig:
     enabled: bool = False
     cadence: int = field(default=20, metadata=doc("optimizer ticks between fires"))
     delay: int = field(default=20, metadata=doc("replay delay in ticks", "K"))
-    replay_paired_batch: bool = True
+    replay_paired_batch: bool = field(
+        default=True, metadata=doc("replay the delayed tick's own mini-batch (the only replay implemented)")
+    )
     batch_scope: Literal["ppo_minibatch", "rollout_batch"] = "ppo_minibatch"
     beta_anc: float = field(default=0.5, metadata=doc("EMA factor of the anchor gradient", "β_anc"))
     target_scope: Literal["all", "decoder"] = "all"
@@ -335,6 +337,12 @@ class AnchorConfig:
             )
         if self.swap_cadence > 0:
             require(self.enabled, "swap_cadence", "the optimizer-state swap needs anchor.enabled: true")
+        if self.enabled:  # the replay buffer keeps the fast step's own mini-batch: no other replay is implemented
+            require(
+                self.replay_paired_batch,
+                "replay_paired_batch",
+                "got false; only the paired replay (the delayed tick's own mini-batch) is implemented",
+            )
 
 
 @dataclass(frozen=True)
