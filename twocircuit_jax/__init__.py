@@ -22,4 +22,17 @@ def swap_optimizer_moments(*args, **kwargs):
     return _swap(*args, **kwargs)
 
 
-__all__ = ["forward", "load_hf", "save_hf", "swap_optimizer_moments", "__version__"]
+def __getattr__(name):
+    # The trainer on first use: `import twocircuit_jax` stays light (no optimizer, sampler or checkpointing).
+    if name == "GRPOTrainer":
+        from twocircuit_jax.train.loop import GRPOTrainer
+
+        return GRPOTrainer
+    if name == "load_config":
+        from twocircuit_jax.config.run import load_config
+
+        return load_config
+    raise AttributeError(f"module 'twocircuit_jax' has no attribute {name!r}")
+
+
+__all__ = ["GRPOTrainer", "forward", "load_config", "load_hf", "save_hf", "swap_optimizer_moments", "__version__"]

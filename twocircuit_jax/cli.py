@@ -86,6 +86,12 @@ def _bad_input_types():
     return (ConfigError, CheckpointError, DataError, FileNotFoundError)
 
 
+def _stop_types():
+    from twocircuit_jax.tasks.python_task import RewardError
+
+    return (RewardError,)
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     created = None
@@ -102,6 +108,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(f"twocircuit {args.cmd}: interrupted", file=sys.stderr)
         return 130
+    except _stop_types() as e:  # a run that stopped itself on purpose: its reason, no traceback
+        print(f"twocircuit {args.cmd}: error: {e}", file=sys.stderr)
+        return 1
 
 
 def _dispatch(args) -> int:

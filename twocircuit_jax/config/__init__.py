@@ -4,6 +4,7 @@ from twocircuit_jax.config.base import ConfigError, from_dict, register, registe
 from twocircuit_jax.config.run import RunConfig, apply_overrides, load_config, parse_set, save_config
 from twocircuit_jax.config.sections import (
     AnchorConfig,
+    EvalConfig,
     FastConfig,
     GRPOConfig,
     MathFilesTask,
@@ -21,6 +22,7 @@ from twocircuit_jax.config.sections import (
 __all__ = [
     "AnchorConfig",
     "ConfigError",
+    "EvalConfig",
     "FastConfig",
     "GRPOConfig",
     "MathFilesTask",

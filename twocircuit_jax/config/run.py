@@ -15,6 +15,7 @@ from twocircuit_jax.config.env import EnvConfig
 from twocircuit_jax.config.health import GuardConfig, HealthConfig
 from twocircuit_jax.config.sections import (
     AnchorConfig,
+    EvalConfig,
     FastConfig,
     GRPOConfig,
     MeshConfig,
@@ -47,6 +48,7 @@ class RunConfig:
         metadata={"doc": "multi-turn environment; `type: none` = the single-turn task above"},
     )
     train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
     sft: SFTConfig = SFTConfig()
     health: HealthConfig = HealthConfig()
     guard: GuardConfig = GuardConfig()
@@ -54,7 +56,9 @@ class RunConfig:
     def check(self):
         """Cross-section rules (design §4 config checks, §3 validation)."""
         f, a = self.fast, self.anchor
-        if f.codec_type != "none" or not self.base_model:  # a checkpoint's layer count is known only once loaded
+        # pp_size places the activation codec's boundaries: with no codec it places nothing and is not checked. A
+        # checkpoint's layer count is known only once loaded (fast/circuit.py checks it then).
+        if f.codec_type != "none" and not self.base_model:
             require(
                 f.pp_size <= self.model.num_layers,
                 "fast.pp_size",

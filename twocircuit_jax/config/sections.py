@@ -120,6 +120,20 @@ class SamplerConfig:
 
     def check(self):
         require(self.n >= 1, "n", f"got {self.n}; must be >= 1")
+        s = self.sampling
+        for name, value, policy in (
+            ("temperature", s.temperature, 1.0),
+            ("top_p", s.top_p, 1.0),
+            ("top_k", s.top_k, 0),
+        ):
+            require(
+                value == policy,
+                f"sampling.{name}",
+                f"got {value}; rollouts sample the policy itself (temperature 1, top_p 1, top_k 0): the PPO ratio, "
+                "truncated IS and the mismatch metrics compare the sampler's log-probs with the trainer's, which are "
+                "the untempered, untruncated policy's (design §1). Held-out evaluation is greedy "
+                "(train.eval_greedy: true) or samples at temperature 1",
+            )
         require(self.max_staleness >= 0, "max_staleness", f"got {self.max_staleness}; must be >= 0")
         require(0 <= self.port < 65536, "port", f"got {self.port}; allowed 0..65535 (0 = pick a free port)")
         require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "allowed (0, 1]")
@@ -268,7 +282,9 @@ class AnchorConfig:
     enabled: bool = False
     cadence: int = field(default=20, metadata=doc("optimizer ticks between fires"))
     delay: int = field(default=20, metadata=doc("replay delay in ticks", "K"))
-    replay_paired_batch: bool = True
+    replay_paired_batch: bool = field(
+        default=True, metadata=doc("replay the delayed tick's own mini-batch (the only replay implemented)")
+    )
     batch_scope: Literal["ppo_minibatch", "rollout_batch"] = "ppo_minibatch"
     beta_anc: float = field(default=0.5, metadata=doc("EMA factor of the anchor gradient", "β_anc"))
     target_scope: Literal["all", "decoder"] = "all"
@@ -321,6 +337,12 @@ class AnchorConfig:
             )
         if self.swap_cadence > 0:
             require(self.enabled, "swap_cadence", "the optimizer-state swap needs anchor.enabled: true")
+        if self.enabled:  # the replay buffer keeps the fast step's own mini-batch: no other replay is implemented
+            require(
+                self.replay_paired_batch,
+                "replay_paired_batch",
+                "got false; only the paired replay (the delayed tick's own mini-batch) is implemented",
+            )
 
 
 @dataclass(frozen=True)
@@ -333,7 +355,8 @@ class TrainConfig:
     eval_size: int = 64
     eval_greedy: bool = True
     seed: int = 0
-    checkpoint_every: int = 0
+    checkpoint_every: int = field(default=0, metadata=doc("steps between periodic checkpoints; 0 = none"))
+    final_checkpoint: bool = field(default=True, metadata=doc("checkpoint after the last step"))
     probe_every: int = field(default=0, metadata=doc("steps between dense probes (kl/ref_dense, kl/gain); 0 = off"))
     max_prompt_len: int = 32
     skip_nonfinite: bool = True
@@ -353,6 +376,14 @@ class TrainConfig:
         require(self.eval_every >= 0, "eval_every", f"got {self.eval_every}; must be >= 0 (0 = only at the ends)")
         require(self.checkpoint_every >= 0, "checkpoint_every", f"got {self.checkpoint_every}; must be >= 0")
         require(self.microbatches >= 0, "microbatches", f"got {self.microbatches}; must be >= 0 (0 = mesh.stage)")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """When the held-out evaluation runs besides every `train.eval_every` steps."""
+
+    at_start: bool = field(default=True, metadata=doc("evaluate the base model before step 1 (logged as step 0)"))
+    at_end: bool = field(default=True, metadata=doc("evaluate after the last step"))
 
 
 @dataclass(frozen=True)
@@ -394,6 +425,40 @@ class MathFilesTask(TaskConfig):
 
     def check(self):
         require(len(self.train_files) > 0, "train_files", "at least one local .jsonl or .parquet file is required")
+
+
+@register(TaskConfig, "python")
+@dataclass(frozen=True)
+class PythonTask(TaskConfig):
+    """One's own reward functions on one's own rows (tasks/python_task.py). From Python, pass them to
+    `twocircuit_jax.GRPOTrainer(cfg, reward_fns=[...], train_dataset=..., eval_dataset=...)` instead."""
+
+    prompt_template: str = field(
+        default="{prompt}", metadata=doc("the prompt text; {prompt} and any text field of the row are filled in")
+    )
+    reward_fns: tuple[str, ...] = field(
+        default=(), metadata=doc("module:function or file.py:function, (prompts, completions, **fields) -> floats")
+    )
+    reward_weights: tuple[float, ...] = field(default=(), metadata=doc("one per reward function; () = all 1"))
+    train_files: tuple[str, ...] = field(default=(), metadata=doc("local .jsonl or .parquet rows"))
+    eval_files: tuple[str, ...] = field(default=(), metadata=doc("held-out rows; () = no evaluation"))
+    prompt_key: str = field(default="prompt", metadata=doc("the rows' prompt field"))
+    max_reward_failure_frac: float = field(
+        default=0.5, metadata=doc("stop the run when more of a step's (row, function) reward calls raise")
+    )
+
+    def check(self):
+        require(
+            0 <= self.max_reward_failure_frac <= 1,
+            "max_reward_failure_frac",
+            f"got {self.max_reward_failure_frac}; allowed [0, 1]",
+        )
+        if self.reward_weights:
+            require(
+                len(self.reward_weights) == len(self.reward_fns),
+                "reward_weights",
+                f"got {len(self.reward_weights)} weights for {len(self.reward_fns)} reward_fns",
+            )
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ so a resumed run plays the same environments as an uninterrupted one.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from twocircuit_jax.config.sections import SamplingConfig
@@ -37,7 +39,9 @@ class MultiTurn:
 
     def collect(self, gs: int, problems, sampler, seed: int) -> Collected:
         e, t, n = self.cfg.env, self.cfg.train, self.cfg.sampler.n
+        t0 = time.perf_counter()
         ep = self.play(problems, n, sampler, self.sampling, seed, self.rng)
+        env_s = time.perf_counter() - t0 - ep.gen_s  # the environment's own steps: its rewards and observations
         batch, row_turn = pack_episodes(
             ep, n, e.max_turns, t.max_prompt_len, self.sampling.max_new_tokens, self.tokenizer.pad_id, e, self.cfg.grpo
         )
@@ -57,6 +61,7 @@ class MultiTurn:
             ep.weight_version,
             ep.gen_s,
             row_turn,
+            env_s,
         )
 
     def evaluator(self, problems, greedy: bool):

@@ -49,8 +49,11 @@ class FastCircuit:
         sets it; the kernels then target the local backend."""
         f = run_cfg.fast
         self.run_cfg, self.fcfg, self.model_cfg, self.mesh = run_cfg, f, model_cfg, mesh
+        # Without an activation codec pp_size only places the logical boundaries the byte accounting counts dense
+        # activations at; it is then not checked against the model (config/run.py), so it is capped at the layers.
+        pp = f.pp_size if f.codec_type != "none" else min(f.pp_size, model_cfg.num_layers)
         try:
-            self.boundaries = boundary_layers(model_cfg.num_layers, f.pp_size)
+            self.boundaries = boundary_layers(model_cfg.num_layers, pp)
         except ValueError as e:
             raise ConfigError("fast.pp_size", str(e)) from None
         self.interpret = bool(f.kernel_interpret)

@@ -78,10 +78,11 @@ class MetricsLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / _JSONL
         self._last = {"reward": None, "eval": None}
-        start = 0
+        start, self.last_step = 0, -1  # the last step with a line in metrics.jsonl
         if resume_from_step is not None:
             for rec in _truncate_jsonl(self.path, int(resume_from_step)):
                 self._remember(rec)
+                self.last_step = max(self.last_step, rec["step"])
             start = int(resume_from_step)
         self._file = open(self.path, "a", encoding="utf-8")
         purge = None if resume_from_step is None else int(resume_from_step) + 1
@@ -109,6 +110,7 @@ class MetricsLogger:
             if k != "step" and x is not None:
                 self._tb.add_scalar(k, x, global_step=int(step))
         self._remember(rec)
+        self.last_step = max(self.last_step, int(step))
         self._refresh_postfix()
         if step > self._bar.n:
             self._bar.update(min(step, self._bar.total or step) - self._bar.n)

@@ -11,7 +11,11 @@ def make_task(task_cfg) -> Task:
     build = getattr(task_cfg, "build", None)
     if build is not None:
         return build()
-    from twocircuit_jax.config.sections import MathFilesTask as MathCfg, ReasoningGymTask as RGCfg
+    from twocircuit_jax.config.sections import (
+        MathFilesTask as MathCfg,
+        PythonTask as PyCfg,
+        ReasoningGymTask as RGCfg,
+    )
 
     if isinstance(task_cfg, RGCfg):
         from twocircuit_jax.tasks.reasoning_gym_task import ReasoningGymTask
@@ -21,9 +25,13 @@ def make_task(task_cfg) -> Task:
         from twocircuit_jax.tasks.math_files_task import MathFilesTask
 
         return MathFilesTask(task_cfg)
+    if isinstance(task_cfg, PyCfg):
+        from twocircuit_jax.tasks.python_task import PythonTask
+
+        return PythonTask.from_config(task_cfg)
     raise ValueError(
         f"task: no task implementation for config {type(task_cfg).__name__}; "
-        f"allowed task.type: reasoning_gym, math_files, or a section with a build() method"
+        f"allowed task.type: reasoning_gym, math_files, python, or a section with a build() method"
     )
 
 

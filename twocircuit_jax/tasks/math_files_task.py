@@ -48,10 +48,18 @@ def last_boxed(text: str) -> Optional[str]:
     return None
 
 
+def read_records(path) -> Iterator[tuple[str, dict]]:
+    """(where, record) pairs of one local .jsonl/.json (JSON lines) or .parquet file; `where` is 'file:line N' or
+    'file:row N' for error messages."""
+    return _records(Path(path).expanduser())
+
+
 def _records(path: Path) -> Iterator[tuple[str, dict]]:
     """(where, record) pairs; `where` is 'file:line N' or 'file:row N' for error messages."""
     if not path.is_file():
-        raise DataError(f"{path}: file not found (task.train_files / task.eval_files take local .jsonl or .parquet)")
+        raise DataError(
+            f"{path}: file not found (task.train_files / task.eval_files take local .jsonl or .parquet files)"
+        )
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
         with path.open(encoding="utf-8") as f:

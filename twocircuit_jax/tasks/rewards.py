@@ -80,8 +80,14 @@ def score_batch(
     rewards, mask, raw = (np.zeros(n, np.float32) for _ in range(3))
     errors = unparsed = 0
     first_error = None
-    for i, (p, text) in enumerate(zip(problems, completions)):
-        s = safe_score(task, p, text)
+    many = getattr(task, "score_many", None)  # a task that scores the whole step at once (tasks/python_task.py)
+    extra = {}
+    if many is not None:
+        scores, extra = many(list(problems), list(completions))
+        errors += int(extra.get("reward/fn_errors", 0))
+    else:
+        scores = [safe_score(task, p, text) for p, text in zip(problems, completions)]
+    for i, (p, s) in enumerate(zip(problems, scores)):
         if s.error is not None:
             errors += 1
             first_error = first_error or f"{p.id}: {s.error}"
@@ -97,6 +103,7 @@ def score_batch(
         "reward/unparsed_frac": unparsed / n if n else 0.0,
         "reward/loss_mask_frac": float(mask.mean()) if n else 0.0,
     }
+    metrics.update(extra)
     if first_error is not None:
         metrics["reward/first_score_error"] = first_error  # a string: the logger may print it, not plot it
     return rewards, mask, raw, metrics

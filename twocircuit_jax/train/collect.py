@@ -29,9 +29,11 @@ class SingleTurn:
         _, loss_mask, adv, metrics, _ = ro.score_and_advantages(
             self.task, self.tokenizer, problems, out, n, max_new, self.cfg.grpo
         )
+        score_s = time.perf_counter() - t0 - gen_s
         batch = ro.pack_batch(prompts, out, n, t.max_prompt_len, max_new, self.tokenizer.pad_id)
         batch["advantages"], batch["loss_mask"] = adv, loss_mask
-        return Collected(batch, metrics, [len(x) for x in out.tokens], list(out.truncated), out.weight_version, gen_s)
+        lengths = [len(x) for x in out.tokens]
+        return Collected(batch, metrics, lengths, list(out.truncated), out.weight_version, gen_s, None, score_s)
 
     def evaluator(self, problems, greedy: bool) -> Evaluator:
         t = self.cfg.train
@@ -46,8 +48,9 @@ class SingleTurn:
         pass
 
 
-def make_collector(cfg, tokenizer, sampling):
-    """(collector, problem source): the environment's when `env.type` is set, else the task's."""
+def make_collector(cfg, tokenizer, sampling, task=None):
+    """(collector, problem source): the environment's when `env.type` is set, else the task's (`task` when given:
+    one built from Python objects, else the one `cfg.task` names)."""
     if cfg.env.enabled:
         from twocircuit_jax.envs import make_env
         from twocircuit_jax.envs.collector import MultiTurn
@@ -56,5 +59,5 @@ def make_collector(cfg, tokenizer, sampling):
         return MultiTurn(cfg, family, tokenizer, sampling), family
     from twocircuit_jax.tasks import make_task
 
-    task = make_task(cfg.task)
+    task = task if task is not None else make_task(cfg.task)
     return SingleTurn(cfg, task, tokenizer, sampling), task

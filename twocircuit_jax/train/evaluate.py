@@ -27,9 +27,13 @@ class Evaluator:
             prompts = [self.prompts[i] for i in idx]
             prompts += [self.prompts[idx[0]]] * (self.chunk - len(idx))  # pad the last chunk: same shapes
             out = sampler.generate(prompts, 1, self.sampling, seed=seed + start)
-            for j, i in enumerate(idx):
-                text = self.tokenizer.decode(out.tokens[j])
-                scores.append(safe_score(self.task, self.problems[i], text).reward)
+            texts = [self.tokenizer.decode(out.tokens[j]) for j in range(len(idx))]
+            many = getattr(self.task, "score_many", None)  # one call per chunk for a batch scorer (python tasks)
+            if many is not None:
+                scores += [s.reward for s in many([self.problems[i] for i in idx], texts, check_failures=False)[0]]
+            else:
+                scores += [safe_score(self.task, self.problems[i], t).reward for i, t in zip(idx, texts)]
+            for j in range(len(idx)):
                 lengths.append(len(out.tokens[j]))
                 truncated.append(out.truncated[j])
         # Accuracy counts full-credit answers only: some verifiers give partial credit to a parsable wrong answer.

@@ -10,6 +10,8 @@ fire and swap, the basis refresh at the end of a step.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import sys
 import time
@@ -45,6 +47,7 @@ from twocircuit_jax.train.step import (
     make_optimizer,
     state_shardings,
 )
+from twocircuit_jax.train.timing import PhaseTimer
 
 ANCHOR_BLOB = "anchor_buffers.pkl"
 # The checkpoint tree {"train", "circuit"}; layout 1 (no "state_layout" in meta) held {"train", "ctx", "anchor"}.
@@ -61,9 +64,88 @@ def _logp_rows(batch: dict) -> dict:
     return {k: batch[k] for k in ("tokens", "attention_mask", "sample_id") if k in batch}
 
 
+def _as_config(cfg):
+    """A RunConfig from a RunConfig, a dict of sections or a YAML path."""
+    from twocircuit_jax.config.run import RunConfig, load_config
+
+    if isinstance(cfg, RunConfig):
+        return cfg
+    if isinstance(cfg, dict):
+        return load_config(data=cfg)
+    if isinstance(cfg, (str, os.PathLike)):
+        return load_config(os.fspath(cfg))
+    raise TypeError(f"config: got {type(cfg).__name__}; expected a RunConfig, a dict of sections or a YAML path")
+
+
+def _python_task(cfg, reward_fns, reward_weights, train_dataset, eval_dataset):
+    """(config, task) for reward functions and rows given as Python objects; the config's task becomes
+    `type: python` (allowed when it is one already or left at the default), naming the functions it was given."""
+    from twocircuit_jax.config.base import from_dict
+    from twocircuit_jax.config.sections import PythonTask as PyCfg, TaskConfig
+    from twocircuit_jax.tasks.python_task import PythonTask, load_function, reward_fns as named_fns
+
+    if cfg.env.enabled:
+        raise ConfigError("env.type", "reward_fns / train_dataset train a single-turn task; set env.type: none")
+    tc = cfg.task
+    if not isinstance(tc, PyCfg):
+        if tc != from_dict(TaskConfig, {}):
+            raise ConfigError(
+                "task.type",
+                f"got {type(tc).__name__}; reward_fns / train_dataset need task.type: python (or no task section)",
+            )
+        tc = PyCfg()
+    if reward_fns is None:
+        if not tc.reward_fns:
+            raise ConfigError("reward_fns", "no reward functions: pass reward_fns=[...] or set task.reward_fns")
+        reward_fns = [load_function(s, f"task.reward_fns[{i}]") for i, s in enumerate(tc.reward_fns)]
+    weights = tc.reward_weights if reward_weights is None else tuple(float(w) for w in reward_weights)
+    fns = named_fns(reward_fns, weights)
+    if train_dataset is None:
+        if not tc.train_files:
+            raise ConfigError("train_dataset", "no training rows: pass train_dataset=... or set task.train_files")
+        from twocircuit_jax.tasks.math_files_task import read_records
+
+        train_dataset = [r for f in tc.train_files for _, r in read_records(f)]
+    if eval_dataset is None and tc.eval_files:
+        from twocircuit_jax.tasks.math_files_task import read_records
+
+        eval_dataset = [r for f in tc.eval_files for _, r in read_records(f)]
+    # The saved config names the functions (module:qualname) and weights it ran with; a record, since a function
+    # defined in a script or notebook cannot be imported back.
+    names = tuple(f"{getattr(f.fn, '__module__', '?')}:{getattr(f.fn, '__qualname__', f.name)}" for f in fns)
+    tc = dataclasses.replace(tc, reward_fns=names, reward_weights=tuple(f.weight for f in fns))
+    cfg = dataclasses.replace(cfg, task=tc)
+    return cfg, PythonTask(tc, fns, train_dataset, eval_dataset)
+
+
 class GRPOTrainer:
-    def __init__(self, cfg, run_dir: str, *, resume: bool = False, show_progress: bool = True):
-        run_dir = os.path.abspath(run_dir)  # orbax wants absolute paths
+    """GRPO on a task from the config, or on one's own reward functions and rows:
+
+        trainer = GRPOTrainer(cfg, "runs/x", reward_fns=[f, g], train_dataset=rows, eval_dataset=held_out)
+        trainer.run()            # or: metrics = trainer.step(), one GRPO step at a time
+
+    `cfg` is a RunConfig, a dict of sections or a YAML path; `run_dir` defaults to runs/<cfg.name>. Reward
+    functions are callables `(prompts, completions, **fields) -> list[float]` (tasks/python_task.py), weighted by
+    `reward_weights`; datasets are iterables of dicts (a `datasets.Dataset` too) with the prompt field
+    (`task.prompt_key`, default "prompt") and the fields the functions read."""
+
+    def __init__(
+        self,
+        cfg,
+        run_dir: str | None = None,
+        *,
+        reward_fns=None,
+        reward_weights=None,
+        train_dataset=None,
+        eval_dataset=None,
+        resume: bool = False,
+        show_progress: bool = True,
+    ):
+        cfg = _as_config(cfg)
+        task = None
+        if any(x is not None for x in (reward_fns, reward_weights, train_dataset, eval_dataset)):
+            cfg, task = _python_task(cfg, reward_fns, reward_weights, train_dataset, eval_dataset)
+        run_dir = os.path.abspath(run_dir or os.path.join("runs", cfg.name))  # orbax wants absolute paths
         os.makedirs(run_dir, exist_ok=True)
         self.ckpt = CheckpointManager(os.path.join(run_dir, "checkpoints"), keep_last=2)
         self.user_cfg = cfg  # as given; the guard's mitigations in force are applied on top (and saved in the meta)
@@ -76,8 +158,14 @@ class GRPOTrainer:
         t, s = cfg.train, cfg.sampler
         self.tokenizer = load_run_tokenizer(cfg)
         self._set_cap()
-        self.collector, self.task = make_collector(cfg, self.tokenizer, self.rollout_sampling)  # task or environment
+        # the task or the environment
+        self.collector, self.task = make_collector(cfg, self.tokenizer, self.rollout_sampling, task)
         self.train_problems = list(self.task.train_problems())
+        if len(self.train_problems) < t.train_batch:
+            raise ConfigError(
+                "train.train_batch",
+                f"got {t.train_batch}; the task has only {len(self.train_problems)} training problems",
+            )
         self.eval_problems = list(self.task.eval_problems())[: t.eval_size]
         model_cfg, params = load_model(cfg, t.seed)
         self.model_cfg = check_vocab(model_cfg, self.tokenizer)
@@ -100,8 +188,15 @@ class GRPOTrainer:
         self._build_circuits()
         self._compile()
         self.start_step, self.history = 0, {"length/mean": [], "best": None}
+        self._resume_row = None
         if resume:
             self._restore()
+        # Everything a step reads is set here, so `step()` works without `run()`: the last step done, the weight
+        # version the sampler holds, whether the start-of-run evaluation has run, the guard's stop.
+        self.gs = self.state_version = self.start_step
+        self.began, self.stopped, self.closed = self.start_step > 0, None, False
+        self.timer = PhaseTimer()
+        self.summary = {"base_accuracy": None, "final_accuracy": None}
         self._start_sampler()
         # Run-level files come from process 0 alone; the others run the same steps and write only their shards of
         # each checkpoint (train/checkpoint.py).
@@ -111,11 +206,16 @@ class GRPOTrainer:
             self.logger = MetricsLogger(
                 run_dir, t.steps, show_progress=show_progress, resume_from_step=self.start_step if resume else None
             )
+            row = self._resume_row
+            if row is not None and self.logger.last_step < self.start_step:
+                # The checkpoint was committed and the process died before its step's line was written.
+                self.logger.log(self.start_step, row)
 
     # --- construction -----------------------------------------------------------------------------------------
     def _set_cap(self):
         self.max_new = self.cfg.sampler.sampling.max_new_tokens
-        # Rollouts sample the unmodified policy (design §1): temperature 1, no truncation.
+        # Rollouts sample the unmodified policy (design §1): temperature 1, no truncation (SamplerConfig.check
+        # refuses any other sampler.sampling).
         self.rollout_sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=self.max_new)
         if getattr(self, "collector", None) is not None:  # a guard mitigation changed the config or the cap
             self.collector.cfg, self.collector.sampling = self.cfg, self.rollout_sampling
@@ -202,7 +302,7 @@ class GRPOTrainer:
     def _ckpt_state(self):
         return {"train": self.state, "circuit": self.cs}
 
-    def _meta(self, gs):
+    def _meta(self, gs, metrics=None):
         meta = {
             "step": gs,
             "state_layout": STATE_LAYOUT,
@@ -220,6 +320,8 @@ class GRPOTrainer:
             meta["collector"] = self.collector.state_dict()  # the environment RNG: a resume plays the same games
         if self.guard:
             meta["guard"] = self.guard.state_dict()
+        if metrics is not None:  # the step's metrics line, restored on resume if the process died before logging it
+            meta["metrics"] = json.loads(json.dumps(metrics, default=float))  # numpy scalars as JSON numbers
         return meta
 
     def _restore(self):
@@ -228,6 +330,7 @@ class GRPOTrainer:
             raise ConfigError("--resume", f"no complete checkpoint under {self.ckpt.root}")
         meta = self._load(step)
         self.start_step = int(meta["step"])
+        self._resume_row = meta.get("metrics")
         self.health.load_state_dict(meta.get("health"))
         self.collector.load_state_dict(meta.get("collector"))
         if self.guard:
@@ -315,6 +418,8 @@ class GRPOTrainer:
         if begin is not None:
             begin(gs)
         col = self.collector.collect(gs, problems, self.sampler, step_seed(t.seed, gs))
+        self.timer.add("generate", col.gen_s)
+        self.timer.add("score", col.score_s)
         if self.state_version - col.weight_version > cfg.sampler.max_staleness:
             raise RuntimeError(
                 f"sampler answered with weight version {col.weight_version}; the trainer is at "
@@ -331,15 +436,17 @@ class GRPOTrainer:
             codec_state, bm = self.codec.bootstrap(self.cs.codec, self.state.params, dev)
             self.cs = place(self.cs._replace(codec=codec_state), self.cs_sh)  # placed like every later step's
             metrics.update(bm)
-        old_logp, ent, old_aux = self.logp_old(self.state.params, _logp_rows(dev), self.cs)
-        dev["old_logp"] = old_logp
-        if cfg.grpo.kl_coef > 0:
-            dev["ref_logp"] = self.logp_ref(self.ref_params, _logp_rows(dev), self.cs)[0]
-            if self.anchor:  # the anchor's KL is in the dense view: one more reference forward, codecs off
-                codec_ref = self.codec is not None and self.codec.applies(REF)
-                dev["ref_logp_dense"] = (
-                    self.logp_dense(self.ref_params, _logp_rows(dev), self.cs)[0] if codec_ref else dev["ref_logp"]
-                )
+        with self.timer("logprob"):
+            old_logp, ent, old_aux = self.logp_old(self.state.params, _logp_rows(dev), self.cs)
+            dev["old_logp"] = old_logp
+            if cfg.grpo.kl_coef > 0:
+                dev["ref_logp"] = self.logp_ref(self.ref_params, _logp_rows(dev), self.cs)[0]
+                if self.anchor:  # the anchor's KL is in the dense view: one more reference forward, codecs off
+                    codec_ref = self.codec is not None and self.codec.applies(REF)
+                    dev["ref_logp_dense"] = (
+                        self.logp_dense(self.ref_params, _logp_rows(dev), self.cs)[0] if codec_ref else dev["ref_logp"]
+                    )
+            jax.block_until_ready((old_logp, dev.get("ref_logp"), dev.get("ref_logp_dense")))
         if cfg.grpo.tis != "off":
             w, tis_m = tis_weights(old_logp, dev["sampler_logp"], dev["response_mask"], cfg.grpo.tis, cfg.grpo.tis_cap)
             dev["is_weight"] = w
@@ -353,14 +460,16 @@ class GRPOTrainer:
         if self.codec:
             metrics.update(self.codec.summarize_aux(old_aux, tag=OLD))
         if t.probe_every and gs % t.probe_every == 0:
-            metrics.update(self._dense_probe(dev, full_mask, old_logp))
+            with self.timer("logprob"):
+                metrics.update(to_host(self._dense_probe(dev, full_mask, old_logp)))
         metrics.update(self._ticks(gs, dev))
         if self.codec:
             codec_state, cm = self.codec.end_step(self.cs.codec, gs, self.cs.grad)
             self.cs = self.cs._replace(codec=codec_state)
             metrics.update(cm)
         self.state_version = gs
-        self.sampler.update_weights(self.state.params, gs)  # publish: the next rollout uses these weights
+        with self.timer("export"):
+            self.sampler.update_weights(self.state.params, gs)  # publish: the next rollout uses these weights
         metrics.update(length_stats(col.lengths, col.truncated, self.max_new))
         self.history["length/mean"].append(metrics["length/mean"])
         metrics["length/slope"] = length_slope(self.history["length/mean"])
@@ -397,23 +506,28 @@ class GRPOTrainer:
                 first = j == 0 and epoch == 0
                 self.cs = set_clock(self.cs, first_minibatch=first)  # ℓ_old from the train forward
                 if self.anchor:
-                    basis = self.cs.codec if self.anchor.owns_q else None
-                    self.cs, am, sketch = self.anchor.before_tick(tau, gs, first, mb, self.state, self.cs, basis)
-                    if sketch is not None:  # the anchor's dense sketch refreshes the basis (staged)
-                        self.cs = self.cs._replace(codec=self.codec.absorb_sketch(self.cs.codec, sketch))
-                    _merge(accum, am)
-                # Both states are donated: `place` commits every leaf to its sharding, no buffer twice.
-                self.cs = place(self.cs, self.cs_sh)
-                if probe and first:  # before the tick: the weights and M it will use
-                    _merge(accum, to_host(self.fidelity(self.state.params, self.ref_params, mb, self.cs)))
-                self.state, self.cs, m = self.train_step(self.state, self.cs, mb)
-                m = dict(m)
+                    with self.timer("anchor"):
+                        basis = self.cs.codec if self.anchor.owns_q else None
+                        self.cs, am, sketch = self.anchor.before_tick(tau, gs, first, mb, self.state, self.cs, basis)
+                        if sketch is not None:  # the anchor's dense sketch refreshes the basis (staged)
+                            self.cs = self.cs._replace(codec=self.codec.absorb_sketch(self.cs.codec, sketch))
+                        jax.block_until_ready(self.cs)
+                    _merge(accum, to_host(am))
+                with self.timer("update"):
+                    # Both states are donated: `place` commits every leaf to its sharding, no buffer twice.
+                    self.cs = place(self.cs, self.cs_sh)
+                    if probe and first:  # before the tick: the weights and M it will use
+                        _merge(accum, to_host(self.fidelity(self.state.params, self.ref_params, mb, self.cs)))
+                    self.state, self.cs, m = self.train_step(self.state, self.cs, mb)
+                    m = to_host(dict(m))  # host sync, once per tick
                 if self.codec:
                     self.codec.tick_done()
                 if self.anchor:
-                    self.state, sm = self.anchor.after_tick(tau, self.state, self.cs)
-                    m.update(sm)
-                _merge(accum, to_host(m))  # host sync, once per tick
+                    with self.timer("anchor"):
+                        self.state, sm = self.anchor.after_tick(tau, self.state, self.cs)
+                        jax.block_until_ready(self.state)
+                    m.update(to_host(sm))
+                _merge(accum, m)
         out = {k: float(np.mean(v)) for k, v in accum.items()}
         for k in ("grad/skipped", "anchor/fire"):
             if k in accum:
@@ -424,51 +538,104 @@ class GRPOTrainer:
 
     # --- the run ----------------------------------------------------------------------------------------------
     def evaluate(self, gs) -> dict:
+        """Held-out evaluation with the sampler's current weights (no logging)."""
         return self.evaluator.run(self.sampler, seed=step_seed(self.cfg.train.seed, gs, salt=99))
 
-    def run(self) -> dict:
+    def _evaluate_timed(self, gs) -> dict:
+        with self.timer("eval"):
+            return self.evaluate(gs)
+
+    def begin(self) -> dict:
+        """The start of a fresh run (step 0): the base model's evaluation when `eval.at_start`, logged as step 0.
+        `step()` calls it before the first step; calling it again does nothing. Returns step 0's metrics."""
+        if self.began:
+            return {}
+        self.began = True
+        if not self.cfg.eval.at_start:
+            return {}
+        ev = self._evaluate_timed(0)
+        metrics = {"step": 0, "tick": 0, **ev, **self.timer.take()}
+        self.summary["base_accuracy"] = ev.get("eval/accuracy")
+        if self.guard and ev:  # a rollback always has somewhere to go
+            with self.timer("checkpoint"):
+                self._maybe_save_best(0, ev)
+            metrics.update(self.timer.take())
+        if self.logger:
+            self.logger.log(0, metrics)
+        return metrics
+
+    def step(self) -> dict:
+        """Run the next GRPO step (`self.gs + 1`) with what the run does around it: the evaluation when due, the
+        health gauges, the collapse guard, the metrics line, checkpoints. Returns the step's metrics (as logged).
+        `run()` is a loop over it; calling it directly needs nothing else first."""
         t = self.cfg.train
-        self.state_version = self.start_step
-        summary = {"base_accuracy": None, "final_accuracy": None}
+        if self.closed:
+            raise RuntimeError("this GRPOTrainer is closed (run() closes it at the end); make a new one")
+        if self.stopped is not None:
+            raise RuntimeError(f"the collapse guard stopped this run at step {self.stopped} (see guard.jsonl)")
+        if self.gs >= t.steps:
+            raise RuntimeError(f"all train.steps={t.steps} steps are done; raise train.steps to train further")
+        self.begin()
+        gs = self.gs + 1
+        metrics = {"step": gs, **self.grpo_step(gs)}
+        self.gs = gs
+        if self.anchor:
+            metrics.update(self.anchor.step_metrics(self.cs))
+        last = gs == t.steps
+        if (t.eval_every and gs % t.eval_every == 0) or (last and self.cfg.eval.at_end):
+            metrics.update(self._evaluate_timed(gs))
+        err = metrics.pop("reward/first_score_error", None)
+        if err:
+            print(f"warning: step {gs}: a scorer raised ({err}); that sample got reward 0", file=sys.stderr)
+        metrics = to_floats(metrics)  # empty splits (NaN) are left out: keys present when they apply
+        metrics["step"], metrics["tick"] = gs, int(metrics["tick"])
+        metrics.update(self.health.update(gs, metrics))
+        with self.timer("checkpoint"):
+            self._maybe_save_best(gs, metrics)  # before the guard: a rollback must not become the best
+        act = self._guard_step(gs, metrics)
+        if act == "final":
+            metrics.update(self._evaluate_timed(gs))
+        if "eval/accuracy" in metrics:
+            self.summary["final_accuracy"] = metrics["eval/accuracy"]
+        if act in ("stop", "final"):
+            self.stopped = self.summary["stopped_by_guard"] = gs
+        # The checkpoint is written before the metrics line, so the line holds its time; its meta holds the line
+        # (without that time), which a resume writes if the process died in between.
+        metrics.update(self.timer.take())
+        with self.timer("checkpoint"):
+            self._maybe_checkpoint(gs, metrics, force=act in ("rollback", "stop", "final"))
+        metrics.update(self.timer.take())
+        if self.logger:
+            self.logger.log(gs, metrics)
+        return metrics
+
+    def run(self) -> dict:
+        """Every remaining step (`step()` in a loop), then `close()`. Returns the summary: base and final held-out
+        accuracy, the steps, `stopped_by_guard` when the guard ended the run."""
         try:
-            if self.start_step == 0:
-                ev = self.evaluate(0)
-                summary["base_accuracy"] = ev["eval/accuracy"]
-                if self.logger:
-                    self.logger.log(0, {"step": 0, "tick": 0, **ev})
-                if self.guard:  # a rollback always has somewhere to go
-                    self._maybe_save_best(0, ev)
-            for gs in range(self.start_step + 1, t.steps + 1):
-                metrics = {"step": gs, **self.grpo_step(gs)}
-                if self.anchor:
-                    metrics.update(self.anchor.step_metrics(self.cs))
-                if (t.eval_every and gs % t.eval_every == 0) or gs == t.steps:
-                    metrics.update(self.evaluate(gs))
-                    summary["final_accuracy"] = metrics["eval/accuracy"]
-                err = metrics.pop("reward/first_score_error", None)
-                if err:
-                    print(f"warning: step {gs}: a scorer raised ({err}); that sample got reward 0", file=sys.stderr)
-                metrics = to_floats(metrics)  # empty splits (NaN) are left out: keys present when they apply
-                metrics["step"], metrics["tick"] = gs, int(metrics["tick"])
-                metrics.update(self.health.update(gs, metrics))
-                self._maybe_save_best(gs, metrics)  # before the guard: a rollback must not become the best
-                act = self._guard_step(gs, metrics)
-                if act == "final":
-                    metrics.update(self.evaluate(gs))
-                if "eval/accuracy" in metrics:
-                    summary["final_accuracy"] = metrics["eval/accuracy"]
-                if self.logger:
-                    self.logger.log(gs, metrics)
-                self._maybe_checkpoint(gs, force=act in ("rollback", "stop", "final"))
-                if act in ("stop", "final"):
-                    summary["stopped_by_guard"] = gs
-                    break
+            self.begin()
+            while self.gs < self.cfg.train.steps and self.stopped is None:
+                self.step()
         finally:
+            self.close()
+        return {**self.summary, "steps": self.cfg.train.steps}
+
+    def close(self) -> None:
+        """Stop the sampler and close the metrics files. Safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
             if self.logger:
                 self.logger.close()
+        finally:
             self.sampler.close()
-        summary["steps"] = t.steps
-        return summary
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def _maybe_save_best(self, gs, metrics):
         if "eval/accuracy" in metrics:
@@ -477,11 +644,13 @@ class GRPOTrainer:
                 self.history["best"] = metrics["eval/accuracy"]
                 self.ckpt.save_best(gs, self._ckpt_state(), self._meta(gs), metrics["eval/accuracy"], self._blobs())
 
-    def _maybe_checkpoint(self, gs, force: bool = False):
-        """Periodic checkpoint; `force` after a guard action, so a resume starts from what the guard left."""
+    def _maybe_checkpoint(self, gs, metrics=None, force: bool = False):
+        """Periodic checkpoint, and the final one when `train.final_checkpoint`; `force` after a guard action, so a
+        resume starts from what the guard left."""
         t = self.cfg.train
-        if force or (t.checkpoint_every and gs % t.checkpoint_every == 0) or gs == t.steps:
-            self.ckpt.save(gs, self._ckpt_state(), self._meta(gs), self._blobs())
+        final = gs == t.steps and t.final_checkpoint
+        if force or (t.checkpoint_every and gs % t.checkpoint_every == 0) or final:
+            self.ckpt.save(gs, self._ckpt_state(), self._meta(gs, metrics), self._blobs())
 
     # --- the collapse guard -----------------------------------------------------------------------------------
     def _guard_step(self, gs, metrics):

@@ -24,6 +24,7 @@ class Collected(NamedTuple):
     weight_version: int  # the oldest sampler weight version in the batch
     gen_s: float  # seconds inside the rollout engine
     row_turn: Optional[np.ndarray] = None  # [R] int32 turn index per row (-1 = empty row); None for single-turn
+    score_s: float = 0.0  # seconds scoring (the task's rewards; a multi-turn environment's own steps)
 
 
 def encode_prompts(tokenizer, task, problems, prompt_len: int, field: str = "train.max_prompt_len") -> list[list[int]]:

@@ -42,10 +42,31 @@ def load_model(run_cfg, seed: int):
             ) from None
         cfg = from_dict(ModelConfig, mcfg)
         params = jax.tree.map(jnp.asarray, params)
+    _check_model_section(run_cfg.model, cfg, path)
     # the run's dtypes win over the checkpoint's
     cfg = dataclasses.replace(cfg, param_dtype=run_cfg.model.param_dtype, compute_dtype=run_cfg.model.compute_dtype)
     params = jax.tree.map(lambda a: a.astype(dtype_of(cfg.param_dtype)), params)
     return cfg, params
+
+
+# What `model:` may still say when `base_model` gives the weights: the dtypes the run computes in.
+_RUN_OWNED = ("param_dtype", "compute_dtype")
+
+
+def _check_model_section(section, loaded, path: str) -> None:
+    """With `base_model`, the checkpoint decides the model's shape and ids: a `model.*` value other than its default
+    must equal the checkpoint's, or it would be silently ignored."""
+    default = type(section)()
+    for f in dataclasses.fields(section):
+        mine = getattr(section, f.name)
+        if f.name in _RUN_OWNED or mine == getattr(default, f.name) or mine == getattr(loaded, f.name):
+            continue
+        raise ConfigError(
+            f"model.{f.name}",
+            f"got {mine!r}; the checkpoint base_model={path} has {getattr(loaded, f.name)!r}. With base_model the "
+            f"checkpoint gives the model (only model.param_dtype and model.compute_dtype apply): leave model."
+            f"{f.name} out or set it to the checkpoint's value",
+        )
 
 
 def load_run_tokenizer(run_cfg):
@@ -63,8 +84,15 @@ def check_vocab(model_cfg, tokenizer):
         raise ConfigError(
             "model.vocab_size", f"got {model_cfg.vocab_size}; the tokenizer has {tokenizer.vocab_size} tokens"
         )
+    # One end-of-sequence id: the sampler stops at the model's, the decoder cuts the text at the tokenizer's. They
+    # must be the same token; which one is right only the user knows, so a disagreement is an error.
     if model_cfg.eos_token_id != tokenizer.eos_id:
-        return dataclasses.replace(model_cfg, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
+        raise ConfigError(
+            "model.eos_token_id",
+            f"got {model_cfg.eos_token_id}; the tokenizer ({tokenizer.spec}) ends sequences with token "
+            f"{tokenizer.eos_id}. Set model.eos_token_id: {tokenizer.eos_id} (with base_model: the checkpoint's "
+            "config.json eos_token_id), or use the tokenizer the model was trained with",
+        )
     return model_cfg
 
 

@@ -1,0 +1,41 @@
+"""Every config field takes effect or is refused: docs/config.md lists them all (with the modules that read each),
+and a field that no module outside config/ reads fails here."""
+
+import importlib.util
+import os
+
+import pytest
+
+from twocircuit_jax.config import ConfigError, load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _doc():
+    spec = importlib.util.spec_from_file_location("config_doc", os.path.join(ROOT, "scripts", "config_doc.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_field_is_read_somewhere_or_refused():
+    doc = _doc()
+    srcs = doc.sources()
+    unread = [
+        key
+        for key, name, _, _ in doc.fields()
+        if name != "type" and key not in doc.REFUSED and not doc.readers(name, srcs)
+    ]
+    assert not unread, f"config fields no module reads (wire them, or refuse all but the default): {unread}"
+    assert not doc.readers("a_field_nobody_reads", srcs)  # the search can come back empty
+
+
+@pytest.mark.parametrize("key", sorted(_doc().REFUSED))
+def test_refused_fields_are_refused(key):
+    with pytest.raises(ConfigError, match=key):
+        load_config(data=_doc().REFUSED[key][1])
+
+
+def test_docs_config_md_is_current():
+    with open(os.path.join(ROOT, "docs", "config.md")) as f:
+        assert f.read() == _doc().render(), "docs/config.md is stale: run python scripts/config_doc.py"
