@@ -16,7 +16,7 @@ Note: XLA:CPU widens bf16 collectives to f32, so bf16 parameters are counted at 
 
 With `mesh.stage > 1` the boundaries are real (parallel/pipeline.py) and nothing comes from a formula: the compiled
 step's collectives are split into boundary_fwd, boundary_bwd (the stage messages and their transposes),
-stage_exit (the last stage's hidden states summed over `stage`) and grad_reduce (the rest: the data-parallel
+stage_exit (the last stage's per-token log-probs and entropies summed over `stage`) and grad_reduce (the rest: the data-parallel
 gradient mean and scalar reductions), each counted per data replica times how often its loop runs
 (fast/hlo_bytes.py), against the same mesh with fast.codec=none. A gradient codec is refused there (its warm-up
 and compressed branches are both in the program; the unstaged count handles it). `--memory`

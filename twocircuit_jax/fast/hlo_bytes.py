@@ -3,8 +3,10 @@
 `staged_bytes(hlo_text)` reads the compiled (SPMD-partitioned) HLO text of a step that uses parallel/pipeline.py:
   boundary_fwd   collective-permutes under the pipeline's `stage_boundary` scope (forward messages)
   boundary_bwd   their transposes (op name with "transpose("): the backward messages
-  stage_exit     the last stage's hidden states and the boundary aux summed over `stage` (forward and backward)
-  grad_reduce    every other collective: the data-parallel gradient mean and the loss's scalar reductions
+  stage_exit     the last stage's per-token log-probs and entropies and the boundary aux summed over `stage`
+                 (forward and backward)
+  grad_reduce    every other collective: the gradient sums (layers over `data`, end weights over `stage` and
+                 `data`) and the loss's scalar reductions
 Each instruction counts its result bytes (one device's message) times how often it runs: a collective inside a
 `while` body (the pipeline's tick loop) runs `known_trip_count` times per call of the loop, which XLA records in
 the loop's backend config; a loop without one is an error rather than a guess. A collective-permute counts once per
