@@ -25,10 +25,12 @@ class EnvConfig:
     format_penalty: float = field(
         default=0.0, metadata=doc("reward of a malformed action, which ends the trajectory (the reward floor)")
     )
-    train_size: int = 2000
-    eval_size: int = 200
-    train_seed: int = 1
-    eval_seed: int = 2
+    train_size: int = field(default=2000, metadata=doc("training problems generated (unused with type none)"))
+    eval_size: int = field(
+        default=200, metadata=doc("held-out problems generated, none shared with training (unused with type none)")
+    )
+    train_seed: int = field(default=1, metadata=doc("seed of the training problems (unused with type none)"))
+    eval_seed: int = field(default=2, metadata=doc("seed of the held-out problems (unused with type none)"))
     expert_noise: float = field(
         default=0.3, metadata=doc("share of the expert's SFT actions replaced by a legal but unguided one")
     )
@@ -55,8 +57,8 @@ class NoEnv(EnvConfig):
 class GuessEnv(EnvConfig):
     """Number guessing: the policy names a number in [low, high] and hears `<` (lower), `>` (higher) or `=`."""
 
-    low: int = 1
-    high: int = 31
+    low: int = field(default=1, metadata=doc("smallest secret number"))
+    high: int = field(default=31, metadata=doc("largest secret number (<= 9999)"))
     noise: float = field(default=0.0, metadata=doc("probability that a verdict is flipped (drawn from the env RNG)"))
 
     def check(self):
@@ -70,9 +72,9 @@ class GuessEnv(EnvConfig):
 class CalculatorEnv(EnvConfig):
     """Tool-use arithmetic: `c:EXPR` calls the calculator (it answers `=VALUE;`), `a:NUMBER` answers and ends."""
 
-    min_terms: int = 2
-    max_terms: int = 3
-    max_operand: int = 20
+    min_terms: int = field(default=2, metadata=doc("fewest operands in a problem (>= 2)"))
+    max_terms: int = field(default=3, metadata=doc("most operands in a problem (<= 6)"))
+    max_operand: int = field(default=20, metadata=doc("operands are drawn from 1..max_operand"))
     ops: str = field(default="+-*", metadata=doc("operators the problems use"))
 
     def check(self):

@@ -43,26 +43,58 @@ class HealthConfig:
         default=("length", "truncation", "mismatch", "grad", "reward"),
         metadata=doc("gauges whose alarm is the run's alarm (the others warn at most)"),
     )
-    entropy_warn: float = 0.25
-    entropy_alarm: float = 0.5
-    length_share_warn: float = 0.8
-    length_share_alarm: float = 0.95
-    length_slope_warn: float = 0.02
-    length_slope_alarm: float = 0.05
-    truncated_warn: float = 0.05
-    truncated_alarm: float = 0.2
-    gap_ratio_warn: float = 1.2
-    gap_ratio_alarm: float = 1.4
+    entropy_warn: float = field(
+        default=0.25, metadata=doc("warn when entropy differs from its reference by this share")
+    )
+    entropy_alarm: float = field(
+        default=0.5, metadata=doc("alarm level of the entropy's relative distance (not in alarm_on by default)")
+    )
+    length_share_warn: float = field(
+        default=0.8, metadata=doc("warn when mean completion length reaches this share of the cap")
+    )
+    length_share_alarm: float = field(
+        default=0.95, metadata=doc("alarm when mean completion length reaches this share of the cap")
+    )
+    length_slope_warn: float = field(
+        default=0.02, metadata=doc("warn when the length share grows this much per step over window")
+    )
+    length_slope_alarm: float = field(
+        default=0.05, metadata=doc("alarm when the length share grows this much per step over window")
+    )
+    truncated_warn: float = field(default=0.05, metadata=doc("warn when this share of completions hits the cap"))
+    truncated_alarm: float = field(default=0.2, metadata=doc("alarm when this share of completions hits the cap"))
+    gap_ratio_warn: float = field(
+        default=1.2, metadata=doc("warn when the sampler-trainer prob gap reaches this multiple of its baseline")
+    )
+    gap_ratio_alarm: float = field(
+        default=1.4, metadata=doc("alarm when the sampler-trainer prob gap reaches this multiple of its baseline")
+    )
     gap_floor: float = field(default=0.01, metadata=doc("added to gap and baseline before the ratio"))
-    corr_drop_warn: float = 0.1
-    corr_drop_alarm: float = 0.2
-    kl_ratio_warn: float = 1.5
-    kl_ratio_alarm: float = 2.5
+    corr_drop_warn: float = field(
+        default=0.1, metadata=doc("warn when the sampler-trainer prob correlation falls this much below its baseline")
+    )
+    corr_drop_alarm: float = field(
+        default=0.2, metadata=doc("alarm when the sampler-trainer prob correlation falls this much below its baseline")
+    )
+    kl_ratio_warn: float = field(
+        default=1.5, metadata=doc("warn when the rollout-vs-trainer KL reaches this multiple of its baseline")
+    )
+    kl_ratio_alarm: float = field(
+        default=2.5, metadata=doc("alarm when the rollout-vs-trainer KL reaches this multiple of its baseline")
+    )
     kl_floor: float = field(default=0.01, metadata=doc("nats added to the KL and its baseline before the ratio"))
-    grad_spike_warn: float = 3.0
-    grad_spike_alarm: float = 10.0
-    reward_drop_warn: float = 0.25
-    reward_drop_alarm: float = 0.5
+    grad_spike_warn: float = field(
+        default=3.0, metadata=doc("warn when the gradient norm reaches this multiple of its median over window")
+    )
+    grad_spike_alarm: float = field(
+        default=10.0, metadata=doc("alarm when the gradient norm reaches this multiple of its median over window")
+    )
+    reward_drop_warn: float = field(
+        default=0.25, metadata=doc("warn when the smoothed reward falls this share below its best")
+    )
+    reward_drop_alarm: float = field(
+        default=0.5, metadata=doc("alarm when the smoothed reward falls this share below its best")
+    )
     reward_floor: float = field(default=0.05, metadata=doc("a best smoothed reward below this cannot drop"))
 
     def check(self):
@@ -81,7 +113,9 @@ class HealthConfig:
 class GuardConfig:
     """The collapse guard: what to do when the health gauges stay in alarm (off by default)."""
 
-    enabled: bool = False
+    enabled: bool = field(
+        default=False, metadata=doc("act on sustained health alarms (see action); false = the gauges are only logged")
+    )
     action: Literal["warn", "stop", "rollback"] = field(
         default="rollback", metadata=doc("warn; stop cleanly; or roll back to the best checkpoint and mitigate")
     )

@@ -10,7 +10,7 @@ from typing import Optional
 
 import yaml
 
-from twocircuit_jax.config.base import ConfigError, from_dict, require, to_dict
+from twocircuit_jax.config.base import ConfigError, doc, from_dict, require, to_dict
 from twocircuit_jax.config.env import EnvConfig
 from twocircuit_jax.config.health import GuardConfig, HealthConfig
 from twocircuit_jax.config.sections import (
@@ -30,7 +30,7 @@ from twocircuit_jax.config.sections import (
 
 @dataclass(frozen=True)
 class RunConfig:
-    name: str = "run"
+    name: str = field(default="run", metadata=doc("run name; the run folder defaults to runs/<name>"))
     base_model: str = field(
         default="", metadata={"doc": "checkpoint dir (orbax or HF) to start from; '' = random init"}
     )

@@ -14,24 +14,34 @@ from twocircuit_jax.config.base import ConfigError, ConfigWarning, doc, register
 class ModelConfig:
     """Qwen2-family decoder shape. `init` builds random weights; `hf_dir` / `checkpoint` load them."""
 
-    vocab_size: int = 64
-    hidden_size: int = 64
-    num_layers: int = 4
-    num_heads: int = 2
-    num_kv_heads: int = 1
-    head_dim: int = 32
-    intermediate_size: int = 128
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-    tie_embeddings: bool = True
-    qkv_bias: bool = True
+    vocab_size: int = field(
+        default=64, metadata=doc("embedding and logit rows; at least the tokenizer's vocabulary size")
+    )
+    hidden_size: int = field(default=64, metadata=doc("width of the residual stream (boundary activations)", "H"))
+    num_layers: int = field(default=4, metadata=doc("decoder layers", "L"))
+    num_heads: int = field(default=2, metadata=doc("query heads per layer"))
+    num_kv_heads: int = field(
+        default=1, metadata=doc("key/value heads per layer (grouped-query attention); must divide num_heads")
+    )
+    head_dim: int = field(default=32, metadata=doc("width of one attention head"))
+    intermediate_size: int = field(default=128, metadata=doc("hidden width of the SwiGLU MLP"))
+    rope_theta: float = field(default=10000.0, metadata=doc("RoPE base frequency"))
+    rms_norm_eps: float = field(default=1e-6, metadata=doc("epsilon inside RMSNorm"))
+    tie_embeddings: bool = field(default=True, metadata=doc("lm_head reuses the embedding matrix"))
+    qkv_bias: bool = field(default=True, metadata=doc("bias on the q, k and v projections (Qwen2)"))
     qk_norm: bool = field(default=False, metadata=doc("Qwen3 per-head RMSNorm on q and k"))
-    max_position_embeddings: int = 4096
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"
-    bos_token_id: Optional[int] = None
-    eos_token_id: int = 2
-    pad_token_id: int = 0
+    max_position_embeddings: int = field(
+        default=4096, metadata=doc("context length written to and read from the HF config.json; not enforced here")
+    )
+    param_dtype: Literal["float32", "bfloat16"] = field(
+        default="float32", metadata=doc("dtype the weights are stored in; the run's value wins over base_model's")
+    )
+    compute_dtype: Literal["float32", "bfloat16"] = field(
+        default="float32", metadata=doc("dtype of matmuls and activations; norms and logits stay fp32")
+    )
+    bos_token_id: Optional[int] = field(default=None, metadata=doc("BOS id written to the HF config.json; None = none"))
+    eos_token_id: int = field(default=2, metadata=doc("id that ends a generation; must equal the tokenizer's"))
+    pad_token_id: int = field(default=0, metadata=doc("id the sampler pads prompts and completions with"))
 
     def check(self):
         for name in (
@@ -56,9 +66,12 @@ class ModelConfig:
 class MeshConfig:
     """Device mesh. Sizes multiply to the device count; -1 on one axis takes what is left."""
 
-    data: int = -1
-    fsdp: int = 1
-    tensor: int = 1
+    data: int = field(default=-1, metadata=doc("data-parallel replicas; -1 = the devices the other axes leave"))
+    fsdp: int = field(
+        default=1,
+        metadata=doc("devices each parameter is sharded over (the batch is split over it too); -1 = the rest"),
+    )
+    tensor: int = field(default=1, metadata=doc("tensor-parallel devices per matmul; -1 = the rest"))
     stage: int = field(
         default=1,
         metadata=doc("pipeline stages: the layer stack split at the fast circuit's boundaries, one part per stage"),
@@ -75,10 +88,10 @@ class MeshConfig:
 @dataclass(frozen=True)
 class OptimConfig:
     lr: float = field(default=1e-6, metadata=doc("AdamW learning rate", "η"))
-    weight_decay: float = 0.01
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
+    weight_decay: float = field(default=0.01, metadata=doc("AdamW decoupled weight decay"))
+    b1: float = field(default=0.9, metadata=doc("Adam first-moment decay, in [0, 1)"))
+    b2: float = field(default=0.999, metadata=doc("Adam second-moment decay, in [0, 1)"))
+    eps: float = field(default=1e-8, metadata=doc("Adam denominator epsilon"))
     warmup_steps: int = field(default=0, metadata=doc("linear warm-up in optimizer ticks"))
     grad_clip: float = field(default=1.0, metadata=doc("global-norm clip; 0 disables"))
 
@@ -90,10 +103,14 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 32
+    temperature: float = field(
+        default=1.0, metadata=doc("sampling temperature; rollouts require 1 (their log-probs must match the trainer's)")
+    )
+    top_p: float = field(default=1.0, metadata=doc("nucleus cut in (0, 1]; rollouts require 1 (off)"))
+    top_k: int = field(default=0, metadata=doc("keep the k likeliest tokens; 0 = off, which rollouts require"))
+    max_new_tokens: int = field(
+        default=32, metadata=doc("generation cap in tokens per completion (per action in an env); the overlong limit")
+    )
 
     def check(self):
         require(self.temperature >= 0, "temperature", f"got {self.temperature}; must be >= 0")
@@ -106,17 +123,30 @@ class SamplingConfig:
 class SamplerConfig:
     """Who generates rollouts. Rollouts use temperature 1 with no truncation so log-probs compare (design §1)."""
 
-    backend: Literal["jax", "vllm"] = "jax"
+    backend: Literal["jax", "vllm"] = field(
+        default="jax",
+        metadata=doc("jax = the embedded sampler; vllm = a vLLM server process (one trainer process only)"),
+    )
     n: int = field(default=4, metadata=doc("samples per prompt (group size)", "G"))
     sampling: SamplingConfig = SamplingConfig()
     max_staleness: int = field(default=0, metadata=doc("weight versions a rollout may lag the trainer"))
-    host: str = "127.0.0.1"
-    port: int = 0
-    gpu_memory_utilization: float = 0.2
-    startup_timeout_s: float = 300.0
-    request_timeout_s: float = 600.0
-    max_retries: int = 2
-    export_dir: str = ""
+    host: str = field(default="127.0.0.1", metadata=doc("vllm: address the sampler server listens on"))
+    port: int = field(default=0, metadata=doc("vllm: server port; 0 = pick a free one"))
+    gpu_memory_utilization: float = field(
+        default=0.2, metadata=doc("vllm: share of GPU memory the server may take, in (0, 1]")
+    )
+    startup_timeout_s: float = field(
+        default=300.0, metadata=doc("vllm: seconds to wait for the server to report ready")
+    )
+    request_timeout_s: float = field(
+        default=600.0, metadata=doc("vllm: seconds one generate or weight-load request may take")
+    )
+    max_retries: int = field(
+        default=2, metadata=doc("vllm: extra attempts of a failed request, restarting a dead server")
+    )
+    export_dir: str = field(
+        default="", metadata=doc("vllm: folder of weight exports the server loads; '' = <run dir>/sampler/exports")
+    )
 
     def check(self):
         require(self.n >= 1, "n", f"got {self.n}; must be >= 1")
@@ -151,15 +181,31 @@ class GRPOConfig:
     clip_high: float = field(default=0.28, metadata=doc("upper PPO clip", "ε_high"))
     dual_clip: float = field(default=3.0, metadata=doc("dual-clip bound for A<0; 0 disables", "c"))
     kl_coef: float = field(default=0.001, metadata=doc("reference KL coefficient", "β"))
-    kl_estimator: Literal["k1", "k3", "low_var_kl"] = "low_var_kl"
-    entropy_coeff: float = 0.0
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
-        "token-mean"
+    kl_estimator: Literal["k1", "k3", "low_var_kl"] = field(
+        default="low_var_kl",
+        metadata=doc("per-token KL to the reference: k1 = log ratio; k3, low_var_kl = e^d - d - 1 clamped to ±10"),
     )
-    tis: Literal["off", "token", "sequence"] = "off"
+    entropy_coeff: float = field(
+        default=0.0, metadata=doc("weight of the entropy bonus subtracted from the loss; 0 = off")
+    )
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = field(
+        default="token-mean",
+        metadata=doc("token losses averaged over all tokens, or per sequence (sum, mean, sum / T) then over sequences"),
+    )
+    tis: Literal["off", "token", "sequence"] = field(
+        default="off",
+        metadata=doc(
+            "truncated IS of trainer vs sampler log-probs: off, per-token or per-sequence weights capped at tis_cap"
+        ),
+    )
     tis_cap: float = field(default=2.0, metadata=doc("truncated IS cap", "C"))
-    overlong_mode: Literal["zero", "mask", "soft"] = "zero"
-    overlong_buffer: int = 8
+    overlong_mode: Literal["zero", "mask", "soft"] = field(
+        default="zero",
+        metadata=doc("truncated completions: zero = reward 0; mask = left out of the loss; soft = DAPO length penalty"),
+    )
+    overlong_buffer: int = field(
+        default=8, metadata=doc("soft: tokens before the cap over which the penalty falls from 0 to -1")
+    )
     format_penalty: float = field(default=0.0, metadata=doc("reward for an unparsable answer"))
 
     def check(self):
@@ -207,8 +253,12 @@ class FastConfig:
     codec: ActivationCodecConfig = field(default_factory=NoActivationCodec)
     grad_codec: GradCodecConfig = field(default_factory=NoGradCodec)
     pp_size: int = field(default=8, metadata=doc("logical pipeline stages; boundaries = pp_size - 1"))
-    codec_old_logprob: bool = True
-    codec_reference: bool = True
+    codec_old_logprob: bool = field(
+        default=True, metadata=doc("the old-log-prob forward also runs through the activation codec; false = dense")
+    )
+    codec_reference: bool = field(
+        default=True, metadata=doc("the reference-policy forward also runs through the activation codec; false = dense")
+    )
     kernel_interpret: bool = field(
         default=False, metadata=doc("run the Pallas kernels in interpret mode (CPU tests; slow)")
     )
@@ -279,38 +329,80 @@ class FastConfig:
 class AnchorConfig:
     """The anchor circuit (design §4)."""
 
-    enabled: bool = False
+    enabled: bool = field(
+        default=False,
+        metadata=doc("run the anchor circuit: delayed dense replays whose gradient corrects the fast one"),
+    )
     cadence: int = field(default=20, metadata=doc("optimizer ticks between fires"))
     delay: int = field(default=20, metadata=doc("replay delay in ticks", "K"))
     replay_paired_batch: bool = field(
         default=True, metadata=doc("replay the delayed tick's own mini-batch (the only replay implemented)")
     )
-    batch_scope: Literal["ppo_minibatch", "rollout_batch"] = "ppo_minibatch"
+    batch_scope: Literal["ppo_minibatch", "rollout_batch"] = field(
+        default="ppo_minibatch",
+        metadata=doc("what a fire replays; only ppo_minibatch (the delayed tick's mini-batch) is implemented"),
+    )
     beta_anc: float = field(default=0.5, metadata=doc("EMA factor of the anchor gradient", "β_anc"))
-    target_scope: Literal["all", "decoder"] = "all"
+    target_scope: Literal["all", "decoder"] = field(
+        default="all",
+        metadata=doc("tensors the merger and swap act on: all floating tensors, or decoder = the 7 projection kernels"),
+    )
     owns_q: Literal["auto", True, False] = field(
         default="auto", metadata=doc("who owns the low-rank basis; auto = anchor iff lowrank")
     )
-    merger: Literal["signed_ema", "signed_gate", "delayed_ef", "blend", "none"] = "signed_ema"
+    merger: Literal["signed_ema", "signed_gate", "delayed_ef", "blend", "none"] = field(
+        default="signed_ema",
+        metadata=doc(
+            "how the anchor EMA M rewrites the fast gradient: signed_ema, signed_gate, delayed_ef, blend; none = not"
+        ),
+    )
     alpha: float = field(default=0.25, metadata=doc("signed_ema weight on the fast gradient", "α"))
-    merger_cadence: int = 1
-    gate_decay: float = 0.75
-    ef_lambda: float = 1.0
-    ef_decay: float = 1.0
+    merger_cadence: int = field(default=1, metadata=doc("ticks between merger applications; must divide cadence"))
+    gate_decay: float = field(
+        default=0.75, metadata=doc("signed_gate: per-merge decay of the gate between fires, in (0, 1)")
+    )
+    ef_lambda: float = field(
+        default=1.0, metadata=doc("delayed_ef: weight of the anchor-minus-fast gap added to the gradient", "λ")
+    )
+    ef_decay: float = field(default=1.0, metadata=doc("delayed_ef: per-merge decay of that weight between fires"))
     blend_eta: float = field(default=0.5, metadata=doc("blend weight of M", "η"))
-    projection: bool = True
-    strength: float = 1.0
-    window: int = 4
-    min_snapshots: int = 2
-    window_mode: Literal["sliding_window", "growing_fixed_base"] = "sliding_window"
-    max_snapshots: int = 8
-    warmup_mode: Literal["stale_correct", "q_only"] = "stale_correct"
+    projection: bool = field(
+        default=True, metadata=doc("fire on a rank-1 forecast of the current generator weights with the current batch")
+    )
+    strength: float = field(
+        default=1.0,
+        metadata=doc("scale of the rank-1 forecast's step past the newest snapshot; 0 = the newest snapshot"),
+    )
+    window: int = field(default=4, metadata=doc("snapshots the sliding window keeps (>= 2)", "W"))
+    min_snapshots: int = field(
+        default=2, metadata=doc("snapshots needed before the forecast is used; earlier fires replay the delayed pair")
+    )
+    window_mode: Literal["sliding_window", "growing_fixed_base"] = field(
+        default="sliding_window",
+        metadata=doc(
+            "sliding_window keeps the newest window snapshots; growing_fixed_base keeps the base and the newest"
+        ),
+    )
+    max_snapshots: int = field(default=8, metadata=doc("growing_fixed_base: snapshots kept in all, base included"))
+    warmup_mode: Literal["stale_correct", "q_only"] = field(
+        default="stale_correct",
+        metadata=doc("fires before the window is ready: stale_correct replays the delayed pair (q_only is refused)"),
+    )
     swap_cadence: int = field(default=0, metadata=doc("optimizer-state swap period in ticks; 0 = off"))
     swap_alpha: float = field(default=1.0, metadata=doc("blend of the swap", "κ"))
-    swap_beta1: float = 0.8
-    swap_beta2: float = 0.95
-    swap_scale_match: bool = True
-    swap_mode: Literal["anchor_moments", "zero"] = "anchor_moments"
+    swap_beta1: float = field(
+        default=0.8, metadata=doc("EMA factor of the anchor's first moment of its gradient, in [0, 1)", "β1")
+    )
+    swap_beta2: float = field(
+        default=0.95, metadata=doc("EMA factor of the anchor's second moment of its gradient, in [0, 1)", "β2")
+    )
+    swap_scale_match: bool = field(
+        default=True, metadata=doc("rescale the anchor moments to the norm of Adam's first moment before the swap")
+    )
+    swap_mode: Literal["anchor_moments", "zero"] = field(
+        default="anchor_moments",
+        metadata=doc("anchor_moments: blend Adam's moments toward the anchor's; zero: toward zero"),
+    )
 
     def check(self):
         require(self.cadence >= 1, "cadence", f"got {self.cadence}; must be >= 1")
@@ -347,19 +439,37 @@ class AnchorConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 10
+    steps: int = field(
+        default=10, metadata=doc("GRPO steps (rollout, then ppo_epochs passes of optimizer ticks); 0 = none")
+    )
     train_batch: int = field(default=8, metadata=doc("prompts per GRPO step"))
     mini_batch: int = field(default=8, metadata=doc("prompts per optimizer tick"))
-    ppo_epochs: int = 1
-    eval_every: int = 5
-    eval_size: int = 64
-    eval_greedy: bool = True
-    seed: int = 0
+    ppo_epochs: int = field(
+        default=1, metadata=doc("passes over each step's rollouts, each in train_batch / mini_batch ticks")
+    )
+    eval_every: int = field(
+        default=5, metadata=doc("steps between held-out evaluations; 0 = only at start and end (eval section)")
+    )
+    eval_size: int = field(
+        default=64, metadata=doc("held-out problems evaluated: the first N of the task's eval split")
+    )
+    eval_greedy: bool = field(
+        default=True, metadata=doc("held-out evaluation decodes greedily; false = samples at temperature 1")
+    )
+    seed: int = field(
+        default=0,
+        metadata=doc("seed of init, problem order, rollout sampling and the env RNG (codecs have their own seed)"),
+    )
     checkpoint_every: int = field(default=0, metadata=doc("steps between periodic checkpoints; 0 = none"))
     final_checkpoint: bool = field(default=True, metadata=doc("checkpoint after the last step"))
     probe_every: int = field(default=0, metadata=doc("steps between dense probes (kl/ref_dense, kl/gain); 0 = off"))
-    max_prompt_len: int = 32
-    skip_nonfinite: bool = True
+    max_prompt_len: int = field(default=32, metadata=doc("prompt length cap in tokens; a longer prompt is an error"))
+    skip_nonfinite: bool = field(
+        default=True,
+        metadata=doc(
+            "a tick with a non-finite gradient norm leaves weights and optimizer unchanged; false = applied anyway"
+        ),
+    )
     microbatches: int = field(
         default=0,
         metadata=doc("pipeline microbatches per forward (mesh.stage > 1); 0 = mesh.stage", "M"),
@@ -391,8 +501,16 @@ class TaskConfig:
     """A verifiable-reward task; the subclass is chosen by `type:`."""
 
     default_type = "reasoning_gym"
-    prompt_template: str = "{question}="
-    answer_suffix: str = ""
+    prompt_template: str = field(
+        default="{question}=",
+        metadata=doc("prompt text; {question} is filled in (reasoning_gym also has {full_question})"),
+    )
+    answer_suffix: str = field(
+        default="",
+        metadata=doc(
+            "appended to the reference solution in SFT targets; reasoning_gym cuts the answer there ('' = newline)"
+        ),
+    )
 
 
 @register(TaskConfig, "reasoning_gym")
@@ -400,16 +518,21 @@ class TaskConfig:
 class ReasoningGymTask(TaskConfig):
     """Procedural problems from the reasoning-gym package, scored by its own scoring."""
 
-    dataset: str = "basic_arithmetic"
-    options: dict = field(default_factory=dict)
+    dataset: str = field(default="basic_arithmetic", metadata=doc("reasoning-gym dataset name"))
+    options: dict = field(
+        default_factory=dict,
+        metadata=doc("keyword arguments of the dataset, over the built-in demo options key by key"),
+    )
     question: str = field(
         default="",
         metadata=doc("template over the entry's metadata for a compact question, e.g. 'gcd{numbers}'; '' = expression"),
     )
-    train_seed: int = 1
-    eval_seed: int = 2
-    train_size: int = 2000
-    eval_size: int = 200
+    train_seed: int = field(default=1, metadata=doc("seed of the generated training problems"))
+    eval_seed: int = field(default=2, metadata=doc("seed of the generated held-out problems"))
+    train_size: int = field(default=2000, metadata=doc("training problems generated (>= 1)"))
+    eval_size: int = field(
+        default=200, metadata=doc("held-out problems wanted; repeats of training problems are dropped")
+    )
 
 
 @register(TaskConfig, "math_files")
@@ -417,11 +540,17 @@ class ReasoningGymTask(TaskConfig):
 class MathFilesTask(TaskConfig):
     """MATH-style problems from local JSONL or Parquet files; the final \\boxed{} answer is graded by math-verify."""
 
-    train_files: tuple[str, ...] = ()
-    eval_files: tuple[str, ...] = ()
-    problem_key: str = "problem"
-    answer_key: str = "answer"
-    solution_key: str = "solution"
+    train_files: tuple[str, ...] = field(
+        default=(), metadata=doc("local .jsonl or .parquet files of training problems (at least one)")
+    )
+    eval_files: tuple[str, ...] = field(default=(), metadata=doc("held-out problem files; () = no evaluation"))
+    problem_key: str = field(default="problem", metadata=doc("the rows' question field"))
+    answer_key: str = field(
+        default="answer", metadata=doc("the rows' reference answer field; missing = the solution's last \\boxed{}")
+    )
+    solution_key: str = field(
+        default="solution", metadata=doc("the rows' worked solution field, used as the SFT target")
+    )
 
     def check(self):
         require(len(self.train_files) > 0, "train_files", "at least one local .jsonl or .parquet file is required")
@@ -465,9 +594,12 @@ class PythonTask(TaskConfig):
 class SFTConfig:
     """Supervised training of the tiny base model on task solutions."""
 
-    steps: int = 300
-    batch: int = 64
-    lr: float = 3e-3
-    warmup_steps: int = 20
-    max_len: int = 48
-    eval_every: int = 100
+    steps: int = field(default=300, metadata=doc("SFT optimizer steps"))
+    batch: int = field(default=64, metadata=doc("examples per SFT step, drawn with replacement"))
+    lr: float = field(default=3e-3, metadata=doc("peak SFT learning rate (warm-up, then cosine to a tenth)"))
+    warmup_steps: int = field(default=20, metadata=doc("linear warm-up of the SFT learning rate, in steps"))
+    max_len: int = field(
+        default=48,
+        metadata=doc("SFT example length in tokens (prompt + solution, cut to fit); a longer prompt is an error"),
+    )
+    eval_every: int = field(default=100, metadata=doc("SFT steps between held-out evaluations; 0 = every step"))

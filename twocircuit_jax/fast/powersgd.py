@@ -44,10 +44,17 @@ class PowerSGDConfig(GradCodecConfig):
     rank: int = field(default=4, metadata=doc("PowerSGD rank", "r"))
     min_compression_rate: float = field(default=2.0, metadata=doc("compress a matrix only if it shrinks this much"))
     start_after: int = field(default=100, metadata=doc("plain all-reduce for the first N reduces"))
-    error_feedback: bool = True
-    compress_embeddings: bool = False
+    error_feedback: bool = field(
+        default=True, metadata=doc("keep the compression residual and add it to the next reduce; false = drop it")
+    )
+    compress_embeddings: bool = field(
+        default=False, metadata=doc("also compress embed and lm_head; false = they take the plain mean")
+    )
     warm_start: bool = field(default=True, metadata=doc("Q starts from the last step's Q, else a fresh draw"))
-    reortho_eps: float = 1e-6
+    reortho_eps: float = field(
+        default=1e-6,
+        metadata=doc("QR degeneracy threshold relative to the largest column norm; degenerate columns are redrawn"),
+    )
     seed: int = field(default=0, metadata=doc("seed of the shared Q draws"))
     use_kernel: bool = field(default=False, metadata=doc("the Pallas projection kernel; error if it cannot run"))
 

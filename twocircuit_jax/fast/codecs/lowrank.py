@@ -232,8 +232,16 @@ class LowRankConfig(ActivationCodecConfig):
     rank: int = field(default=77, metadata=doc("rank of the activation projector", "r"))
     update_cadence: int = field(default=1, metadata=doc("GRPO steps between refreshes of a fast-owned basis"))
     warm_start: bool = field(default=True, metadata=doc("power iteration starts from the newest basis, else Q0"))
-    sync_basis: bool = True
-    reortho_eps: float = 1e-6
+    sync_basis: bool = field(
+        default=True,
+        metadata=doc(
+            "sum the basis sketch over data replicas before orthonormalising, so every replica has the same Q"
+        ),
+    )
+    reortho_eps: float = field(
+        default=1e-6,
+        metadata=doc("QR degeneracy threshold relative to the largest column norm; degenerate columns are redrawn"),
+    )
     bootstrap: bool = field(default=True, metadata=doc("publish Q1 from one dense sketch before the first step"))
     seed: int = field(default=0, metadata=doc("host seed of Q0"))
     use_kernel: bool = field(default=False, metadata=doc("the Pallas projector kernel; error if it cannot run"))

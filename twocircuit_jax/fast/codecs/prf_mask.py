@@ -199,10 +199,16 @@ class PrfMaskConfig(ActivationCodecConfig):
 
     p: float = field(default=0.95, metadata=doc("masked fraction", "p"))
     exact_k: bool = field(default=True, metadata=doc("keep exactly k = round((1-p)H) channels per token"))
-    rescale_mode: Literal["none", "constant", "rms_match"] = "constant"
+    rescale_mode: Literal["none", "constant", "rms_match"] = field(
+        default="constant",
+        metadata=doc("gain on kept channels: none = 1; constant = 1/(1-p); rms_match = restore each token's RMS"),
+    )
     antithetic: bool = field(default=False, metadata=doc("odd steps use the complement of the even step's bits"))
     p_by_boundary: tuple[float, ...] = field(default=(), metadata=doc("one p per boundary; () = p everywhere"))
-    prf_impl: Literal["u32pair", "x64", "threefry"] = "u32pair"
+    prf_impl: Literal["u32pair", "x64", "threefry"] = field(
+        default="u32pair",
+        metadata=doc("PRF: u32pair (uint32 pairs), x64 (same bits in uint64), threefry (JAX fold_in, other bits)"),
+    )
     seed: int = field(default=0, metadata=doc("PRF seed"))
     use_kernel: bool = field(default=False, metadata=doc("the Pallas mask kernel; error if it cannot run"))
 

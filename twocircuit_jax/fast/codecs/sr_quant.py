@@ -163,10 +163,14 @@ class SrQuantConfig(ActivationCodecConfig):
 
     quant_bits: int = field(default=1, metadata=doc("bits per channel"))
     quant_block: int = field(default=32, metadata=doc("channels per scale"))
-    rounding: Literal["sr", "rn"] = "sr"
+    rounding: Literal["sr", "rn"] = field(
+        default="sr", metadata=doc("sr = stochastic rounding (unbiased); rn = round to nearest (deterministic, biased)")
+    )
     subset_k: int = field(default=0, metadata=doc("quantize only k channels of a PRF subset; 0 = all"))
-    prf_impl: Literal["u32pair", "x64", "threefry"] = "u32pair"
-    antithetic: bool = False
+    prf_impl: Literal["u32pair", "x64", "threefry"] = field(
+        default="u32pair", metadata=doc("PRF of the rounding uniforms: u32pair, x64 (same bits), threefry (other bits)")
+    )
+    antithetic: bool = field(default=False, metadata=doc("odd steps use the complement of the even step's uniforms"))
     seed: int = field(default=0, metadata=doc("PRF seed"))
 
     def check(self):
