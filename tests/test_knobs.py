@@ -56,3 +56,10 @@ def test_model_section_beside_a_checkpoint_must_match_it(tmp_path):
     )
     with pytest.raises(ConfigError, match="model.hidden_size: got 48; the checkpoint .* has 32"):
         load_model(load_config(data={"base_model": path, "model": {"hidden_size": 48, "head_dim": 24}}), 0)
+
+
+def test_default_model_fits_the_default_tokenizer_and_the_python_task_refuses_answer_suffix():
+    cfg = load_config(data={})
+    assert check_vocab(cfg.model, load_tokenizer(cfg.tokenizer)) is cfg.model
+    with pytest.raises(ConfigError, match="task.answer_suffix: got 'x'"):
+        load_config(data={"task": {"type": "python", "answer_suffix": "x"}})

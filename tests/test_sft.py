@@ -26,3 +26,11 @@ def test_sft_runs_and_writes_a_loadable_model(tmp_path, capsys):
 
     mcfg, params = load_hf(str(out))
     assert mcfg.hidden_size == cfg["model"]["hidden_size"] and "embed" in params
+
+
+def test_sft_eval_every_zero_evaluates_after_the_last_step_only(tmp_path, capsys):
+    cfg = tiny_config(sft={"steps": 3, "batch": 8, "lr": 3e-3, "warmup_steps": 1, "max_len": 16, "eval_every": 0})
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["sft", "--config", str(tmp_path / "cfg.yaml"), "--out", str(tmp_path / "base")]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("sft step")]
+    assert [line.split()[2] for line in lines] == ["3/3"], lines

@@ -15,7 +15,7 @@ class ModelConfig:
     """Qwen2-family decoder shape. `init` builds random weights; `hf_dir` / `checkpoint` load them."""
 
     vocab_size: int = field(
-        default=64, metadata=doc("embedding and logit rows; at least the tokenizer's vocabulary size")
+        default=100, metadata=doc("embedding and logit rows; at least the tokenizer's vocabulary size (char: 100)")
     )
     hidden_size: int = field(default=64, metadata=doc("width of the residual stream (boundary activations)", "H"))
     num_layers: int = field(default=4, metadata=doc("decoder layers", "L"))
@@ -578,6 +578,12 @@ class PythonTask(TaskConfig):
 
     def check(self):
         require(
+            self.answer_suffix == "",
+            "answer_suffix",
+            f"got {self.answer_suffix!r}; the python task has no reference solutions to end (its rewards judge the "
+            "completion), so only '' is allowed",
+        )
+        require(
             0 <= self.max_reward_failure_frac <= 1,
             "max_reward_failure_frac",
             f"got {self.max_reward_failure_frac}; allowed [0, 1]",
@@ -602,4 +608,6 @@ class SFTConfig:
         default=48,
         metadata=doc("SFT example length in tokens (prompt + solution, cut to fit); a longer prompt is an error"),
     )
-    eval_every: int = field(default=100, metadata=doc("SFT steps between held-out evaluations; 0 = every step"))
+    eval_every: int = field(
+        default=100, metadata=doc("SFT steps between held-out evaluations; 0 = only after the last")
+    )

@@ -79,7 +79,7 @@ def run_sft(cfg, out_dir: str, log=print) -> dict:
     for i in range(1, s.steps + 1):
         idx = rng.integers(0, N, s.batch)
         state, cs, m = jitted(state, cs, {k: v[idx] for k, v in data.items()})
-        if i % max(1, s.eval_every) == 0 or i == s.steps:
+        if (s.eval_every and i % s.eval_every == 0) or i == s.steps:  # 0: only after the last step
             acc = evaluator.run(JaxSampler(model_cfg, state.params, prompt_bucket=cfg.train.max_prompt_len))
             rec = {
                 "step": i,
