@@ -40,7 +40,8 @@ def fields() -> list[tuple[str, str, object, str]]:
                 if base is None:
                     walk(type(default), f"{prefix}{f.name}.")
                     continue
-                names = sorted(_REGISTRY[base])
+                # the package's own types only: a test module may register a type of its own in the same process
+                names = sorted(n for n, c in _REGISTRY[base].items() if c.__module__.startswith("twocircuit_jax."))
                 out.append((f"{prefix}{f.name}.type", "type", type_name(base, default), "one of " + ", ".join(names)))
                 for name in names:
                     walk(_REGISTRY[base][name], f"{prefix}{f.name}[{name}].")

@@ -39,3 +39,13 @@ def test_refused_fields_are_refused(key):
 def test_docs_config_md_is_current():
     with open(os.path.join(ROOT, "docs", "config.md")) as f:
         assert f.read() == _doc().render(), "docs/config.md is stale: run python scripts/config_doc.py"
+
+
+def test_types_registered_outside_the_package_are_not_listed():
+    """A test module's own `type:` (registered at import, in the same process) is not a field of the package."""
+    import collapse_task  # noqa: F401  (registers task type synthetic_collapse)
+
+    from twocircuit_jax.config.base import _REGISTRY
+
+    assert any("synthetic_collapse" in names for names in _REGISTRY.values())
+    assert not [key for key, *_ in _doc().fields() if "synthetic_collapse" in key]

@@ -1,0 +1,286 @@
+"""Benchmark (not a test): one GRPO step of this project, arm by arm, and optionally of the peer frameworks.
+
+    python scripts/bench_step.py [--setting peers|demo] [--arms dense,prf_mask,...] [--steps 12] [--rounds 1]
+                                 [--peers] [--peers-dir DIR]
+
+Each arm runs in a fresh process (its own compiles and peak RSS): a `GRPOTrainer` built from the setting, then
+`--steps` calls of `trainer.step()`, each timed as a whole on the host. Printed per arm: the median, min and max
+step over steps 3..N, the first step (it compiles), the trainer's construction, peak RSS, and the median of every
+per-phase time the trainer logs (`time/<phase>_s`, `time/compile_s` on steps that compiled).
+
+Settings:
+  peers  the peer harnesses' tiny setting (../shared/peers/README.md): random Qwen2 with vocab 128, hidden 128,
+         intermediate 256, 4 layers, 4 heads / 2 KV heads, fp32; 8 prompts of 16 tokens x 8 samples x 32 new
+         tokens, temperature 1; reward the share of even token ids; KL 0; one AdamW update per step, lr 1e-5, no
+         clipping or decay. The project's prompts are text of the built-in character tokenizer (15 characters and
+         BOS = 16 ids); its sampler stops a row at EOS, which a random model samples now and then, but every
+         rollout still runs all 32 positions (static shapes), so the work per step is the peers'.
+  demo   configs/demo.yaml (the tiny char model from artifacts/tiny_base, built on first use).
+
+Arms (fast and anchor sections put over the setting): dense, prf_mask, lowrank, sr_quant, powersgd, two_circuit
+(configs/two_circuit.yaml's: lowrank r=3 at one boundary with the anchor). With `--peers`, the peer harnesses run
+in the same invocation, interleaved with the arms round by round, when their venvs exist under `--peers-dir`
+(default $PEERS: DIR/tunix/bin/python, DIR/trl/bin/python); the table then ends with each arm's median step over
+the faster peer's. Ratios are only meaningful on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PEERS_SRC = os.path.join(os.path.dirname(ROOT), "shared", "peers")
+NONE = {"codec": {"type": "none"}, "grad_codec": {"type": "none"}}
+ARMS = {
+    "dense": {"fast": NONE, "anchor": {"enabled": False}},
+    "prf_mask": {"fast": {**NONE, "codec": {"type": "prf_mask", "p": 0.95}, "pp_size": 4}},
+    "lowrank": {"fast": {**NONE, "codec": {"type": "lowrank", "rank": 4}, "pp_size": 4}},
+    "sr_quant": {"fast": {**NONE, "codec": {"type": "sr_quant", "quant_bits": 1, "quant_block": 32}, "pp_size": 4}},
+    "powersgd": {"fast": {**NONE, "grad_codec": {"type": "powersgd", "rank": 2, "start_after": 0}}},
+    "two_circuit": "configs/two_circuit.yaml",
+}
+PEERS = {"tunix": "tunix_grpo_bench.py", "trl": "trl_grpo_bench.py"}
+
+
+def _peer_setting(steps: int) -> dict:
+    return {
+        "name": "bench_peers",
+        "tokenizer": "char",
+        "model": {
+            "vocab_size": 128,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_layers": 4,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "head_dim": 32,
+            "qkv_bias": True,
+            "tie_embeddings": True,
+            "rope_theta": 10000.0,
+        },
+        "optim": {"lr": 1e-5, "weight_decay": 0.0, "grad_clip": 0.0, "warmup_steps": 0},
+        "sampler": {"backend": "jax", "n": 8, "sampling": {"max_new_tokens": 32}},
+        "grpo": {"kl_coef": 0.0, "clip_low": 0.2, "clip_high": 0.2, "loss_agg": "seq-mean-token-mean"},
+        "fast": NONE,
+        "anchor": {"enabled": False},
+        "train": {
+            "steps": steps,
+            "train_batch": 8,
+            "mini_batch": 8,
+            "ppo_epochs": 1,
+            "max_prompt_len": 16,
+            "eval_every": 0,
+            "checkpoint_every": 0,
+            "final_checkpoint": False,
+        },
+        "eval": {"at_start": False, "at_end": False},
+    }
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _arm_config(setting: str, arm: str, steps: int):
+    import yaml
+
+    from twocircuit_jax.config import load_config
+
+    over = ARMS[arm]
+    if isinstance(over, str):  # a shipped recipe: its fast and anchor sections
+        raw = yaml.safe_load(open(os.path.join(ROOT, over)))
+        over = {"fast": raw["fast"], "anchor": raw["anchor"]}
+        over["fast"] = {**NONE, **over["fast"]}
+    if setting == "peers":
+        return load_config(data=_merge(_peer_setting(steps), over))
+    from twocircuit_jax.train.sft import base_once
+
+    base_once(os.path.join(ROOT, "configs", "tiny_base.yaml"), os.path.join(ROOT, "artifacts", "tiny_base"), "base")
+    sets = [f"train.steps={steps}", "train.eval_every=0", "train.checkpoint_every=0", "train.final_checkpoint=false"]
+    sets += ["eval.at_start=false", "eval.at_end=false", f"base_model={os.path.join(ROOT, 'artifacts', 'tiny_base')}"]
+    sets += [f"{sec}={json.dumps(v)}" for sec, v in over.items()]
+    return load_config(os.path.join(ROOT, "configs", "demo.yaml"), sets)
+
+
+def _peer_rows(n_rows: int) -> list[dict]:
+    """8 prompts a step of 15 characters each, drawn like the peers' ids (numpy default_rng(1234))."""
+    import numpy as np
+
+    from twocircuit_jax.model.tokenizer import CHARS
+
+    ids = np.random.default_rng(1234).integers(0, len(CHARS), (n_rows, 15))
+    return [{"prompt": "".join(CHARS[i] for i in row)} for row in ids]
+
+
+def even_share(prompts, completions, **_):
+    """The peers' reward: the share of even token ids among the generated ones."""
+    from twocircuit_jax.model.tokenizer import load_tokenizer
+
+    tok = even_share.tok = getattr(even_share, "tok", None) or load_tokenizer("char")
+    out = []
+    for c in completions:
+        ids = tok.encode(c)
+        out.append(sum(1 for i in ids if i % 2 == 0) / max(len(ids), 1))
+    return out
+
+
+def worker(setting: str, arm: str, steps: int, out_dir: str) -> dict:
+    """One arm in this process: construction, then `steps` timed steps. Returns the arm's figures."""
+    t0 = time.perf_counter()
+    from twocircuit_jax.train.loop import GRPOTrainer
+
+    cfg = _arm_config(setting, arm, steps)
+    kw = {}
+    if setting == "peers":
+        kw = {"reward_fns": [even_share], "train_dataset": _peer_rows(8 * steps)}
+    trainer = GRPOTrainer(cfg, os.path.join(out_dir, f"{setting}_{arm}"), show_progress=False, **kw)
+    setup_s = time.perf_counter() - t0
+    walls, rows = [], []
+    for _ in range(steps):
+        t = time.perf_counter()
+        rows.append(trainer.step())
+        walls.append(time.perf_counter() - t)
+    trainer.close()
+    steady = walls[2:] or walls
+    from twocircuit_jax.train.timing import PHASES
+
+    names = {f"time/{p}_s" for p in PHASES + ("compile",)}
+    phases = sorted({k for r in rows for k in r if k in names})
+    return {
+        "arm": arm,
+        "median_step_s": statistics.median(steady),
+        "min_step_s": min(steady),
+        "max_step_s": max(steady),
+        "first_step_s": walls[0],
+        "setup_s": setup_s,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "phases": {p: statistics.median([r.get(p, 0.0) for r in rows[2:] or rows]) for p in phases},
+        "first_compile_s": rows[0].get("time/compile_s", 0.0),
+    }
+
+
+def _run_arm(setting, arm, steps, out_dir) -> dict:
+    cmd = [sys.executable, __file__, "--worker", arm, "--setting", setting, "--steps", str(steps), "--out", out_dir]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    if p.returncode or not lines:
+        raise RuntimeError(f"arm {arm} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def _run_peer(name, python, env) -> dict:
+    p = subprocess.run([python, os.path.join(PEERS_SRC, PEERS[name])], capture_output=True, text=True, env=env)
+    m = re.search(r"peer=\S+ median_step_s=([\d.]+) min=([\d.]+) max=([\d.]+) peak_rss_mb=([\d.]+)", p.stdout)
+    if p.returncode or m is None:
+        raise RuntimeError(f"peer {name} failed (exit {p.returncode}):\n{p.stdout[-1500:]}\n{p.stderr[-1500:]}")
+    first = re.search(r"^step\s+1 wall_s=([\d.]+)", p.stdout, re.M)
+    setup = re.search(r"^setup_s=([\d.]+)", p.stdout, re.M)
+    return {
+        "arm": f"peer:{name}",
+        "median_step_s": float(m.group(1)),
+        "min_step_s": float(m.group(2)),
+        "max_step_s": float(m.group(3)),
+        "first_step_s": float(first.group(1)) if first else float("nan"),
+        "setup_s": float(setup.group(1)) if setup else float("nan"),
+        "peak_rss_mb": float(m.group(4)),
+        "phases": {},
+    }
+
+
+def _table(results: list[dict]) -> str:
+    by = {}
+    for r in results:
+        by.setdefault(r["arm"], []).append(r)
+    phases = sorted({p for r in results for p in r["phases"]})
+    head = ["arm", "median step s", "min", "max", "first step s", "setup s", "peak RSS MB"]
+    head += [p[len("time/") : -2] for p in phases]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for arm, rs in by.items():  # several rounds: the median of the rounds' medians, the range of all
+        med = statistics.median(r["median_step_s"] for r in rs)
+        row = [arm, f"{med:.3f}", f"{min(r['min_step_s'] for r in rs):.3f}", f"{max(r['max_step_s'] for r in rs):.3f}"]
+        row += [
+            f"{statistics.median(r['first_step_s'] for r in rs):.2f}",
+            f"{statistics.median(r['setup_s'] for r in rs):.2f}",
+        ]
+        row += [f"{max(r['peak_rss_mb'] for r in rs):.0f}"]
+        row += [f"{statistics.median(r['phases'].get(p, 0.0) for r in rs):.3f}" for p in phases]
+        lines.append("| " + " | ".join(row) + " |")
+    dense = by.get("dense")
+    peers = [statistics.median(r["median_step_s"] for r in rs) for a, rs in by.items() if a.startswith("peer:")]
+    if dense:
+        d = statistics.median(r["median_step_s"] for r in dense)
+        lines.append("")
+        for arm, rs in by.items():
+            if arm.startswith("peer:"):
+                continue
+            m = statistics.median(r["median_step_s"] for r in rs)
+            ratio = f"{arm}/dense={m / d:.2f}"
+            if peers:
+                ratio += f" {arm}/fastest_peer={m / min(peers):.2f}"
+            lines.append(ratio)
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--setting", choices=("peers", "demo"), default="peers")
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {', '.join(ARMS)}")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds over the arms (and peers)")
+    ap.add_argument("--peers", action="store_true", help="also run the peer harnesses (their venvs must exist)")
+    ap.add_argument("--peers-dir", default=os.environ.get("PEERS", ""), help="folder of the peers' venvs")
+    ap.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_step"), help="run folders of the arms")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args.setting, args.worker, args.steps, args.out)), flush=True)
+        return 0
+    arms = [a for a in args.arms.split(",") if a]
+    bad = [a for a in arms if a not in ARMS]
+    if bad or not arms:
+        print(f"error: --arms: unknown {bad or 'empty'}; allowed {', '.join(ARMS)}", file=sys.stderr)
+        return 2
+    if args.steps < 3:
+        print(f"error: --steps: got {args.steps}; at least 3 (steps 1-2 compile and warm up)", file=sys.stderr)
+        return 2
+    peers = {}
+    if args.peers:
+        for name in PEERS:
+            py = os.path.join(args.peers_dir, name, "bin", "python")
+            if not os.path.isfile(py) or not os.path.isfile(os.path.join(PEERS_SRC, PEERS[name])):
+                print(
+                    f"error: --peers: no {py} (or harness in {PEERS_SRC}); see ../shared/peers/README.md",
+                    file=sys.stderr,
+                )
+                return 2
+            peers[name] = py
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    results = []
+    for rnd in range(args.rounds):
+        for arm in arms:
+            r = _run_arm(args.setting, arm, args.steps, args.out)
+            print(
+                f"round {rnd + 1} {arm}: median {r['median_step_s']:.3f} s, first {r['first_step_s']:.2f} s", flush=True
+            )
+            results.append(r)
+        for name, py in peers.items():
+            r = _run_peer(name, py, env)
+            print(f"round {rnd + 1} peer {name}: median {r['median_step_s']:.3f} s", flush=True)
+            results.append(r)
+    print(_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
