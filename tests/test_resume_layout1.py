@@ -13,6 +13,7 @@ import pytest
 
 from twocircuit_jax.cli import main
 from twocircuit_jax.train.checkpoint import CheckpointManager
+from twocircuit_jax.train.timing import PHASES
 
 pytestmark = pytest.mark.slow  # an end-to-end run: `make test-fast` skips it, `make test` (CI) runs it
 
@@ -33,12 +34,18 @@ def test_layout1_checkpoint_resumes_exactly(tmp_path):
     assert sum(r.get("anchor/fire", 0) for r in old[4:]) >= 1 and old[-1]["swap/count"] > 0
     assert old[-1]["codec/steps"] == new[-1]["codec/steps"] == 6
     for ro, rn in zip(old[4:], new[4:]):
-        # the fixture's run predates the health gauges: the resumed run logs them on top, nothing else differs
-        assert set(ro) == {k for k in rn if not k.startswith("health/")}, ro["step"]
+        # the fixture's run predates the health gauges and the per-phase times (train/timing.py): the resumed run
+        # logs them on top, nothing else differs
+        phases = {f"time/{p}_s" for p in PHASES + ("compile",)}
+        assert set(ro) == {k for k in rn if not k.startswith("health/") and k not in phases}, ro["step"]
         for k, v in ro.items():
             if k.startswith("time/") or not isinstance(v, (int, float)):
                 continue
-            assert rn[k] == pytest.approx(v, abs=1e-6, rel=1e-6), (ro["step"], k)
+            # The fixture was recorded on another host, and XLA:CPU's last bits differ between CPU types: the first
+            # resumed step agrees to 1e-6; after it the round-off grows (1e-4 by step 6 on an AMD EPYC host). A
+            # resume from a wrong state (data order, RNG, optimizer or circuit state) is off from the first step.
+            rel = 1e-6 if ro["step"] == 4 else 1e-3
+            assert rn[k] == pytest.approx(v, abs=1e-6, rel=rel), (ro["step"], k)
     assert CheckpointManager(run / "checkpoints").read_meta(6)["state_layout"] == 2  # new saves use the new one
 
 
