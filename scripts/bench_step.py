@@ -214,7 +214,10 @@ def _table(results: list[dict]) -> str:
             f"{statistics.median(r['setup_s'] for r in rs):.2f}",
         ]
         row += [f"{max(r['peak_rss_mb'] for r in rs):.0f}"]
-        row += [f"{statistics.median(r['phases'].get(p, 0.0) for r in rs):.3f}" for p in phases]
+        # a peer reports no phases: "-", not a zero
+        row += [
+            f"{statistics.median(r['phases'].get(p, 0.0) for r in rs):.3f}" if rs[0]["phases"] else "-" for p in phases
+        ]
         lines.append("| " + " | ".join(row) + " |")
     dense = by.get("dense")
     peers = [statistics.median(r["median_step_s"] for r in rs) for a, rs in by.items() if a.startswith("peer:")]

@@ -1,0 +1,55 @@
+"""scripts/bench_step.py: bad flags exit 2 with one line naming the flag, and the table puts ratios to dense and
+to the fastest peer under the arms (the timings themselves are a benchmark's, never asserted)."""
+
+import importlib.util
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_step", os.path.join(ROOT, "scripts", "bench_step.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bad_flags_exit_2(capsys, tmp_path):
+    b = _bench()
+    assert b.main(["--arms", "dense,warp"]) == 2
+    assert "--arms" in capsys.readouterr().err
+    assert b.main(["--steps", "2"]) == 2
+    assert "--steps" in capsys.readouterr().err
+    assert b.main(["--peers", "--peers-dir", str(tmp_path)]) == 2  # no venvs there
+    assert "--peers" in capsys.readouterr().err
+
+
+def test_table_ratios():
+    b = _bench()
+    arm = lambda name, m, phases: {  # noqa: E731
+        "arm": name,
+        "median_step_s": m,
+        "min_step_s": m,
+        "max_step_s": m,
+        "first_step_s": 1.0,
+        "setup_s": 1.0,
+        "peak_rss_mb": 100.0,
+        "phases": phases,
+    }
+    t = b._table(
+        [
+            arm("dense", 0.5, {"time/update_s": 0.2}),
+            arm("prf_mask", 0.6, {"time/update_s": 0.3}),
+            arm("peer:trl", 0.4, {}),
+            arm("peer:tunix", 0.25, {}),
+        ]
+    )
+    assert "dense/dense=1.00 dense/fastest_peer=2.00" in t
+    assert "prf_mask/dense=1.20 prf_mask/fastest_peer=2.40" in t
+    assert "| peer:trl | 0.400 | 0.400 | 0.400 | 1.00 | 1.00 | 100 | - |" in t
+
+
+def test_peer_rows_are_the_peers_draw():
+    rows = _bench()._peer_rows(16)
+    assert len(rows) == 16 and all(len(r["prompt"]) == 15 for r in rows)
+    assert rows == _bench()._peer_rows(16)  # numpy default_rng(1234): the same prompts every run
