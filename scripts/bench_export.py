@@ -1,13 +1,23 @@
-"""Weight publish cost for the vLLM sampler: orbax export (trainer side) and reload (sampler side).
+"""Weight sync cost, trainer -> sampler, for full and delta versions, against a plain copy of the same weights.
 
-    python scripts/bench_export.py [--sizes tiny,0.5b] [--engine tiny|all|none] [--dtype float32|bfloat16]
+    python scripts/bench_export.py [--sizes tiny,0.5b] [--engine tiny|all|none] [--dtype bfloat16|float32]
+                                   [--dir /dev/shm] [--lr 1e-6] [--reps 3]
 
-Columns (seconds, median of --reps):
-  export   export_weights(): orbax save into a temp folder + atomic rename (trainer blocks on this)
-  restore  load_export(): orbax restore to host numpy (no accelerator)
-  handoff  to_hf_state_dict() + numpy->torch (what the server hands vLLM's reload_weights)
-  reload   in-engine: POST /load round trip measured by the server (restore + map + in-place reload + prefix-cache
-           reset); only where --engine starts a vLLM engine for that size ("-" otherwise)
+The trainer holds fp32 parameters; the sampler serves --dtype. Between versions every parameter takes one
+Adam-sized step (lr times a random sign, so every weight moves, as under Adam), and a version is published as
+`full` (every word) or `delta` (changed words only; sampler/weight_sync.py). Columns (seconds, median of --reps):
+
+  bytes     payload written per version (words, plus a 4-byte position per changed word for a delta)
+  changed   share of words that differ from the previous version in the sampler dtype
+  cast      device -> host copy in the sampler dtype (trainer)
+  diff      changed words and hashes (trainer; a full version hashes every word)
+  write     orbax save + atomic rename (trainer)
+  apply     sampler: read the version, check its hash, apply it to the host copy, build the touched tensors
+  reload    in the vLLM engine (in-place reload of the touched modules + prefix-cache reset); only where --engine
+            starts an engine for that size ("-" otherwise)
+  total     the trainer's update_weights() call end to end (engine rows), else cast + diff + write + apply
+  copy      `cp` of the full fp32 weights' bytes on the same file system, measured in the same run
+
 The 0.5B model is randomly initialised with Qwen2.5-0.5B shapes (hidden 896, 24 layers, 14/2 heads, MLP 4864,
 vocab 151936, tied embeddings): ~494M parameters.
 """
@@ -15,7 +25,9 @@ vocab 151936, tied embeddings): ~494M parameters.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -24,11 +36,14 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from twocircuit_jax.config.sections import ModelConfig, SamplerConfig  # noqa: E402
-from twocircuit_jax.model import init_params, save_hf, to_hf_state_dict  # noqa: E402
-from twocircuit_jax.sampler.export import export_weights, load_export, prune  # noqa: E402
+from twocircuit_jax.model import init_params, save_hf  # noqa: E402
+from twocircuit_jax.model.hf_io import hf_names_touched, to_hf_state_dict  # noqa: E402
+from twocircuit_jax.sampler import export as ex  # noqa: E402
+from twocircuit_jax.sampler import weight_sync as ws  # noqa: E402
 
 SIZES = {
     "tiny": ModelConfig(
@@ -56,59 +71,109 @@ SIZES = {
 }
 
 
-def _timed(fn, reps):
-    out, ts = None, []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = fn()
-        ts.append(time.perf_counter() - t0)
-    return out, statistics.median(ts)
+@jax.jit
+def _adam_like_step(params, key, lr):
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree.unflatten(treedef, [x - lr * jnp.sign(jax.random.normal(k, x.shape)) for x, k in zip(leaves, keys)])
 
 
-def _handoff(cfg, params):
-    import torch
+def _copy_s(src_dir: str, work: str) -> float:
+    dst = os.path.join(work, "copy")
+    t0 = time.perf_counter()
+    shutil.copytree(src_dir, dst)
+    dt = time.perf_counter() - t0
+    shutil.rmtree(dst)
+    return dt
 
-    from twocircuit_jax.sampler.vllm_server import _to_torch
 
-    with torch.no_grad():
-        return [(k, _to_torch(v)) for k, v in to_hf_state_dict(cfg, params).items()]
+def _apply_s(store, cfg, path) -> float:
+    """The sampler's side without an engine: WeightStore.load + the touched HF tensors (what /load does)."""
+    t0 = time.perf_counter()
+    changed = store.load(path)
+    shapes = {n: x.shape for n, x in zip(store.names, store.leaves)}
+    to_hf_state_dict(cfg, store.params(), only=hf_names_touched(changed, shapes))
+    return time.perf_counter() - t0
 
 
-def bench(name, cfg, engine: bool, reps: int, work: str):
+def bench(name, cfg, sync_dtype, engine, reps, lr, work):
     params = jax.block_until_ready(init_params(cfg, jax.random.PRNGKey(0)))
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    root = os.path.join(work, name, "exports")
-    version = iter(range(1, 1000))
-    _, t_export = _timed(lambda: export_weights(params, cfg, root, next(version), keep=2), reps)
-    path = sorted(os.path.join(root, d) for d in os.listdir(root) if d.startswith("v"))[-1]
-    (_, host), t_restore = _timed(lambda: load_export(path), reps)
-    _, t_handoff = _timed(lambda: _handoff(cfg, host), reps)
-    host = None  # free the restored copy before the engine starts
-    t_reload = None
+    rows = []
+    # fp32 reference for the copy column: the weights as the trainer holds them
+    ref = ex.export_weights(params, cfg, os.path.join(work, "fp32"), 0)
+    copy_s = statistics.median(_copy_s(ref, work) for _ in range(reps))
+    shutil.rmtree(os.path.dirname(ref))
+    key = jax.random.PRNGKey(1)
+    serve_cfg = dataclasses.replace(cfg, tie_embeddings=False)  # served untied (vllm_client.untie_for_vllm)
+    sampler = None
     if engine:
         from twocircuit_jax.sampler.vllm_client import VLLMSampler
 
-        model_dir = save_hf(cfg, params, os.path.join(work, name, "model"))
-        s = VLLMSampler(
+        host = jax.device_get(params)
+        served = {**host, "lm_head": host["embed"].T}
+        model_dir = save_hf(dataclasses.replace(serve_cfg, param_dtype=sync_dtype), served, os.path.join(work, "model"))
+        del host, served
+        sampler = VLLMSampler(
             SamplerConfig(startup_timeout_s=900, request_timeout_s=900),
             model_dir,
-            root,
-            cfg,
-            dtype=cfg.param_dtype,
+            os.path.join(work, "engine_exports"),
+            serve_cfg,
+            dtype=sync_dtype,
             kv_cache_bytes=256 << 20,
             max_model_len=256,
+            full_every=10**6,
         )
-        try:
-            loads = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                s.load(int(os.path.basename(path)[1:]))
-                loads.append(time.perf_counter() - t0)
-            t_reload = statistics.median(loads)
-        finally:
-            s.close()
-    prune(root, 1)
-    return n, t_export, t_restore, t_handoff, t_reload
+    try:
+        for mode in ("full", "delta"):
+            root = os.path.join(work, mode)
+            pub = ws.WeightPublisher(root, serve_cfg, sync_dtype, delta=mode == "delta", full_every=10**6)
+            store = ws.WeightStore()
+            if sampler is not None:
+                sampler.publisher = ws.WeightPublisher(
+                    sampler.export_root, serve_cfg, sync_dtype, delta=mode == "delta", full_every=10**6
+                )
+            version, got = 0, []
+            for rep in range(reps + 1):  # the first version is full for both modes: its base
+                version += 1
+                served = {**params, "lm_head": params["embed"].T} if cfg.tie_embeddings else params
+                if sampler is not None:
+                    t0 = time.perf_counter()
+                    sampler.update_weights(served, 1000 * (mode == "delta") + version)
+                    total = time.perf_counter() - t0
+                    st, load = sampler.last_publish, sampler.last_load
+                    apply_s, reload_s = load["restore_s"], load["reload_s"]
+                else:
+                    st = pub.publish(served, version, keep=2)
+                    apply_s = _apply_s(store, serve_cfg, ex.version_dir(root, version))
+                    reload_s = None
+                    total = st.cast_s + st.diff_s + st.write_s + apply_s
+                if rep > 0:
+                    got.append((st, apply_s, reload_s, total))
+                key, k = jax.random.split(key)
+                params = jax.block_until_ready(_adam_like_step(params, k, lr))
+            med = lambda f: statistics.median(f(g) for g in got)  # noqa: E731
+            rows.append(
+                (
+                    name,
+                    n,
+                    mode,
+                    med(lambda g: g[0].bytes),
+                    med(lambda g: g[0].changed_frac),
+                    med(lambda g: g[0].cast_s),
+                    med(lambda g: g[0].diff_s),
+                    med(lambda g: g[0].write_s),
+                    med(lambda g: g[1]),
+                    None if sampler is None else med(lambda g: g[2]),
+                    med(lambda g: g[3]),
+                    copy_s,
+                )
+            )
+            shutil.rmtree(root, ignore_errors=True)
+    finally:
+        if sampler is not None:
+            sampler.close()
+    return rows
 
 
 def main(argv=None):
@@ -118,27 +183,32 @@ def main(argv=None):
         "--engine",
         choices=["tiny", "all", "none"],
         default="tiny",
-        help="sizes that also start a vLLM engine to time the in-place reload",
+        help="sizes that also start a vLLM engine and time update_weights() end to end",
     )
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="the sampler's dtype")
+    ap.add_argument("--lr", type=float, default=1e-6, help="per-step move of every weight (Adam-sized)")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--work", default="", help="scratch folder (default: a temp dir, removed after)")
+    ap.add_argument("--dir", default="", help="where exports are written (default: a temp dir; /dev/shm = memory)")
     a = ap.parse_args(argv)
-    import dataclasses
-
+    for s in a.sizes.split(","):
+        if s not in SIZES:
+            print(f"error: --sizes: unknown size {s!r}; allowed {', '.join(SIZES)}", file=sys.stderr)
+            return 2
     rows = []
-    with tempfile.TemporaryDirectory(dir=a.work or None) as work:
+    with tempfile.TemporaryDirectory(dir=a.dir or None) as work:
         for name in a.sizes.split(","):
-            cfg = dataclasses.replace(SIZES[name], param_dtype=a.dtype, compute_dtype=a.dtype)
+            cfg = dataclasses.replace(SIZES[name], param_dtype="float32", compute_dtype="float32")
             engine = a.engine == "all" or a.engine == name
-            rows.append((name, *bench(name, cfg, engine, a.reps, work)))
+            rows += bench(name, cfg, a.dtype, engine, a.reps, a.lr, os.path.join(work, name))
             print(f"done {name}", file=sys.stderr, flush=True)
-    print(
-        f"\n{'model':6} {'params':>12} {'dtype':>9} {'export_s':>9} {'restore_s':>10} {'handoff_s':>10} {'reload_s':>9}"
-    )
-    for name, n, te, tr, th, tl in rows:
-        rl = "-" if tl is None else f"{tl:.3f}"
-        print(f"{name:6} {n:>12,d} {a.dtype:>9} {te:>9.3f} {tr:>10.3f} {th:>10.3f} {rl:>9}")
+    head = ("model", "params", "sync", "bytes", "changed", "cast", "diff", "write", "apply", "reload", "total", "copy")
+    print(f"\nsampler dtype {a.dtype}, lr {a.lr:g}, exports under {a.dir or tempfile.gettempdir()}")
+    print(" ".join(f"{h:>11}" for h in head))
+    for r in rows:
+        name, n, mode, b, ch, *secs = r
+        cells = [name, f"{n:,d}", mode, f"{b / 2**20:.1f}MiB", f"{ch:.4f}"]
+        cells += ["-" if x is None else f"{x:.3f}" for x in secs]
+        print(" ".join(f"{c:>11}" for c in cells))
     return 0
 
 

@@ -169,6 +169,74 @@ def test_killed_server_is_restarted(setup):
     assert not psutil.pid_exists(old) or psutil.Process(old).status() == psutil.STATUS_ZOMBIE
 
 
+def _sparse_step(params, rng, frac=0.02, lr=1e-3, leaves=None):
+    """A small update of a random `frac` of the words (of the named top-level entries only, if given)."""
+    out = {}
+    for k, v in params.items():
+        if leaves is not None and k not in leaves:
+            out[k] = v
+            continue
+        out[k] = jax.tree.map(
+            lambda x: (x + lr * rng.standard_normal(x.shape) * (rng.random(x.shape) < frac)).astype(x.dtype), v
+        )
+    return out
+
+
+def _same_rollout(a, b):
+    return a.tokens == b.tokens and np.array_equal(np.concatenate(a.logprobs), np.concatenate(b.logprobs))
+
+
+def test_delta_sync_twenty_updates_restart_and_corrupt_delta(setup):
+    """20 delta-synced versions, a killed server and a corrupted delta: the engine's weights always equal a full
+    export of the same version (same hashes on the server; bit-identical samples and log-probs after a full
+    reload of the same version)."""
+    s, params, root = setup
+    rng = np.random.default_rng(0)
+    s.publisher.full_every = 8
+    s.update_weights(params, 9)  # earlier tests left the server on a version this publisher did not write
+    assert s.last_load["version"] == 9
+    p, kinds = params, []
+    leaves = len(jax.tree.leaves(params))
+
+    def check_exact(version):
+        served = s.generate(PROMPTS, 4, SAMPLING, seed=version)
+        s.publisher.publish_full()  # the same version, whole, loaded afresh
+        s.load(version)
+        assert _same_rollout(s.generate(PROMPTS, 4, SAMPLING, seed=version), served), version
+
+    restarts, resends = s.restarts, s.full_resends
+    for v in range(10, 30):
+        p = _sparse_step(p, rng)
+        if v == 19:
+            os.kill(s.proc.pid, signal.SIGKILL)  # the next update finds the server dead: restart, no base for a delta
+        s.update_weights(p, v)
+        kinds.append(s.last_publish.kind)
+        assert s.last_load["version"] == v and s.last_load["hashes"] == s.publisher.hashes
+        want = [np.asarray(x, np.float32).view(np.uint32).ravel() for x in jax.tree.leaves(p)]
+        assert all(np.array_equal(a.view(np.uint32).ravel(), b) for a, b in zip(s.publisher.host, want))
+        if v in (14, 22):
+            check_exact(v)
+    assert s.restarts == restarts + 1 and s.full_resends == resends + 1  # v19: restarted, then sent whole
+    assert kinds.count("delta") >= 15 and kinds[0] == "delta", kinds
+    # a version that changes one tensor reloads one tensor
+    s.publisher.full_every = 100
+    p = _sparse_step(p, rng, frac=0.5, leaves={"final_norm"})
+    s.update_weights(p, 30)
+    assert s.last_publish.kind == "delta" and s.last_load["tensors"] == 1
+    # a corrupted delta on disk (readable, one word flipped) is refused by the hash check and sent again whole
+    p = _sparse_step(p, rng)
+    s.publisher.publish(p, 31)
+    path = ex.version_dir(s.export_root, 31)
+    meta = ex.read_meta(path)
+    _, payload = ex.load_export(path, allow_delta=True)
+    payload["val"][0] ^= np.uint32(1 << 20)
+    ex.export_weights(payload, CFG, s.export_root, 31, meta={k: meta[k] for k in meta if k != "version"})
+    s.latest = 31
+    assert s.load(31) == 31 and s.full_resends == resends + 2
+    assert s.last_load["hashes"] == s.publisher.hashes and len(s.last_load["hashes"]) == leaves
+    check_exact(31)
+
+
 def test_port_in_use_names_the_port(setup):
     _, _, root = setup
     with socket.socket() as busy:

@@ -145,7 +145,22 @@ class SamplerConfig:
         default=2, metadata=doc("vllm: extra attempts of a failed request, restarting a dead server")
     )
     export_dir: str = field(
-        default="", metadata=doc("vllm: folder of weight exports the server loads; '' = <run dir>/sampler/exports")
+        default="",
+        metadata=doc(
+            "vllm: folder of weight exports the server loads; '' = <run dir>/sampler/exports; 'shm' = a fresh "
+            "folder in shared memory (/dev/shm, trainer and sampler on one host), removed when the run ends"
+        ),
+    )
+    weight_sync: Literal["delta", "full"] = field(
+        default="delta",
+        metadata=doc(
+            "vllm: delta = write only the words that changed since the served version (lossless, hash-checked; "
+            "a refused delta is sent again whole); full = every version whole"
+        ),
+    )
+    full_every: int = field(default=20, metadata=doc("vllm: with delta sync, every n-th version is written whole"))
+    dtype: Literal["auto", "float32", "bfloat16"] = field(
+        default="auto", metadata=doc("vllm: the engine's weight dtype, and so the exports'; auto = model.param_dtype")
     )
 
     def check(self):
@@ -167,6 +182,7 @@ class SamplerConfig:
         require(self.max_staleness >= 0, "max_staleness", f"got {self.max_staleness}; must be >= 0")
         require(0 <= self.port < 65536, "port", f"got {self.port}; allowed 0..65535 (0 = pick a free port)")
         require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "allowed (0, 1]")
+        require(self.full_every >= 1, "full_every", f"got {self.full_every}; must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -96,24 +96,54 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     }
 
 
-def to_hf_state_dict(cfg: ModelConfig, params) -> dict:
-    """Our pytree -> {HF tensor name: numpy array} (kernels transposed to [out, in]); dtype kept."""
-    out = {
-        "model.embed_tokens.weight": np.asarray(params["embed"]),
-        "model.norm.weight": np.asarray(params["final_norm"]),
-    }
-    if not cfg.tie_embeddings:
+def to_hf_state_dict(cfg: ModelConfig, params, only=None) -> dict:
+    """Our pytree -> {HF tensor name: numpy array} (kernels transposed to [out, in]); dtype kept.
+    `only`: a set of HF names to build (the others are skipped, not copied); None = all."""
+    want = (lambda name: True) if only is None else only.__contains__
+    out = {}
+    if want("model.embed_tokens.weight"):
+        out["model.embed_tokens.weight"] = np.asarray(params["embed"])
+    if want("model.norm.weight"):
+        out["model.norm.weight"] = np.asarray(params["final_norm"])
+    if not cfg.tie_embeddings and want("lm_head.weight"):
         out["lm_head.weight"] = np.asarray(params["lm_head"]).T
     lay = params["layers"]
     for i in range(cfg.num_layers):
         pre = f"model.layers.{i}."
         for ours, hf in _PROJ.items():
-            out[pre + hf + ".weight"] = np.ascontiguousarray(np.asarray(lay[ours]["kernel"][i]).T)
-            if "bias" in lay[ours]:
+            if want(pre + hf + ".weight"):
+                out[pre + hf + ".weight"] = np.ascontiguousarray(np.asarray(lay[ours]["kernel"][i]).T)
+            if "bias" in lay[ours] and want(pre + hf + ".bias"):
                 out[pre + hf + ".bias"] = np.asarray(lay[ours]["bias"][i])
         for ours, hf in _NORMS.items():
-            if ours in lay:
+            if ours in lay and want(pre + hf + ".weight"):
                 out[pre + hf + ".weight"] = np.asarray(lay[ours][i])
+    return out
+
+
+_TOP = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+
+
+def hf_names_touched(changed: dict, shapes: dict) -> set:
+    """HF tensor names holding the changed words of our leaves. `changed`: {leaf path ('layers/q_proj/kernel'):
+    flat positions in the leaf, or None for all}; `shapes`: {leaf path: shape}. A stacked layer leaf [L, ...]
+    touches layer i's tensor only where a position falls in block i."""
+    out = set()
+    for leaf, idx in changed.items():
+        if leaf in _TOP:
+            out.add(_TOP[leaf])
+            continue
+        parts = leaf.split("/")  # layers/<proj>/<kernel|bias> or layers/<norm>
+        if parts[0] != "layers" or len(parts) not in (2, 3):
+            raise ValueError(f"no Hugging Face name for parameter {leaf!r}")
+        shape = shapes[leaf]
+        per = int(np.prod(shape[1:], dtype=np.int64))
+        layers = range(shape[0]) if idx is None else np.unique(np.asarray(idx, np.int64) // per).tolist()
+        if len(parts) == 3:
+            hf = _PROJ[parts[1]] + (".weight" if parts[2] == "kernel" else ".bias")
+        else:
+            hf = _NORMS[parts[1]] + ".weight"
+        out.update(f"model.layers.{i}.{hf}" for i in layers)
     return out
 
 

@@ -57,11 +57,12 @@ def latest_version(export_root: str):
     return v[-1] if v else None
 
 
-def export_weights(params, config, export_root: str, version: int, keep: int = 3) -> str:
+def export_weights(params, config, export_root: str, version: int, keep: int = 3, meta: dict | None = None) -> str:
     """Save `params` (jax or numpy pytree) as version `version`; returns the version folder.
 
     Costs one host copy of the parameters (orbax gathers sharded arrays). Re-exporting an existing version
-    replaces it. `keep` >= 1 newest versions are retained; older ones are deleted after the rename.
+    replaces it. `keep` >= 1 newest versions are retained; older ones are deleted after the rename (see prune).
+    `meta`: extra meta.json fields (sampler/weight_sync.py writes `kind`, `hashes` and a delta's `base_version`).
     """
     import orbax.checkpoint as ocp
 
@@ -75,7 +76,7 @@ def export_weights(params, config, export_root: str, version: int, keep: int = 3
     try:
         ocp.PyTreeCheckpointer().save(os.path.join(tmp, PARAMS), params)
         with open(os.path.join(tmp, META), "w") as fh:
-            json.dump({"version": int(version), "model_config": _config_dict(config)}, fh, indent=1)
+            json.dump({**(meta or {}), "version": int(version), "model_config": _config_dict(config)}, fh, indent=1)
         if os.path.isdir(final):  # rename cannot replace a non-empty folder; move the old one aside first
             old = tmp + ".old"
             os.rename(final, old)
@@ -89,9 +90,14 @@ def export_weights(params, config, export_root: str, version: int, keep: int = 3
 
 
 def prune(export_root: str, keep: int) -> None:
-    """Delete all but the newest `keep` versions (and stale temporary folders of dead writers)."""
+    """Delete all but the newest `keep` versions (and stale temporary folders of dead writers). A kept delta keeps
+    the versions back to its newest full base, so every kept version can still be rebuilt from disk."""
     keep = max(1, int(keep))
-    for v in list_versions(export_root)[:-keep]:
+    versions = list_versions(export_root)
+    cut = len(versions) - keep
+    while cut > 0 and _kind(version_dir(export_root, versions[cut])) == "delta":
+        cut -= 1
+    for v in versions[: max(0, cut)]:
         shutil.rmtree(version_dir(export_root, v), ignore_errors=True)
     for name in os.listdir(export_root):
         m = re.match(r"^\.tmp-v\d{8}-(\d+)", name)
@@ -107,6 +113,14 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _kind(path: str) -> str:
+    try:
+        with open(os.path.join(path, META)) as fh:
+            return str(json.load(fh).get("kind", "full"))
+    except (OSError, ValueError):
+        return "full"
 
 
 def read_meta(path: str) -> dict:
@@ -125,12 +139,19 @@ def read_meta(path: str) -> dict:
     return meta
 
 
-def load_export(path: str):
-    """(model_config dict, params as a numpy pytree) from one version folder; ExportError if missing/corrupt."""
+def load_export(path: str, allow_delta: bool = False):
+    """(model_config dict, params as a numpy pytree) from one version folder; ExportError if missing/corrupt.
+    A delta version (sampler/weight_sync.py) holds changed words only: refused unless `allow_delta`, which
+    returns its raw payload {"idx", "val"}; `weight_sync.rebuild` turns a delta chain into parameters."""
     import jax
     import orbax.checkpoint as ocp
 
     meta = read_meta(path)
+    if meta.get("kind") == "delta" and not allow_delta:
+        raise ExportError(
+            f"{path}: a delta version (changed words against version {meta.get('base_version')}); "
+            "rebuild it from its full base with twocircuit_jax.sampler.weight_sync.rebuild"
+        )
     ppath = os.path.join(path, PARAMS)
     if not os.path.isdir(ppath):
         raise ExportError(f"{ppath}: missing (incomplete or corrupt export)")

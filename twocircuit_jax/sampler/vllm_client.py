@@ -23,7 +23,7 @@ import weakref
 
 from twocircuit_jax.config.sections import SamplerConfig, SamplingConfig
 from twocircuit_jax.sampler.base import Rollout
-from twocircuit_jax.sampler.export import export_weights
+from twocircuit_jax.sampler.weight_sync import WeightPublisher
 
 _LIVE: "weakref.WeakSet[VLLMSampler]" = weakref.WeakSet()
 _TRANSPORT_ERRORS = (OSError, http.client.HTTPException, ValueError)  # refused/reset/timeout, bad HTTP, bad JSON
@@ -69,6 +69,9 @@ class VLLMSampler:
         kv_cache_bytes: int = 0,
         max_model_len=None,
         keep_versions: int = 3,
+        delta_sync: bool = True,
+        full_every: int = 20,
+        remove_exports: bool = False,
         command=None,
         env=None,
         log_path: str = "",
@@ -76,6 +79,9 @@ class VLLMSampler:
         """`model_dir`: HF folder the engine starts from (config.json + safetensors; its weights are version 0).
         `export_root`: where update_weights() writes versions (default config.export_dir, else a temp folder).
         `model_config`: ModelConfig of the exports (default: read from model_dir/config.json).
+        `dtype`: the engine's weight dtype ("auto" = model_config.param_dtype); exports are written in it.
+        `delta_sync`: publish changed words only (sampler/weight_sync.py), a full version every `full_every`.
+        `remove_exports`: delete `export_root` on close() (a folder in /dev/shm holds host memory).
         `command`: argv prefix that replaces `python -m twocircuit_jax.sampler.vllm_server` (tests)."""
         self.config = config
         self.model_dir = model_dir
@@ -87,6 +93,10 @@ class VLLMSampler:
                 model_config = config_from_hf(json.load(fh), model_dir)
         self.model_config = model_config
         self.keep_versions = keep_versions
+        dtype = model_config.param_dtype if dtype == "auto" else dtype
+        self.publisher = WeightPublisher(self.export_root, model_config, dtype, delta=delta_sync, full_every=full_every)
+        self.last_publish = None  # weight_sync.PublishStats of the newest update
+        self.remove_exports = remove_exports
         self._cmd = list(command or [sys.executable, "-m", "twocircuit_jax.sampler.vllm_server"])
         self._extra = [
             "--dtype",
@@ -102,6 +112,7 @@ class VLLMSampler:
         self.log_path = log_path or os.path.join(self.export_root, "sampler.log")
         self.latest = None  # newest version exported by update_weights (None: still the model_dir weights)
         self.restarts = 0
+        self.full_resends = 0  # deltas the server refused, sent again whole
         self.last_load = {}
         self.proc = None
         self.address = None
@@ -209,6 +220,10 @@ class VLLMSampler:
     def close(self) -> None:
         with self._lock:
             self._kill()
+            if self.remove_exports:
+                import shutil
+
+                shutil.rmtree(self.export_root, ignore_errors=True)
         _LIVE.discard(self)
 
     # ---------------------------------------------------------------- requests
@@ -227,8 +242,15 @@ class VLLMSampler:
             conn.close()
 
     def load(self, version: int) -> int:
-        """Make the server serve export `version`; SamplerError (server keeps its old version) if it cannot."""
+        """Make the server serve export `version`; SamplerError (server keeps its old version) if it cannot.
+        A delta the server cannot apply (it restarted, or the delta fails its hash check) is answered with
+        `need_full`: the version is rewritten whole from the publisher's copy and loaded once more."""
         status, body = self._request("POST", "/load", {"version": int(version)}, self.config.request_timeout_s)
+        if status == 422 and body.get("need_full") and self.publisher.version == int(version):
+            print(f"sampler: {body.get('error')}; writing version {version} in full", file=sys.stderr, flush=True)
+            self.publisher.publish_full(keep=self.keep_versions)
+            self.full_resends += 1
+            status, body = self._request("POST", "/load", {"version": int(version)}, self.config.request_timeout_s)
         if status != 200:
             raise SamplerError(
                 f"sampler could not load weight version {version} (still serving "
@@ -241,7 +263,7 @@ class VLLMSampler:
         if not self.model_config.tie_embeddings and "lm_head" not in params:
             # Served untied (see untie_for_vllm): the head is an explicit copy of the tied embedding.
             params = {**params, "lm_head": params["embed"].T}
-        export_weights(params, self.model_config, self.export_root, version, keep=self.keep_versions)
+        self.last_publish = self.publisher.publish(params, version, keep=self.keep_versions)
         prev, self.latest = self.latest, int(version)  # set first: a restart inside the retries loads it
         try:
             self._retrying("load", lambda: self.load(version))
@@ -304,7 +326,15 @@ class VLLMSampler:
             return False
 
     def metrics(self) -> dict:
-        return {"sampler/weight_version": -1 if self.latest is None else self.latest, "sampler/restarts": self.restarts}
+        out = {
+            "sampler/weight_version": -1 if self.latest is None else self.latest,
+            "sampler/restarts": self.restarts,
+            "sampler/full_resends": self.full_resends,
+        }
+        if self.last_publish is not None:
+            out["sampler/sync_bytes"] = self.last_publish.bytes
+            out["sampler/sync_changed_frac"] = self.last_publish.changed_frac
+        return out
 
 
 class _Retry(Exception):

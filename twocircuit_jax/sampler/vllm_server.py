@@ -6,9 +6,11 @@ Protocol (JSON over HTTP on loopback by default; one engine, requests serialised
     POST /generate {"prompts": [[ids]], "n", "temperature", "top_p", "top_k", "max_new_tokens", "seed",
                     "min_version"} -> {"rows": [{"tokens", "logprobs", "finish_reason": "stop"|"length"}],
                     "version"}; rows are prompt-major (prompt i -> rows i*n .. i*n+n-1). 409 if version < min_version.
-    POST /load     {"version": v} -> {"version": v}. Restores export_root/v{v:08d} to host memory, maps the names onto
-                    vLLM's Hugging Face names and reloads the weights in place (no engine restart), then clears the
-                    prefix cache. A missing/corrupt/mismatched export answers 422 and the old version keeps serving.
+    POST /load     {"version": v} -> {"version": v}. Applies export_root/v{v:08d} (a full version, or a delta against
+                    the served one: sampler/weight_sync.py) to a host copy, maps the changed tensors onto vLLM's
+                    Hugging Face names and reloads them in place (no engine restart), then clears the prefix cache.
+                    A missing/corrupt/mismatched export answers 422 and the old version keeps serving; a delta that
+                    does not fit (other base, failed hash check) answers 422 with "need_full": true.
 
 Log-probs are vLLM's `raw_logprobs`: log-softmax of the unmodified logits, i.e. the policy at temperature 1 with no
 top-p/top-k truncation (design §1), whatever sampling parameters the request uses. The engine runs in this process
@@ -25,7 +27,8 @@ import sys
 import threading
 import time
 
-from twocircuit_jax.sampler.export import ExportError, load_export, version_dir
+from twocircuit_jax.sampler.export import ExportError, read_meta, version_dir
+from twocircuit_jax.sampler.weight_sync import WeightStore
 
 
 class RequestError(ValueError):
@@ -104,6 +107,7 @@ class Engine:
             **kw,
         )
         self.version = args.initial_version
+        self.store = WeightStore()  # host copy of the served words (the parameters' size): deltas apply to it
         self.healthy = True
         self.lock = threading.Lock()
 
@@ -160,9 +164,12 @@ class Engine:
         return 200, {"rows": rows, "version": version}
 
     def load(self, req: dict) -> tuple[int, dict]:
+        """Apply a full or delta version to the host copy (weight_sync.WeightStore), then reload in the engine the
+        tensors that hold a changed word (whole vLLM modules: q/k/v and gate/up are fused there)."""
         from twocircuit_jax.config.base import from_dict
         from twocircuit_jax.config.sections import ModelConfig
-        from twocircuit_jax.model.hf_io import to_hf_state_dict
+        from twocircuit_jax.model.hf_io import hf_names_touched, to_hf_state_dict
+        from twocircuit_jax.sampler.weight_sync import DeltaError
 
         try:
             version = int(req["version"])
@@ -171,18 +178,23 @@ class Engine:
         path = version_dir(self.export_root, version)
         t0 = time.perf_counter()
         try:
-            cfg_dict, params = load_export(path)
-            tensors = to_hf_state_dict(from_dict(ModelConfig, cfg_dict), params)
+            changed = self.store.load(path)
+            cfg = from_dict(ModelConfig, read_meta(path)["model_config"])
+            shapes = {n: x.shape for n, x in zip(self.store.names, self.store.leaves)}
+            names = self._modules(hf_names_touched(changed, shapes))
+            tensors = to_hf_state_dict(cfg, self.store.params(), only=names)
+            problem = self._mismatch(tensors, whole=all(v is None for v in changed.values()))
+        except DeltaError as e:  # the store is unchanged; the sender writes this version in full
+            return 422, {"error": str(e), "version": self.version, "need_full": True}
         except ExportError as e:
-            return 422, {"error": str(e), "version": self.version}
+            problem = str(e)
         except Exception as e:  # noqa: BLE001 - config/param tree that does not fit the mapping
-            return 422, {
-                "error": f"{path}: cannot map export onto Hugging Face names ({type(e).__name__}: {e})",
-                "version": self.version,
-            }
-        problem = self._mismatch(tensors)
+            problem = f"{path}: cannot map export onto Hugging Face names ({type(e).__name__}: {e})"
+        else:
+            problem = problem and f"{path}: export does not fit the served model: {problem}"
         if problem:
-            return 422, {"error": f"{path}: export does not fit the served model: {problem}", "version": self.version}
+            self.store = WeightStore()  # the engine keeps serving the old version; the next delta needs a full one
+            return 422, {"error": problem, "version": self.version}
         t1 = time.perf_counter()
         with self.lock:
             try:
@@ -194,14 +206,39 @@ class Engine:
                 self.healthy = False  # weights may be half-swapped: report unhealthy so the client restarts us
                 raise
             self.version = version
-        return 200, {"version": version, "restore_s": t1 - t0, "reload_s": time.perf_counter() - t1}
+        return 200, {
+            "version": version,
+            "restore_s": t1 - t0,
+            "reload_s": time.perf_counter() - t1,
+            "tensors": len(tensors),  # HF tensors reloaded in the engine
+            "hashes": list(self.store.hashes),  # per-leaf hashes of the served words (weight_sync.leaf_hash)
+        }
 
-    def _mismatch(self, tensors: dict) -> str:
+    def _modules(self, names: set) -> set:
+        """Widen HF names to whole vLLM modules: q/k/v (weights and biases) and gate/up load as one fused tensor,
+        and vLLM re-processes a module only from all of its parts."""
+        out = set(names)
+        for n in names:
+            for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+                for g in group:
+                    if f".{g}." in n:
+                        pre = n[: n.index(f".{g}.")]
+                        out.update(
+                            f"{pre}.{h}.{kind}"
+                            for h in group
+                            for kind in ("weight", "bias")
+                            if f"{pre}.{h}.{kind}" in self.expected
+                        )
+        return out
+
+    def _mismatch(self, tensors: dict, whole: bool = True) -> str:
         exp = dict(self.expected)
         got = {k: tuple(v.shape) for k, v in tensors.items()}
         if self.tied:  # vLLM ties lm_head to the embedding; a stored copy is ignored either way
             exp.pop("lm_head.weight", None)
             got.pop("lm_head.weight", None)
+        if not whole:  # a delta reloads some tensors: each must exist and fit, none may be missing
+            exp = {k: v for k, v in exp.items() if k in got}
         missing, extra = sorted(set(exp) - set(got)), sorted(set(got) - set(exp))
         if missing or extra:
             return f"missing {missing[:4]}, unexpected {extra[:4]}"

@@ -477,8 +477,10 @@ class GRPOTrainer:
         if self.pipeline is not None:
             metrics["pipeline/bubble_fraction"] = self.pipeline.bubble
         metrics["time/tokens_per_s"] = sum(col.lengths) / max(col.gen_s, 1e-9)
-        metrics["sampler/weight_version"] = col.weight_version
-        metrics["sampler/restarts"] = getattr(self.sampler, "restarts", 0)
+        metrics["sampler/restarts"] = 0
+        if hasattr(self.sampler, "metrics"):  # vLLM: restarts, refused deltas, bytes of the newest weight sync
+            metrics.update(self.sampler.metrics())
+        metrics["sampler/weight_version"] = col.weight_version  # the rollouts' version, not the newest export
         return metrics
 
     def _dense_probe(self, dev, mask, old_logp) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -117,15 +118,26 @@ def make_sampler(run_cfg, model_cfg, params, tokenizer, run_dir: str):
     # after that arrives as an orbax export under `export_dir` and is reloaded in place.
     model_cfg, params = untie_for_vllm(model_cfg, jax.device_get(params))
     model_dir = save_hf(model_cfg, params, os.path.join(run_dir, "sampler", "model"))
-    export_root = run_cfg.sampler.export_dir or os.path.join(run_dir, "sampler", "exports")
-    T = run_cfg.train.max_prompt_len + run_cfg.sampler.sampling.max_new_tokens
+    sc = run_cfg.sampler
+    shm = sc.export_dir == "shm"
+    if shm and not os.access("/dev/shm", os.W_OK):
+        raise ConfigError("sampler.export_dir", "'shm' needs a writable /dev/shm on this host; set a folder instead")
+    export_root = (
+        tempfile.mkdtemp(prefix="twocircuit-exports-", dir="/dev/shm")
+        if shm
+        else sc.export_dir or os.path.join(run_dir, "sampler", "exports")
+    )
+    T = run_cfg.train.max_prompt_len + sc.sampling.max_new_tokens
     return VLLMSampler(
-        run_cfg.sampler,
+        sc,
         model_dir,
         export_root,
         model_cfg,
-        dtype=run_cfg.model.param_dtype,
+        dtype=run_cfg.model.param_dtype if sc.dtype == "auto" else sc.dtype,
         max_model_len=max(T, 32),
+        delta_sync=sc.weight_sync == "delta",
+        full_every=sc.full_every,
+        remove_exports=shm,
         log_path=os.path.join(run_dir, "sampler", "sampler.log"),
     )
 

@@ -1,0 +1,171 @@
+"""Delta weight sync without an engine: the hash, the publisher/store round trip, the on-disk chain and refusals.
+
+The engine side (vLLM reloading only the changed modules, a restart, a corrupted delta sent again whole) is in
+tests/test_vllm_sampler.py."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from twocircuit_jax.config.sections import ModelConfig
+from twocircuit_jax.model import init_params
+from twocircuit_jax.model.hf_io import hf_names_touched, to_hf_state_dict
+from twocircuit_jax.sampler import export as ex, weight_sync as ws
+
+CFG = ModelConfig(
+    vocab_size=96,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=32,
+    intermediate_size=128,
+    max_position_embeddings=256,
+    tie_embeddings=False,
+)
+
+
+def _step(params, key, lr=1e-4, frac=0.05):
+    """A sparse small update, like one optimizer step seen in a low-precision dtype: few words move."""
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(key, 2 * len(leaves))
+    out = [
+        x + lr * jax.random.normal(keys[2 * i], x.shape) * (jax.random.uniform(keys[2 * i + 1], x.shape) < frac)
+        for i, x in enumerate(leaves)
+    ]
+    return jax.tree.unflatten(treedef, out)
+
+
+def _words_of(tree, dtype):
+    return [
+        ws.words(np.asarray(x)) for x in jax.tree.leaves(jax.device_get(jax.tree.map(lambda a: a.astype(dtype), tree)))
+    ]
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def test_hash_detects_every_single_word_change_and_updates_incrementally():
+    rng = np.random.default_rng(0)
+    w = rng.integers(0, 2**16, size=5000, dtype=np.uint16)
+    h = ws.leaf_hash(w)
+    for i in rng.integers(0, w.size, size=200):
+        v = w.copy()
+        v[i] ^= np.uint16(1 << int(rng.integers(0, 16)))
+        assert ws.leaf_hash(v) != h  # one flipped bit anywhere changes the hash
+    # a word moved to another position changes it too (the hash is positional)
+    v = w.copy()
+    v[[3, 4]] = v[[4, 3]]
+    assert (w[3] == w[4]) or ws.leaf_hash(v) != h
+    idx = np.sort(rng.choice(w.size, 300, replace=False)).astype(np.uint32)
+    new = w.copy()
+    new[idx] = rng.integers(0, 2**16, size=idx.size, dtype=np.uint16)
+    assert ws.updated_hash(h, idx, w[idx], new[idx]) == ws.leaf_hash(new)
+    # chunked hashing (leaves larger than one pass) agrees with the incremental form
+    big = rng.integers(0, 2**32, size=ws._CHUNK + 777, dtype=np.uint32)
+    hb = ws.leaf_hash(big)
+    j = np.array([5, ws._CHUNK + 3], np.uint32)
+    nb = big.copy()
+    nb[j] += np.uint32(1)
+    assert ws.updated_hash(hb, j, big[j], nb[j]) == ws.leaf_hash(nb)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_twenty_updates_rebuild_bit_identical_to_full_exports(tmp_path, dtype):
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    root = str(tmp_path / "exports")
+    pub = ws.WeightPublisher(root, CFG, dtype, full_every=8)
+    store = ws.WeightStore()
+    key = jax.random.PRNGKey(1)
+    kinds = []
+    for v in range(1, 21):
+        stats = pub.publish(params, v, keep=3)
+        kinds.append(stats.kind)
+        changed = store.load(ex.version_dir(root, v))
+        want = _words_of(params, jnp.dtype(dtype))
+        assert _same([ws.words(x) for x in store.leaves], want), v  # the store holds exactly the cast weights
+        _, rebuilt = ws.rebuild(root, v)  # from disk alone: newest full base + its deltas
+        assert _same([ws.words(x) for x in jax.tree.leaves(rebuilt)], want), v
+        if stats.kind == "delta":
+            assert 0 < stats.changed_frac < 0.2 and len(changed) < len(store.names) + 1
+            assert all(i.dtype == np.uint32 for i in changed.values())
+        key, k = jax.random.split(key)
+        params = _step(params, k)
+    assert kinds == ["full"] + ["delta"] * 7 + ["full"] + ["delta"] * 7 + ["full"] + ["delta"] * 3
+    # prune kept 3 versions and every delta's base back to a full one: all are rebuildable
+    kept = ex.list_versions(root)
+    assert kept[-3:] == [18, 19, 20] and kept[0] == 17
+    assert ex.read_meta(ex.version_dir(root, 17))["kind"] == "full"
+
+
+def test_delta_payload_is_small_and_refused_by_plain_load(tmp_path):
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    root = str(tmp_path)
+    pub = ws.WeightPublisher(root, CFG, "bfloat16")
+    full = pub.publish(params, 1)
+    delta = pub.publish(_step(params, jax.random.PRNGKey(2), frac=0.01), 2)
+    assert full.kind == "full" and delta.kind == "delta"
+    assert delta.bytes < 0.1 * full.bytes  # 1% of words move: index + word per change
+    with pytest.raises(ex.ExportError, match="a delta version .*against version 1.*rebuild"):
+        ex.load_export(ex.version_dir(root, 2))
+
+
+def test_delta_on_wrong_base_or_corrupt_is_refused_and_store_untouched(tmp_path):
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    root = str(tmp_path)
+    pub = ws.WeightPublisher(root, CFG, "float32")
+    pub.publish(params, 1)
+    p2 = _step(params, jax.random.PRNGKey(3))
+    pub.publish(p2, 2)
+    fresh = ws.WeightStore()  # a restarted sampler: no base
+    with pytest.raises(ws.DeltaError, match="delta against version 1, but this sampler holds None"):
+        fresh.load(ex.version_dir(root, 2))
+    store = ws.WeightStore()
+    store.load(ex.version_dir(root, 1))
+    before = [x.copy() for x in store.leaves]
+    # corrupt one word of the payload, leaving a readable checkpoint: only the hash can tell
+    path = ex.version_dir(root, 2)
+    _, payload = ex.load_export(path, allow_delta=True)
+    meta = ex.read_meta(path)
+    payload["val"][0] ^= np.uint32(1)
+    extra = {k: v for k, v in meta.items() if k not in ("version", "model_config")}
+    ex.export_weights(payload, CFG, root, 2, meta=extra)
+    with pytest.raises(ws.DeltaError, match="fails its hash check"):
+        store.load(path)
+    assert store.version == 1 and _same(store.leaves, before)
+    pub.publish_full()  # a sender that is told to resend writes the same version whole
+    assert ex.read_meta(path)["kind"] == "full"
+    store.load(path)
+    assert _same([ws.words(x) for x in store.leaves], _words_of(p2, jnp.float32))
+    p3 = _step(p2, jax.random.PRNGKey(4))
+    pub.publish(p3, 3)
+    meta3 = os.path.join(ex.version_dir(root, 3), "meta.json")
+    with open(meta3) as fh:
+        m = json.load(fh)
+    m["leaves"]["embed"]["count"] += 1  # the payload no longer matches its description
+    with open(meta3, "w") as fh:
+        json.dump(m, fh)
+    with pytest.raises(ws.DeltaError, match="payload holds"):
+        store.load(ex.version_dir(root, 3))
+    assert store.version == 2
+
+
+def test_hf_names_touched_maps_stacked_layers():
+    params = jax.device_get(init_params(CFG, jax.random.PRNGKey(0)))
+    names, leaves, _ = ws.leaf_names(params)
+    shapes = {n: x.shape for n, x in zip(names, leaves)}
+    per = int(np.prod(shapes["layers/q_proj/kernel"][1:]))
+    got = hf_names_touched({"layers/q_proj/kernel": np.array([per + 3], np.uint32), "final_norm": None}, shapes)
+    assert got == {"model.layers.1.self_attn.q_proj.weight", "model.norm.weight"}
+    every = hf_names_touched({n: None for n in names}, shapes)
+    assert every == set(to_hf_state_dict(CFG, params))  # all leaves touched = every HF tensor
+    only = to_hf_state_dict(CFG, params, only=got)
+    assert set(only) == got
+    np.testing.assert_array_equal(
+        only["model.layers.1.self_attn.q_proj.weight"], params["layers"]["q_proj"]["kernel"][1].T
+    )

@@ -1,0 +1,274 @@
+"""Delta weight sync: publish only the words that changed since the sampler's current version, losslessly.
+
+Between two RL steps almost every weight word in the sampler's dtype is unchanged (an update of ~lr moves a bf16
+word only when it crosses a rounding boundary). A version is therefore written as one of two kinds:
+
+    full   the whole parameter pytree in the sampler's dtype (sampler/export.py's layout, `kind: full`)
+    delta  per leaf, the flat positions of the words that differ from `base_version` and their new words:
+           one orbax checkpoint {"idx": uint32 [n + 1], "val": words [n + 1]}, leaf after leaf, each leaf's
+           count in meta.json; the last entry is padding (orbax cannot save an empty array: n may be 0)
+
+Every version's meta.json carries `hashes`: one 64-bit hash per leaf of the *whole* result, so a receiver that
+applied a delta to the wrong base, or a delta corrupted on disk, is caught before any weight is replaced. The hash
+is a sum over positions of a 32-bit mix of (position, word) kept as two independent 32-bit sums; changing the word
+at one position always changes it (each mix is a bijection of the word), and it updates in O(changed words):
+    H(new) = H(old) - sum mix(i, old_i) + sum mix(i, new_i)  over the changed positions i.
+A full version is written every `full_every` versions, and whenever the receiver has no base (a restart, a delta
+it refused): `WeightPublisher.publish_full()` rewrites the newest version whole from the publisher's host copy.
+
+`WeightPublisher` is the trainer's side (keeps one host copy of the last published words: the parameters' size in
+the sampler dtype); `WeightStore` is the sampler's side (keeps the served words and applies deltas to them).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import numpy as np
+
+from twocircuit_jax.sampler import export as ex
+
+DELTA = "delta"
+_WORDS = {2: np.uint16, 4: np.uint32}
+_CHUNK = 1 << 24  # elements hashed per numpy pass: bounds the temporaries to ~64 MiB
+_MIX = ((0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35), (0x7FEB352D, 0x846CA68B, 0x27D4EB2F))
+
+
+class DeltaError(ex.ExportError):
+    """A delta that cannot be applied (wrong base, corrupt payload, hash mismatch): the sender must write a full
+    version. The message names the folder and what did not match."""
+
+
+def leaf_names(params) -> tuple[list[str], list, object]:
+    """(['layers/q_proj/kernel', ...], leaves, treedef) of a parameter pytree, in flattening order."""
+    import jax
+
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    names = ["/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path) for path, _ in flat]
+    return names, [x for _, x in flat], treedef
+
+
+def words(a: np.ndarray) -> np.ndarray:
+    """The array's words as a flat unsigned view (no copy for a contiguous array)."""
+    a = np.ascontiguousarray(a).reshape(-1)
+    if a.dtype.itemsize not in _WORDS:
+        raise ValueError(f"weight sync handles 2- and 4-byte dtypes, got {a.dtype}")
+    return a.view(_WORDS[a.dtype.itemsize])
+
+
+def _mix_sum(pos: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """[2] uint64: sum over the given positions of two 32-bit mixes of (pos, word), each taken mod 2^32."""
+    out = np.zeros(2, np.uint64)
+    w = w.astype(np.uint32, copy=False)
+    for lane, (c0, c1, c2) in enumerate(_MIX):
+        x = pos.astype(np.uint32) * np.uint32(c0)
+        x ^= w
+        x ^= x >> np.uint32(16)
+        x *= np.uint32(c1)
+        x ^= x >> np.uint32(13)
+        x *= np.uint32(c2)
+        x ^= x >> np.uint32(16)
+        out[lane] = np.sum(x, dtype=np.uint64) & np.uint64(0xFFFFFFFF)
+    return out
+
+
+def _pack(h: np.ndarray) -> int:
+    return (int(h[0]) << 32) | int(h[1])
+
+
+def _unpack(h: int) -> np.ndarray:
+    return np.array([(h >> 32) & 0xFFFFFFFF, h & 0xFFFFFFFF], np.uint64)
+
+
+def leaf_hash(w: np.ndarray) -> int:
+    """Hash of one leaf's flat words (cost: one pass over the leaf)."""
+    h = np.zeros(2, np.uint64)
+    for s in range(0, w.size, _CHUNK):
+        h += _mix_sum(np.arange(s, min(s + _CHUNK, w.size), dtype=np.uint32), w[s : s + _CHUNK])
+    return _pack(h & np.uint64(0xFFFFFFFF))
+
+
+def updated_hash(h: int, idx: np.ndarray, old: np.ndarray, new: np.ndarray) -> int:
+    """The leaf hash after the words at `idx` change from `old` to `new` (cost: O(len(idx)))."""
+    m = np.uint64(0xFFFFFFFF)
+    d = (_unpack(h) + np.uint64(1 << 32) - _mix_sum(idx, old)) & m
+    return _pack((d + _mix_sum(idx, new)) & m)
+
+
+class PublishStats(NamedTuple):
+    kind: str  # "full" | "delta"
+    bytes: int  # payload bytes written (words + indices)
+    changed_frac: float  # changed words / all words (1.0 for a full version)
+    cast_s: float  # device -> host in the sampler dtype
+    diff_s: float  # finding the changed words and updating the hashes
+    write_s: float  # orbax save + atomic rename
+
+
+class WeightPublisher:
+    """The trainer's side: `publish(params, version)` writes a delta against the last version when it can."""
+
+    def __init__(self, export_root: str, model_config, dtype: str, *, delta: bool = True, full_every: int = 20):
+        self.root, self.model_config, self.dtype = export_root, model_config, dtype
+        self.delta, self.full_every = bool(delta), max(1, int(full_every))
+        self.names = self.host = self.hashes = self.treedef = None  # the newest published version, host side
+        self.version = None
+        self.since_full = 0
+
+    def _host(self, params):
+        import jax
+        import jax.numpy as jnp
+
+        dt = jnp.dtype(self.dtype)
+        # The cast runs where the parameters live; device_get then copies the sampler-dtype words (a host sync).
+        return jax.device_get(jax.tree.map(lambda x: x.astype(dt) if x.dtype != dt else x, params))
+
+    def need_full(self) -> None:
+        """The receiver has no usable base (restart, refused delta): the next publish is full."""
+        self.since_full = self.full_every
+
+    def publish(self, params, version: int, keep: int = 3) -> PublishStats:
+        t0 = time.perf_counter()
+        names, leaves, treedef = leaf_names(self._host(params))
+        t1 = time.perf_counter()
+        full = not self.delta or self.host is None or names != self.names or self.since_full + 1 >= self.full_every
+        if full:
+            # a writable copy: device_get may hand back read-only views of device buffers
+            self.names, self.host, self.treedef = names, [np.array(x, copy=True) for x in leaves], treedef
+            self.hashes = [leaf_hash(words(x)) for x in self.host]
+            t2 = time.perf_counter()
+            self._write_full(version, keep)
+            n = sum(x.nbytes for x in self.host)
+            stats = PublishStats("full", n, 1.0, t1 - t0, t2 - t1, time.perf_counter() - t2)
+        else:
+            idx, val, counts, hashes = [], [], [], []
+            for old, new, h in zip(self.host, leaves, self.hashes):
+                wo, wn = words(old), words(new)
+                i = np.flatnonzero(wo != wn).astype(np.uint32)
+                v = wn[i]
+                hashes.append(updated_hash(h, i, wo[i], v))
+                wo[i] = v  # the host copy becomes the new version in place (no second copy of the weights)
+                idx.append(i), val.append(v), counts.append(int(i.size))
+            t2 = time.perf_counter()
+            base, self.hashes = self.version, hashes
+            pad_i, pad_v = np.zeros(1, np.uint32), np.zeros(1, val[0].dtype)
+            self._write_delta(version, base, np.concatenate(idx + [pad_i]), np.concatenate(val + [pad_v]), counts, keep)
+            n = sum(counts)
+            total = sum(x.size for x in self.host)
+            stats = PublishStats(
+                "delta", n * (4 + self.host[0].itemsize), n / total, t1 - t0, t2 - t1, time.perf_counter() - t2
+            )
+        self.version = int(version)
+        self.since_full = 0 if full else self.since_full + 1
+        return stats
+
+    def publish_full(self, keep: int = 3) -> None:
+        """Rewrite the newest version whole from the host copy (same version number, same words)."""
+        if self.version is None:
+            raise RuntimeError("publish_full: nothing has been published yet")
+        self._write_full(self.version, keep)
+        self.since_full = 0
+
+    def _meta(self, kind: str, **extra) -> dict:
+        leaves = {n: {"shape": list(x.shape), "hash": h} for n, x, h in zip(self.names, self.host, self.hashes)}
+        return {"kind": kind, "dtype": self.dtype, "leaves": leaves, **extra}
+
+    def _write_full(self, version: int, keep: int) -> None:
+        import jax
+
+        tree = jax.tree_util.tree_unflatten(self.treedef, self.host)
+        ex.export_weights(tree, self.model_config, self.root, version, keep=keep, meta=self._meta("full"))
+
+    def _write_delta(self, version, base, idx, val, counts, keep) -> None:
+        meta = self._meta(DELTA, base_version=int(base))
+        for n, c in zip(self.names, counts):
+            meta["leaves"][n]["count"] = c
+        ex.export_weights({"idx": idx, "val": val}, self.model_config, self.root, version, keep=keep, meta=meta)
+
+
+class WeightStore:
+    """The sampler's side: the served words by leaf name, and `load(path)` for a full or delta version."""
+
+    def __init__(self):
+        self.version = None
+        self.names, self.leaves, self.hashes, self.treedef = [], [], [], None
+
+    def params(self):
+        import jax
+
+        return jax.tree_util.tree_unflatten(self.treedef, self.leaves)
+
+    def load(self, path: str) -> dict:
+        """Apply version folder `path`; returns {leaf name: changed flat positions, or None for all}.
+        DeltaError (and the store unchanged) if a delta does not fit this store or fails its hash check."""
+        meta = ex.read_meta(path)
+        if meta.get("kind") != DELTA:
+            _, params = ex.load_export(path)
+            names, leaves, treedef = leaf_names(params)
+            leaves = [np.array(x, copy=True) for x in leaves]
+            want = {n: d["hash"] for n, d in meta.get("leaves", {}).items()}
+            if want:
+                got = {n: leaf_hash(words(x)) for n, x in zip(names, leaves)}
+                bad = sorted(n for n in got if got[n] != want.get(n))
+                if bad or set(want) != set(got):
+                    raise ex.ExportError(f"{path}: full version fails its hash check (leaves {bad[:3]})")
+            self.names, self.leaves, self.treedef = names, leaves, treedef
+            self.hashes = [want[n] if n in want else leaf_hash(words(x)) for n, x in zip(names, leaves)]
+            self.version = int(meta["version"])
+            return {n: None for n in names}
+        return self._apply_delta(path, meta)
+
+    def _apply_delta(self, path: str, meta: dict) -> dict:
+        base = int(meta["base_version"])
+        if self.version != base:
+            raise DeltaError(f"{path}: delta against version {base}, but this sampler holds {self.version}")
+        spec = meta["leaves"]
+        if list(spec) != self.names:
+            raise DeltaError(f"{path}: delta leaves {list(spec)[:3]}... do not match the served leaves")
+        try:
+            _, payload = ex.load_export(path, allow_delta=True)
+        except ex.ExportError as e:
+            raise DeltaError(str(e)) from None
+        idx, val = np.asarray(payload["idx"]).reshape(-1), np.asarray(payload["val"]).reshape(-1)
+        counts = [int(spec[n]["count"]) for n in self.names]
+        if idx.size != sum(counts) + 1 or val.size != idx.size:
+            raise DeltaError(
+                f"{path}: payload holds {idx.size} positions / {val.size} words; meta says {sum(counts)} (+1 pad)"
+            )
+        # Check everything before writing anything: a refused delta leaves the served weights untouched.
+        plans, off = [], 0
+        for n, leaf, h, c in zip(self.names, self.leaves, self.hashes, counts):
+            i, v = idx[off : off + c], val[off : off + c]
+            off += c
+            w = words(leaf)
+            if c and (int(i.max()) >= w.size or v.dtype != w.dtype):
+                raise DeltaError(f"{path}: leaf {n}: positions or word type do not fit shape {leaf.shape}")
+            new_h = updated_hash(h, i, w[i], v) if c else h
+            if new_h != int(spec[n]["hash"]):
+                raise DeltaError(f"{path}: leaf {n}: the result fails its hash check (corrupt delta or wrong base)")
+            plans.append((w, i, v, new_h))
+        changed = {}
+        for k, (w, i, v, new_h) in enumerate(plans):
+            w[i] = v
+            self.hashes[k] = new_h
+            if i.size:
+                changed[self.names[k]] = i
+        self.version = int(meta["version"])
+        return changed
+
+
+def rebuild(export_root: str, version: int):
+    """(model_config dict, numpy params) of `version`, applying the deltas on disk to their newest full base."""
+    chain = []
+    for v in reversed([v for v in ex.list_versions(export_root) if v <= version]):
+        chain.append(v)
+        if ex.read_meta(ex.version_dir(export_root, v)).get("kind") != DELTA:
+            break
+    if not chain or chain[0] != version:
+        raise ex.ExportError(f"{ex.version_dir(export_root, version)}: no such version")
+    if ex.read_meta(ex.version_dir(export_root, chain[-1])).get("kind") == DELTA:
+        raise ex.ExportError(f"{export_root}: version {version} has no full base on disk (pruned?)")
+    store = WeightStore()
+    for v in reversed(chain):
+        store.load(ex.version_dir(export_root, v))
+    return ex.read_meta(ex.version_dir(export_root, version))["model_config"], store.params()
