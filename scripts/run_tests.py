@@ -138,9 +138,22 @@ def default_jobs() -> int:
     return max(1, int(env)) if env else min(2, os.cpu_count() or 1)
 
 
+def cache_env(tmp: str) -> dict:
+    """JAX's persistent compilation cache, shared by every group of one run (a fresh folder each run, unless
+    JAX_COMPILATION_CACHE_DIR is set). Dozens of tests build trainers of the same tiny models, and each build
+    jit-compiles the same programs again; the cache turns the repeats into a file read (measured here on three
+    end-to-end test files: 155 s -> 97 s). Every entry, however small or quick to compile, is kept."""
+    return {
+        "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(tmp, "jax-cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"),
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": os.environ.get("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0"),
+    }
+
+
 def _run_group(argv, group, root, here, trace):
     env = {
         **os.environ,
+        **cache_env(os.path.dirname(trace)),
         "TWOCIRCUIT_TEST_TRACE": trace,
         "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])),
     }

@@ -169,3 +169,20 @@ def test_hf_names_touched_maps_stacked_layers():
     np.testing.assert_array_equal(
         only["model.layers.1.self_attn.q_proj.weight"], params["layers"]["q_proj"]["kernel"][1].T
     )
+
+
+def test_diff_leaves_in_chunks_equals_the_direct_diff(monkeypatch):
+    monkeypatch.setattr(ws, "_CHUNK", 1000)  # many ranges per leaf, spread over the thread pool
+    rng = np.random.default_rng(1)
+    olds = [rng.integers(0, 2**16, size=n, dtype=np.uint16) for n in (10, 4321, 2000)]
+    news = [o.copy() for o in olds]
+    for n in news:
+        k = rng.choice(n.size, n.size // 7, replace=False)
+        n[k] ^= np.uint16(3)
+    hashes = [ws.leaf_hash(o) for o in olds]
+    work = [o.copy() for o in olds]
+    idx, val, new_h = ws.diff_leaves(work, news, hashes)
+    for o, n, i, v, h, w in zip(olds, news, idx, val, new_h, work):
+        np.testing.assert_array_equal(i, np.flatnonzero(o != n))
+        np.testing.assert_array_equal(v, n[i])
+        assert h == ws.leaf_hash(n) and np.array_equal(w, n)  # the old copy became the new one in place

@@ -96,9 +96,11 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     }
 
 
-def to_hf_state_dict(cfg: ModelConfig, params, only=None) -> dict:
+def to_hf_state_dict(cfg: ModelConfig, params, only=None, contiguous: bool = True) -> dict:
     """Our pytree -> {HF tensor name: numpy array} (kernels transposed to [out, in]); dtype kept.
-    `only`: a set of HF names to build (the others are skipped, not copied); None = all."""
+    `only`: a set of HF names to build (the others are skipped, not copied); None = all. `contiguous=False` gives
+    kernels as transposed views (no copy; a consumer that copies anyway, like vLLM's loaders, transposes then)."""
+    T = (lambda a: np.ascontiguousarray(a.T)) if contiguous else (lambda a: a.T)
     want = (lambda name: True) if only is None else only.__contains__
     out = {}
     if want("model.embed_tokens.weight"):
@@ -106,13 +108,13 @@ def to_hf_state_dict(cfg: ModelConfig, params, only=None) -> dict:
     if want("model.norm.weight"):
         out["model.norm.weight"] = np.asarray(params["final_norm"])
     if not cfg.tie_embeddings and want("lm_head.weight"):
-        out["lm_head.weight"] = np.asarray(params["lm_head"]).T
+        out["lm_head.weight"] = T(np.asarray(params["lm_head"]))
     lay = params["layers"]
     for i in range(cfg.num_layers):
         pre = f"model.layers.{i}."
         for ours, hf in _PROJ.items():
             if want(pre + hf + ".weight"):
-                out[pre + hf + ".weight"] = np.ascontiguousarray(np.asarray(lay[ours]["kernel"][i]).T)
+                out[pre + hf + ".weight"] = T(np.asarray(lay[ours]["kernel"][i]))
             if "bias" in lay[ours] and want(pre + hf + ".bias"):
                 out[pre + hf + ".bias"] = np.asarray(lay[ours]["bias"][i])
         for ours, hf in _NORMS.items():

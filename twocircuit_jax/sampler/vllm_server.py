@@ -74,7 +74,9 @@ def _to_torch(a):
     import numpy as np
     import torch
 
-    a = np.ascontiguousarray(a)
+    a = np.asarray(a)
+    if any(st < 0 for st in a.strides):  # torch has no negative strides; a transposed view (positive) passes as is
+        a = np.ascontiguousarray(a)
     if a.dtype.name == "bfloat16":  # ml_dtypes bfloat16 has no torch.from_numpy path; reinterpret the bits
         return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
     return torch.from_numpy(a)
@@ -182,7 +184,7 @@ class Engine:
             cfg = from_dict(ModelConfig, read_meta(path)["model_config"])
             shapes = {n: x.shape for n, x in zip(self.store.names, self.store.leaves)}
             names = self._modules(hf_names_touched(changed, shapes))
-            tensors = to_hf_state_dict(cfg, self.store.params(), only=names)
+            tensors = to_hf_state_dict(cfg, self.store.params(), only=names, contiguous=False)
             problem = self._mismatch(tensors, whole=all(v is None for v in changed.values()))
         except DeltaError as e:  # the store is unchanged; the sender writes this version in full
             return 422, {"error": str(e), "version": self.version, "need_full": True}

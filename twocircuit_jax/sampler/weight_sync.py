@@ -22,6 +22,8 @@ the sampler dtype); `WeightStore` is the sampler's side (keeps the served words 
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import os
 import time
 from typing import NamedTuple
 
@@ -32,6 +34,7 @@ from twocircuit_jax.sampler import export as ex
 DELTA = "delta"
 _WORDS = {2: np.uint16, 4: np.uint32}
 _CHUNK = 1 << 24  # elements hashed per numpy pass: bounds the temporaries to ~64 MiB
+_POOL = cf.ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)))  # numpy's loops release the GIL
 _MIX = ((0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35), (0x7FEB352D, 0x846CA68B, 0x27D4EB2F))
 
 
@@ -82,11 +85,42 @@ def _unpack(h: int) -> np.ndarray:
 
 
 def leaf_hash(w: np.ndarray) -> int:
-    """Hash of one leaf's flat words (cost: one pass over the leaf)."""
-    h = np.zeros(2, np.uint64)
-    for s in range(0, w.size, _CHUNK):
-        h += _mix_sum(np.arange(s, min(s + _CHUNK, w.size), dtype=np.uint32), w[s : s + _CHUNK])
+    """Hash of one leaf's flat words (cost: one pass over the leaf, in _CHUNK ranges over the thread pool; do not
+    call it from inside a pool task)."""
+    part = lambda s: _mix_sum(np.arange(s, min(s + _CHUNK, w.size), dtype=np.uint32), w[s : s + _CHUNK])  # noqa: E731
+    h = sum(_POOL.map(part, range(0, w.size, _CHUNK)), np.zeros(2, np.uint64))
     return _pack(h & np.uint64(0xFFFFFFFF))
+
+
+def _diff_range(wo: np.ndarray, wn: np.ndarray, s: int, e: int):
+    """Changed positions in [s, e), their new words and hash terms; writes them into `wo` (ranges are disjoint)."""
+    i = np.flatnonzero(wo[s:e] != wn[s:e]).astype(np.uint32)
+    i += np.uint32(s)
+    v, o = wn[i], wo[i]
+    terms = _mix_sum(i, o), _mix_sum(i, v)
+    wo[i] = v
+    return i, v, terms
+
+
+def diff_leaves(olds: list, news: list, hashes: list) -> tuple[list, list, list]:
+    """Per leaf: (changed positions uint32, their new words, the new hash); every `olds` leaf becomes its `news`
+    leaf in place. The leaves are cut into _CHUNK ranges spread over a thread pool (the work is memory-bound numpy
+    passes: compare, gather, hash, scatter)."""
+    jobs = [
+        [_POOL.submit(_diff_range, words(o), words(n), s, min(s + _CHUNK, o.size)) for s in range(0, o.size, _CHUNK)]
+        for o, n in zip(olds, news)
+    ]
+    idx, val, out = [], [], []
+    m = np.uint64(0xFFFFFFFF)
+    for h, parts in zip(hashes, jobs):
+        parts = [f.result() for f in parts]
+        acc = _unpack(h)
+        for _, _, (t_old, t_new) in parts:
+            acc = (((acc + np.uint64(1 << 32) - t_old) & m) + t_new) & m
+        idx.append(np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.uint32))
+        val.append(np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, _WORDS[2]))
+        out.append(_pack(acc))
+    return idx, val, out
 
 
 def updated_hash(h: int, idx: np.ndarray, old: np.ndarray, new: np.ndarray) -> int:
@@ -141,14 +175,9 @@ class WeightPublisher:
             n = sum(x.nbytes for x in self.host)
             stats = PublishStats("full", n, 1.0, t1 - t0, t2 - t1, time.perf_counter() - t2)
         else:
-            idx, val, counts, hashes = [], [], [], []
-            for old, new, h in zip(self.host, leaves, self.hashes):
-                wo, wn = words(old), words(new)
-                i = np.flatnonzero(wo != wn).astype(np.uint32)
-                v = wn[i]
-                hashes.append(updated_hash(h, i, wo[i], v))
-                wo[i] = v  # the host copy becomes the new version in place (no second copy of the weights)
-                idx.append(i), val.append(v), counts.append(int(i.size))
+            # the host copy becomes the new version in place (no second copy of the weights)
+            idx, val, hashes = diff_leaves(self.host, leaves, self.hashes)
+            counts = [int(i.size) for i in idx]
             t2 = time.perf_counter()
             base, self.hashes = self.version, hashes
             pad_i, pad_v = np.zeros(1, np.uint32), np.zeros(1, val[0].dtype)
@@ -237,19 +266,22 @@ class WeightStore:
             )
         # Check everything before writing anything: a refused delta leaves the served weights untouched.
         plans, off = [], 0
-        for n, leaf, h, c in zip(self.names, self.leaves, self.hashes, counts):
+        for n, leaf, c in zip(self.names, self.leaves, counts):
             i, v = idx[off : off + c], val[off : off + c]
             off += c
             w = words(leaf)
             if c and (int(i.max()) >= w.size or v.dtype != w.dtype):
                 raise DeltaError(f"{path}: leaf {n}: positions or word type do not fit shape {leaf.shape}")
-            new_h = updated_hash(h, i, w[i], v) if c else h
+            plans.append((w, i, v))
+        new_hashes = list(
+            _POOL.map(lambda a: updated_hash(a[0], *a[1]), zip(self.hashes, [(i, w[i], v) for w, i, v in plans]))
+        )
+        for n, new_h in zip(self.names, new_hashes):
             if new_h != int(spec[n]["hash"]):
                 raise DeltaError(f"{path}: leaf {n}: the result fails its hash check (corrupt delta or wrong base)")
-            plans.append((w, i, v, new_h))
         changed = {}
-        for k, (w, i, v, new_h) in enumerate(plans):
-            w[i] = v
+        list(_POOL.map(lambda p: p[0].__setitem__(p[1], p[2]), plans))
+        for k, ((w, i, v), new_h) in enumerate(zip(plans, new_hashes)):
             self.hashes[k] = new_h
             if i.size:
                 changed[self.names[k]] = i
