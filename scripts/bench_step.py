@@ -1,12 +1,15 @@
 """Benchmark (not a test): one GRPO step of this project, arm by arm, and optionally of the peer frameworks.
 
     python scripts/bench_step.py [--setting peers|demo] [--arms dense,prf_mask,...] [--steps 12] [--rounds 1]
-                                 [--peers] [--peers-dir DIR]
+                                 [--compile-cache cold|warm] [--peers] [--peers-dir DIR]
 
 Each arm runs in a fresh process (its own compiles and peak RSS): a `GRPOTrainer` built from the setting, then
 `--steps` calls of `trainer.step()`, each timed as a whole on the host. Printed per arm: the median, min and max
 step over steps 3..N, the first step (it compiles), the trainer's construction, peak RSS, and the median of every
 per-phase time the trainer logs (`time/<phase>_s`, `time/compile_s` on steps that compiled).
+`--compile-cache cold` (default) gives each arm process an empty persistent compilation cache (train.compile_cache),
+so its first step compiles everything; `warm` runs each arm twice on one cache folder and reports the second run,
+as a user's second run of the same shapes would see it.
 
 Settings:
   peers  the peer harnesses' tiny setting (../shared/peers/README.md): random Qwen2 with vocab 128, hidden 128,
@@ -92,7 +95,9 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def _arm_config(setting: str, arm: str, steps: int):
+def _arm_config(setting: str, arm: str, steps: int, cache: str = ""):
+    import dataclasses
+
     import yaml
 
     from twocircuit_jax.config import load_config
@@ -103,13 +108,14 @@ def _arm_config(setting: str, arm: str, steps: int):
         over = {"fast": raw["fast"], "anchor": raw["anchor"]}
         over["fast"] = {**NONE, **over["fast"]}
     if setting == "peers":
-        return load_config(data=_merge(_peer_setting(steps), over))
+        cfg = load_config(data=_merge(_peer_setting(steps), over))
+        return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile_cache=cache))
     from twocircuit_jax.train.sft import base_once
 
     base_once(os.path.join(ROOT, "configs", "tiny_base.yaml"), os.path.join(ROOT, "artifacts", "tiny_base"), "base")
     sets = [f"train.steps={steps}", "train.eval_every=0", "train.checkpoint_every=0", "train.final_checkpoint=false"]
     sets += ["eval.at_start=false", "eval.at_end=false", f"base_model={os.path.join(ROOT, 'artifacts', 'tiny_base')}"]
-    sets += [f"{sec}={json.dumps(v)}" for sec, v in over.items()]
+    sets += [f"{sec}={json.dumps(v)}" for sec, v in over.items()] + [f"train.compile_cache={json.dumps(cache)}"]
     return load_config(os.path.join(ROOT, "configs", "demo.yaml"), sets)
 
 
@@ -135,12 +141,12 @@ def even_share(prompts, completions, **_):
     return out
 
 
-def worker(setting: str, arm: str, steps: int, out_dir: str) -> dict:
+def worker(setting: str, arm: str, steps: int, out_dir: str, cache: str = "") -> dict:
     """One arm in this process: construction, then `steps` timed steps. Returns the arm's figures."""
     t0 = time.perf_counter()
     from twocircuit_jax.train.loop import GRPOTrainer
 
-    cfg = _arm_config(setting, arm, steps)
+    cfg = _arm_config(setting, arm, steps, cache)
     kw = {}
     if setting == "peers":
         kw = {"reward_fns": [even_share], "train_dataset": _peer_rows(8 * steps)}
@@ -167,15 +173,23 @@ def worker(setting: str, arm: str, steps: int, out_dir: str) -> dict:
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "phases": {p: statistics.median([r.get(p, 0.0) for r in rows[2:] or rows]) for p in phases},
         "first_compile_s": rows[0].get("time/compile_s", 0.0),
+        "first_cache_hits": rows[0].get("time/compile_cache_hits", 0),
     }
 
 
-def _run_arm(setting, arm, steps, out_dir) -> dict:
-    cmd = [sys.executable, __file__, "--worker", arm, "--setting", setting, "--steps", str(steps), "--out", out_dir]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
-    if p.returncode or not lines:
-        raise RuntimeError(f"arm {arm} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
+def _run_arm(setting, arm, steps, out_dir, warm: bool = False) -> dict:
+    """The arm in a fresh process, on a fresh compilation cache folder (run twice on it when `warm`)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="bench-xla-cache-") as cache:
+        cmd = [sys.executable, __file__, "--worker", arm, "--setting", setting, "--steps", str(steps)]
+        cmd += ["--out", out_dir, "--cache", cache]
+        env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}  # the arm's own cache
+        for _ in range(1 + warm):
+            p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+            lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+            if p.returncode or not lines:
+                raise RuntimeError(f"arm {arm} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
     return json.loads(lines[-1][len("RESULT ") :])
 
 
@@ -244,10 +258,17 @@ def main(argv=None) -> int:
     ap.add_argument("--peers", action="store_true", help="also run the peer harnesses (their venvs must exist)")
     ap.add_argument("--peers-dir", default=os.environ.get("PEERS", ""), help="folder of the peers' venvs")
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_step"), help="run folders of the arms")
+    ap.add_argument(
+        "--compile-cache",
+        choices=("cold", "warm"),
+        default="cold",
+        help="cold: each arm compiles from scratch; warm: each arm's second process on the first one's cache",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--cache", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        print("RESULT " + json.dumps(worker(args.setting, args.worker, args.steps, args.out)), flush=True)
+        print("RESULT " + json.dumps(worker(args.setting, args.worker, args.steps, args.out, args.cache)), flush=True)
         return 0
     arms = [a for a in args.arms.split(",") if a]
     bad = [a for a in arms if a not in ARMS]
@@ -272,7 +293,7 @@ def main(argv=None) -> int:
     results = []
     for rnd in range(args.rounds):
         for arm in arms:
-            r = _run_arm(args.setting, arm, args.steps, args.out)
+            r = _run_arm(args.setting, arm, args.steps, args.out, warm=args.compile_cache == "warm")
             print(
                 f"round {rnd + 1} {arm}: median {r['median_step_s']:.3f} s, first {r['first_step_s']:.2f} s", flush=True
             )

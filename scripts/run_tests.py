@@ -10,7 +10,8 @@ A pytest process spends its time in XLA's compiles and tiny programs, on about o
 once (default: two, or one on a one-core machine; env TWOCIRCUIT_TEST_JOBS overrides). Each group's output is
 printed whole when it ends, never interleaved with another's. A group that fails (or runs no test) stops the run:
 no further group starts, the running ones finish and are printed, and the exit code is that of the first group to
-fail. Extra arguments are passed to every pytest call.
+fail. Extra arguments are passed to every pytest call. All groups share one JAX persistent compilation cache, a
+fresh folder per run (see cache_env).
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ WEIGHTS = {
     "test_sweep.py": (95, 1),
     "test_anchor_loop.py": (35, 0),
     "test_fast_powersgd.py": (32, 28),
-    "test_vllm_sampler.py": (30, 0),
+    "test_vllm_sampler.py": (60, 0),
+    "test_weight_sync.py": (20, 20),
     "test_model_hf.py": (28, 23),
     "test_kernel_prf_mask.py": (26, 18),
     "test_hf_math_run.py": (25, 0),

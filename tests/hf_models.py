@@ -2,6 +2,22 @@
 
 import numpy as np
 
+from twocircuit_jax.config.sections import ModelConfig
+
+# Our smallest model the vLLM CPU build serves (head_dim >= 32), untied: the sampler and weight-sync tests share it.
+TINY_VLLM = ModelConfig(
+    vocab_size=96,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=32,
+    intermediate_size=128,
+    max_position_embeddings=256,
+    tie_embeddings=False,
+    eos_token_id=2,
+)
+
 
 def make_hf_model(kind: str, out_dir: str, *, tie: bool = False, seed: int = 0, vocab: int = 97):
     import torch

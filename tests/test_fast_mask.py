@@ -208,3 +208,27 @@ def test_bfloat16_dtype_and_metric_weighting():
     am = jnp.zeros((B, T)).at[0].set(1.0)
     _, aux0 = run_hook(c, 7, X, am=am)
     np.testing.assert_allclose(aux0["mask_ratio"], 1 - bits(c)[0].mean(), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "shape,k,hi_range,lo_range",
+    [
+        ((3, 40, 128), 6, 2**21, 2**32),  # PRF-like words: ties in the top 32 bits are rare
+        ((120, 128), 6, 3, 2**32),  # top bits collide often: the low 21 bits decide
+        ((120, 128), 60, 2, 4),  # the low bits collide too: the channel index decides
+        ((40, 128), 1, 1, 1),  # every word equal: the k smallest channels
+        ((40, 128), 128, 1, 1),  # k = H
+        ((30, 7), 3, 1, 2),  # H not a power of two
+        ((20, 1536), 77, 2**21, 2**32),  # Qwen2.5-1.5B width, p = 0.95
+    ],
+)
+def test_counting_threshold_equals_the_sorted_reference(shape, k, hi_range, lo_range):
+    rng = np.random.default_rng(k * 7 + shape[-1])
+    u = prf.U64(
+        jnp.asarray(rng.integers(0, hi_range, shape, dtype=np.uint64).astype(np.uint32)),
+        jnp.asarray(rng.integers(0, lo_range, shape, dtype=np.uint64).astype(np.uint32)),
+    )
+    (thr, thr_j), (ref, ref_j) = mask.exact_k_threshold(u, k), mask.exact_k_threshold_sort(u, k)
+    np.testing.assert_array_equal(thr.hi, ref.hi)
+    np.testing.assert_array_equal(thr.lo, ref.lo)
+    np.testing.assert_array_equal(thr_j, ref_j)

@@ -79,3 +79,45 @@ def test_resume_writes_the_line_of_a_checkpoint_committed_before_its_log(tmp_pat
     GRPOTrainer(load_config(data=data), run, resume=True, show_progress=False).run()
     r = rows(run)
     assert [x["step"] for x in r] == [1, 2] and "reward/mean" in r[1] and "eval/accuracy" in r[1]
+
+
+_ONE_STEP = """
+import json, sys
+from tiny_run import tiny_config
+from twocircuit_jax.config import load_config
+from twocircuit_jax.train.loop import GRPOTrainer
+train = {"steps": 1, "eval_every": 0, "final_checkpoint": False, "compile_cache": sys.argv[2]}
+cfg = load_config(data=tiny_config(eval={"at_start": False, "at_end": False}, train=train))
+with GRPOTrainer(cfg, sys.argv[1], show_progress=False) as tr:
+    m = tr.step()
+print(json.dumps({k: v for k, v in m.items() if k.startswith("time/compile")}))
+"""
+
+
+@pytest.mark.slow
+def test_second_run_loads_its_programs_from_the_compile_cache(tmp_path):
+    """train.compile_cache: a fresh process running the same shapes compiles nothing; every program is a hit."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_PERSISTENT_CACHE")}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # make test's shared cache would win over train.compile_cache
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(__file__), env.get("PYTHONPATH")]))
+    cache = str(tmp_path / "cache")
+
+    def one(name):
+        out = subprocess.run(
+            [sys.executable, "-c", _ONE_STEP, str(tmp_path / name), cache],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    cold, warm = one("a"), one("b")
+    print(f"\nfirst step compile: cold {cold}, warm {warm}")
+    assert cold["time/compile_cache_misses"] > 0 and os.listdir(cache)
+    assert warm["time/compile_cache_misses"] == 0
+    assert warm["time/compile_cache_hits"] >= cold["time/compile_cache_misses"]

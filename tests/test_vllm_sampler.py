@@ -18,25 +18,16 @@ import pytest
 pytest.importorskip("vllm")
 psutil = pytest.importorskip("psutil")
 
-from twocircuit_jax.config.sections import ModelConfig, SamplerConfig, SamplingConfig  # noqa: E402
+from hf_models import TINY_VLLM  # noqa: E402
+
+from twocircuit_jax.config.sections import SamplerConfig, SamplingConfig  # noqa: E402
 from twocircuit_jax.model import init_params, save_hf  # noqa: E402
 from twocircuit_jax.sampler import export as ex  # noqa: E402
 from twocircuit_jax.sampler.vllm_client import SamplerError, VLLMSampler  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-CFG = ModelConfig(
-    vocab_size=96,
-    hidden_size=64,
-    num_layers=2,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=32,
-    intermediate_size=128,
-    max_position_embeddings=256,
-    tie_embeddings=False,
-    eos_token_id=2,
-)
+CFG = TINY_VLLM
 PROMPTS = [[5, 6, 7], [9], [10, 11, 12, 13, 14]]
 SAMPLING = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8)
 

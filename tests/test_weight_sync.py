@@ -10,23 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_models import TINY_VLLM
 
-from twocircuit_jax.config.sections import ModelConfig
 from twocircuit_jax.model import init_params
 from twocircuit_jax.model.hf_io import hf_names_touched, to_hf_state_dict
 from twocircuit_jax.sampler import export as ex, weight_sync as ws
 
-CFG = ModelConfig(
-    vocab_size=96,
-    hidden_size=64,
-    num_layers=2,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=32,
-    intermediate_size=128,
-    max_position_embeddings=256,
-    tie_embeddings=False,
-)
+CFG = TINY_VLLM
 
 
 def _step(params, key, lr=1e-4, frac=0.05):

@@ -478,6 +478,13 @@ class TrainConfig:
     )
     checkpoint_every: int = field(default=0, metadata=doc("steps between periodic checkpoints; 0 = none"))
     final_checkpoint: bool = field(default=True, metadata=doc("checkpoint after the last step"))
+    compile_cache: str = field(
+        default="~/.cache/twocircuit_jax/xla",
+        metadata=doc(
+            "folder of JAX's persistent compilation cache: a later run of the same shapes loads its programs "
+            "instead of compiling them; '' = off. JAX_COMPILATION_CACHE_DIR, when set, wins"
+        ),
+    )
     probe_every: int = field(default=0, metadata=doc("steps between dense probes (kl/ref_dense, kl/gain); 0 = off"))
     max_prompt_len: int = field(default=32, metadata=doc("prompt length cap in tokens; a longer prompt is an error"))
     skip_nonfinite: bool = field(

@@ -38,7 +38,14 @@ from twocircuit_jax.train.circuit_state import CircuitState, Clock, init_clock, 
 from twocircuit_jax.train.collect import make_collector
 from twocircuit_jax.train.grpo_step import DENSE, OLD, REF, make_grpo_loss, make_logp_fn
 from twocircuit_jax.train.guard import Guard, apply_mitigations, mitigate
-from twocircuit_jax.train.setup import check_vocab, load_model, load_run_tokenizer, make_pipeline, make_sampler
+from twocircuit_jax.train.setup import (
+    check_vocab,
+    enable_compile_cache,
+    load_model,
+    load_run_tokenizer,
+    make_pipeline,
+    make_sampler,
+)
 from twocircuit_jax.train.step import (
     build_train_step,
     default_grad_fn,
@@ -154,6 +161,7 @@ class GRPOTrainer:
             self.guard.load_state_dict(self.ckpt.read_meta(self.ckpt.latest()).get("guard"))
             cfg = apply_mitigations(cfg, self.guard.applied)
         self.cfg, self.run_dir, self.resume = cfg, run_dir, resume
+        enable_compile_cache(cfg.train.compile_cache)  # before the first compile of this process
         self.health = HealthMonitor(cfg.health)
         t, s = cfg.train, cfg.sampler
         self.tokenizer = load_run_tokenizer(cfg)

@@ -97,6 +97,28 @@ def check_vocab(model_cfg, tokenizer):
     return model_cfg
 
 
+def enable_compile_cache(path: str) -> str:
+    """Turn on JAX's persistent compilation cache at `path` (train.compile_cache) unless the process already has one
+    (JAX_COMPILATION_CACHE_DIR, or an earlier trainer in this process); returns the folder in use, '' = none.
+    Entries are keyed by the program and the compiler flags, so a hit is the program a compile would give. Every
+    program is kept however quick its compile (JAX's default keeps those over 1 s only; the first GRPO step is
+    several programs of 0.3-4 s each)."""
+    current = jax.config.jax_compilation_cache_dir
+    if current or not path:
+        return current or ""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    path = os.path.expanduser(path)
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    # JAX decides at a process's first compile whether a cache is in use; earlier compiles (model init, user
+    # code) would have decided "no": make it decide again.
+    compilation_cache.reset_cache()
+    return path
+
+
 def make_sampler(run_cfg, model_cfg, params, tokenizer, run_dir: str):
     """The rollout engine named by `sampler.backend`."""
     if run_cfg.sampler.backend == "jax":

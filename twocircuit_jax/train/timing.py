@@ -1,5 +1,6 @@
 """Where a GRPO step's time goes: wall seconds per phase (`time/<phase>_s`) and the seconds JAX spent compiling
-(`time/compile_s`, only on steps that compiled).
+(`time/compile_s`, only on steps that compiled, with `time/compile_cache_hits` and `time/compile_cache_misses`: programs
+loaded from and missing in the persistent compilation cache, train.compile_cache).
 
 Phases are host wall time around calls that end in a host sync (the loop blocks on each phase's result before
 the clock stops), so they add up to the step and do not hide device work in the next phase. Compile time comes
@@ -18,20 +19,32 @@ import jax
 PHASES = ("generate", "score", "logprob", "update", "anchor", "export", "eval", "checkpoint")
 _COMPILE_EVENTS = "/jax/core/compile/"
 _lock = threading.Lock()
-_compile_s = [0.0]  # process-wide: JAX's listeners are process-wide too
+_CACHE_EVENTS = {"/jax/compilation_cache/cache_hits": 1, "/jax/compilation_cache/cache_misses": 2}
+_compile = [0.0, 0, 0]  # seconds, cache hits, cache misses; process-wide: JAX's listeners are process-wide too
 _listening = [False]
 
 
 def _on_duration(event: str, duration: float, **_) -> None:
     if event.startswith(_COMPILE_EVENTS):
         with _lock:
-            _compile_s[0] += float(duration)
+            _compile[0] += float(duration)
+
+
+def _on_event(event: str, **_) -> None:
+    if event in _CACHE_EVENTS:
+        with _lock:
+            _compile[_CACHE_EVENTS[event]] += 1
 
 
 def compile_seconds() -> float:
     """Seconds JAX has spent compiling in this process since the first `PhaseTimer` was made."""
     with _lock:
-        return _compile_s[0]
+        return _compile[0]
+
+
+def _compile_counts() -> tuple:
+    with _lock:
+        return tuple(_compile)
 
 
 class PhaseTimer:
@@ -42,9 +55,10 @@ class PhaseTimer:
         with _lock:
             if not _listening[0]:
                 jax.monitoring.register_event_duration_secs_listener(_on_duration)
+                jax.monitoring.register_event_listener(_on_event)
                 _listening[0] = True
         self._s: dict = {}
-        self._compile0 = compile_seconds()
+        self._compile0 = _compile_counts()
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
@@ -62,8 +76,10 @@ class PhaseTimer:
 
     def take(self) -> dict:
         out = {f"time/{p}_s": s for p, s in self._s.items()}
-        now = compile_seconds()
-        if now > self._compile0:
-            out["time/compile_s"] = now - self._compile0
+        now = _compile_counts()
+        if now[0] > self._compile0[0]:
+            out["time/compile_s"] = now[0] - self._compile0[0]
+            out["time/compile_cache_hits"] = now[1] - self._compile0[1]
+            out["time/compile_cache_misses"] = now[2] - self._compile0[2]
         self._s, self._compile0 = {}, now
         return out

@@ -76,14 +76,48 @@ def flipped_u(cfg, layer, step, sample_ids, positions, width, direction=None) ->
     return prf.U64(u.hi ^ (f & prf.u32(0x1FFFFF)), u.lo ^ f)
 
 
-def exact_k_threshold(u: prf.U64, k: int):
-    """Per-row (thr, thr_j) = k-th largest (u, -j) via an XLA three-key sort (no Mosaic lowering needed).
-
-    Cost: one sort of [N, H] with three uint32 operands per boundary application."""
+def exact_k_threshold_sort(u: prf.U64, k: int):
+    """Per-row (thr, thr_j) = k-th largest (u, -j) via an XLA three-key sort: the reference `exact_k_threshold`
+    is tested against. Cost: one sort of [N, H] with three uint32 operands (70 ms for 3072 x 128 on 2 CPU cores)."""
     j = jax.lax.broadcasted_iota(jnp.uint32, u.hi.shape, u.hi.ndim - 1)
     # ascending on (~hi, ~lo, j) = descending on u, ascending on j
     s_hi, s_lo, s_j = jax.lax.sort((~u.hi, ~u.lo, j), dimension=u.hi.ndim - 1, num_keys=3)
     return prf.U64(~s_hi[..., k - 1], ~s_lo[..., k - 1]), s_j[..., k - 1]
+
+
+def _rth_largest(key, mask, r, nbits: int):
+    """Per row, the r-th largest `key` (uint32 [..., H]) among the positions where `mask` holds, built bit by bit
+    from the top: the largest t with #(mask & key >= t) >= r. r >= 1 and at most the row's mask count."""
+
+    def bit(i, t):
+        cand = t | (jnp.uint32(1) << (nbits - 1 - i).astype(jnp.uint32))
+        ok = jnp.sum((mask & (key >= cand[..., None])).astype(jnp.int32), axis=-1) >= r
+        return jnp.where(ok, cand, t)
+
+    return jax.lax.fori_loop(0, nbits, bit, jnp.zeros(key.shape[:-1], jnp.uint32))
+
+
+def exact_k_threshold(u: prf.U64, k: int):
+    """Per-row (thr, thr_j) = k-th largest (u, -j), the same as `exact_k_threshold_sort`, by counting instead of
+    sorting: the k-th largest of u's top 32 bits, then among the rows' ties at that value the k'-th largest of
+    u's low 21 bits, then among ties there the k''-th smallest j. Cost: 32 + 21 + log2(H) vectorised
+    compare-and-count passes over [N, H] (~5 ms for 3072 x 128 here, against 70 ms for the sort)."""
+    width = u.hi.shape[-1]
+    j = jax.lax.broadcasted_iota(jnp.uint32, u.hi.shape, u.hi.ndim - 1)
+    every = jnp.ones(u.hi.shape, bool)
+    count = lambda m: jnp.sum(m.astype(jnp.int32), axis=-1)  # noqa: E731
+    top = (u.hi << 11) | (u.lo >> 21)  # u is 53 bits: hi holds 21, lo 32
+    t1 = _rth_largest(top, every, k, 32)
+    tie1 = top == t1[..., None]
+    r2 = k - count(top > t1[..., None])
+    low = u.lo & jnp.uint32(0x1FFFFF)
+    t2 = _rth_largest(low, tie1, r2, 21)
+    tie2 = tie1 & (low == t2[..., None])
+    r3 = r2 - count(tie1 & (low > t2[..., None]))
+    flip = jnp.uint32(width - 1) - j  # the r3-th smallest j is the r3-th largest (H-1-j)
+    t3 = _rth_largest(flip, tie2, r3, max(1, (width - 1).bit_length()))
+    thr = prf.U64(t1 >> 11, ((t1 & jnp.uint32(0x7FF)) << 21) | t2)
+    return thr, jnp.uint32(width - 1) - t3
 
 
 def thresholds(cfg, p: float, u: prf.U64 | None, row_shape):
