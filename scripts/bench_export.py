@@ -42,8 +42,10 @@ import numpy as np  # noqa: E402
 from twocircuit_jax.config.sections import ModelConfig, SamplerConfig  # noqa: E402
 from twocircuit_jax.model import init_params, save_hf  # noqa: E402
 from twocircuit_jax.model.hf_io import hf_names_touched, to_hf_state_dict  # noqa: E402
-from twocircuit_jax.sampler import export as ex  # noqa: E402
-from twocircuit_jax.sampler import weight_sync as ws  # noqa: E402
+from twocircuit_jax.sampler import (
+    export as ex,  # noqa: E402
+    weight_sync as ws,  # noqa: E402
+)
 
 SIZES = {
     "tiny": ModelConfig(
