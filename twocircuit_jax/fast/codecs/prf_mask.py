@@ -100,9 +100,8 @@ def _rth_largest(key, mask, r, nbits: int):
 def exact_k_threshold(u: prf.U64, k: int):
     """Per-row (thr, thr_j) = k-th largest (u, -j), the same as `exact_k_threshold_sort`, by counting instead of
     sorting: the k-th largest of u's top 32 bits, then among the rows' ties at that value the k'-th largest of
-    u's low 21 bits, then among ties there the k''-th smallest j. Cost: 32 vectorised compare-and-count passes
-    over [N, H], and 21 + log2(H) more only when some row has such a tie (~3 ms for 3072 x 128 here, 5 ms with a
-    tie, against 70 ms for the sort)."""
+    u's low 21 bits, then among ties there the k''-th smallest j. Cost: 32 + 21 + log2(H) vectorised
+    compare-and-count passes over [N, H] (~5 ms for 3072 x 128 here, against 70 ms for the sort)."""
     width = u.hi.shape[-1]
     j = jax.lax.broadcasted_iota(jnp.uint32, u.hi.shape, u.hi.ndim - 1)
     every = jnp.ones(u.hi.shape, bool)
@@ -112,20 +111,15 @@ def exact_k_threshold(u: prf.U64, k: int):
     tie1 = top == t1[..., None]
     low = u.lo & jnp.uint32(0x1FFFFF)
 
-    def unique():  # the usual case: in every row one word has the k-th top value; it is the threshold
-        pick = lambda x: jnp.max(jnp.where(tie1, x, jnp.uint32(0)), axis=-1)  # noqa: E731
-        return pick(low), pick(j)
-
-    def ties():  # some row has several words at the k-th top value: rank them by low bits, then by channel
-        r2 = k - count(top > t1[..., None])
-        t2 = _rth_largest(low, tie1, r2, 21)
-        tie2 = tie1 & (low == t2[..., None])
-        r3 = r2 - count(tie1 & (low > t2[..., None]))
-        flip = jnp.uint32(width - 1) - j  # the r3-th smallest j is the r3-th largest (H-1-j)
-        return t2, jnp.uint32(width - 1) - _rth_largest(flip, tie2, r3, max(1, (width - 1).bit_length()))
-
-    # a host-free branch: the predicate stays on device; vmapped callers compute both branches and select
-    t2, thr_j = jax.lax.cond(jnp.all(count(tie1) == 1), unique, ties)
+    # ties at the k-th top value (rare for PRF words, but possible): rank them by the low bits, then by channel.
+    # Done for every row, without a lax.cond: a conditional here changed XLA's fusion of the neighbouring layers
+    # (an identity mask then moved the next boundary's activations by 1e-7), and costs only ~2 ms.
+    r2 = k - count(top > t1[..., None])
+    t2 = _rth_largest(low, tie1, r2, 21)
+    tie2 = tie1 & (low == t2[..., None])
+    r3 = r2 - count(tie1 & (low > t2[..., None]))
+    flip = jnp.uint32(width - 1) - j  # the r3-th smallest j is the r3-th largest (H-1-j)
+    thr_j = jnp.uint32(width - 1) - _rth_largest(flip, tie2, r3, max(1, (width - 1).bit_length()))
     return prf.U64(t1 >> 11, ((t1 & jnp.uint32(0x7FF)) << 21) | t2), thr_j
 
 
