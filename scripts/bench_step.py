@@ -21,7 +21,9 @@ Settings:
   demo   configs/demo.yaml (the tiny char model from artifacts/tiny_base, built on first use).
 
 Arms (fast and anchor sections put over the setting): dense, prf_mask, lowrank, sr_quant, powersgd, two_circuit
-(configs/two_circuit.yaml's: lowrank r=3 at one boundary with the anchor). With `--peers`, the peer harnesses run
+(configs/two_circuit.yaml's: lowrank r=3 at one boundary with the anchor); dense_async: dense with train.async_rollouts:
+1 (the embedded sampler generating in a thread); vllm and vllm_async: dense with the vLLM engine process as the
+sampler, synchronous and with train.async_rollouts: 1 (peak RSS is the trainer's alone). With `--peers`, the peer harnesses run
 in the same invocation, interleaved with the arms round by round, when their venvs exist under `--peers-dir`
 (default $PEERS: DIR/tunix/bin/python, DIR/trl/bin/python); the table then ends with each arm's median step over
 the faster peer's. Ratios are only meaningful on a quiet machine.
@@ -49,6 +51,15 @@ ARMS = {
     "sr_quant": {"fast": {**NONE, "codec": {"type": "sr_quant", "quant_bits": 1, "quant_block": 32}, "pp_size": 4}},
     "powersgd": {"fast": {**NONE, "grad_codec": {"type": "powersgd", "rank": 2, "start_after": 0}}},
     "two_circuit": "configs/two_circuit.yaml",
+    # dense with the vLLM engine process as the sampler: generate, then train; and generation one step ahead
+    "dense_async": {"fast": NONE, "anchor": {"enabled": False}, "train": {"async_rollouts": 1}},
+    "vllm": {"fast": NONE, "anchor": {"enabled": False}, "sampler": {"backend": "vllm"}},
+    "vllm_async": {
+        "fast": NONE,
+        "anchor": {"enabled": False},
+        "sampler": {"backend": "vllm"},
+        "train": {"async_rollouts": 1},
+    },
 }
 PEERS = {"tunix": "tunix_grpo_bench.py", "trl": "trl_grpo_bench.py"}
 
@@ -115,8 +126,18 @@ def _arm_config(setting: str, arm: str, steps: int, cache: str = ""):
     base_once(os.path.join(ROOT, "configs", "tiny_base.yaml"), os.path.join(ROOT, "artifacts", "tiny_base"), "base")
     sets = [f"train.steps={steps}", "train.eval_every=0", "train.checkpoint_every=0", "train.final_checkpoint=false"]
     sets += ["eval.at_start=false", "eval.at_end=false", f"base_model={os.path.join(ROOT, 'artifacts', 'tiny_base')}"]
-    sets += [f"{sec}={json.dumps(v)}" for sec, v in over.items()] + [f"train.compile_cache={json.dumps(cache)}"]
+    sets += [f"{sec}={json.dumps(over[sec])}" for sec in ("fast", "anchor") if sec in over]
+    sets += [
+        f"{k}={json.dumps(v)}" for sec, v in over.items() if sec not in ("fast", "anchor") for k, v in _dotted(sec, v)
+    ]
+    sets += [f"train.compile_cache={json.dumps(cache)}"]
     return load_config(os.path.join(ROOT, "configs", "demo.yaml"), sets)
+
+
+def _dotted(prefix: str, d: dict):
+    """(dotted key, value) of every leaf of a nested dict: `--set` items that leave the section's other keys be."""
+    for k, v in d.items():
+        yield from _dotted(f"{prefix}.{k}", v) if isinstance(v, dict) else [(f"{prefix}.{k}", v)]
 
 
 def _peer_rows(n_rows: int) -> list[dict]:
@@ -246,6 +267,10 @@ def _table(results: list[dict]) -> str:
             if peers:
                 ratio += f" {arm}/fastest_peer={m / min(peers):.2f}"
             lines.append(ratio)
+    for sync_arm, async_arm in (("dense", "dense_async"), ("vllm", "vllm_async")):
+        if sync_arm in by and async_arm in by:
+            sync, ahead = (statistics.median(r["median_step_s"] for r in by[a]) for a in (sync_arm, async_arm))
+            lines.append(f"{async_arm}/{sync_arm}={ahead / sync:.2f}")
     return "\n".join(lines)
 
 

@@ -33,9 +33,9 @@ def test_layout1_checkpoint_resumes_exactly(tmp_path):
     assert sum(r.get("anchor/fire", 0) for r in old[4:]) >= 1 and old[-1]["swap/count"] > 0
     assert old[-1]["codec/steps"] == new[-1]["codec/steps"] == 6
     for ro, rn in zip(old[4:], new[4:]):
-        # the fixture's run predates the health gauges and the per-phase and compile times (train/timing.py): the
-        # resumed run logs them on top, nothing else differs
-        later = ("health/", "time/")
+        # the fixture's run predates the health gauges, the per-phase and compile times (train/timing.py) and
+        # sampler/staleness: the resumed run logs them on top, nothing else differs
+        later = ("health/", "time/", "sampler/staleness")
         assert {k for k in ro if not k.startswith(later)} == {k for k in rn if not k.startswith(later)}, ro["step"]
         assert {k for k in ro if k.startswith("time/")} <= set(rn), ro["step"]
         for k, v in ro.items():

@@ -63,3 +63,35 @@ def test_vllm_backend_end_to_end_with_a_killed_sampler(tmp_path, monkeypatch):
 
     out = subprocess.run(["pgrep", "-f", f"--export-root {run}"], capture_output=True, text=True).stdout.strip()
     assert out == ""
+
+
+def test_vllm_async_rollouts_come_from_the_previous_version(tmp_path):
+    """train.async_rollouts with the engine process: step gs+1's rollouts are generated (in the background thread)
+    from version gs-1, and the engine's log-probs are that version's, not the newer one's the trainer holds."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from twocircuit_jax.config import load_config
+    from twocircuit_jax.train.loop import GRPOTrainer
+
+    data = {**CFG, "train": {**CFG["train"], "steps": 3, "async_rollouts": 1}, "grpo": {"tis": "token"}}
+    tr = GRPOTrainer(load_config(data=data), str(tmp_path / "run"), show_progress=False)
+    assert tr.ahead.threaded
+    params, rows = {0: jax.tree.map(np.asarray, tr.state.params)}, []
+    with tr:
+        for gs in (1, 2, 3):
+            rows.append(tr.step())
+            params[gs] = jax.tree.map(np.asarray, tr.state.params)
+            if gs < 3:
+                step, col = tr.ahead.held()
+                assert step == gs + 1 and col.weight_version == gs - 1
+                dev = tr._shard_batch({k: col.batch[k] for k in ("tokens", "attention_mask", "sample_id")})
+                gap = {}
+                for v in (gs - 1, gs):
+                    lp = np.asarray(tr.logp_dense(jax.tree.map(jnp.asarray, params[v]), dev, tr.cs)[0])
+                    gap[v] = np.max(np.abs(lp - col.batch["sampler_logp"]) * col.batch["response_mask"])
+                assert gap[gs - 1] < 1e-4 and gap[gs] > 10 * gap[gs - 1], gap
+    assert [r["sampler/weight_version"] for r in rows] == [0, 0, 1]
+    assert [r["sampler/staleness"] for r in rows] == [0, 1, 1]
+    assert all(r["sampler/generate_ahead_s"] > 0 for r in rows[1:])

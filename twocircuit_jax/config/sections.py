@@ -129,7 +129,10 @@ class SamplerConfig:
     )
     n: int = field(default=4, metadata=doc("samples per prompt (group size)", "G"))
     sampling: SamplingConfig = SamplingConfig()
-    max_staleness: int = field(default=0, metadata=doc("weight versions a rollout may lag the trainer"))
+    max_staleness: int = field(
+        default=0,
+        metadata=doc("weight versions a rollout may lag the trainer beyond train.async_rollouts' scheduled lag"),
+    )
     host: str = field(default="127.0.0.1", metadata=doc("vllm: address the sampler server listens on"))
     port: int = field(default=0, metadata=doc("vllm: server port; 0 = pick a free one"))
     gpu_memory_utilization: float = field(
@@ -497,6 +500,14 @@ class TrainConfig:
         default=0,
         metadata=doc("pipeline microbatches per forward (mesh.stage > 1); 0 = mesh.stage", "M"),
     )
+    async_rollouts: int = field(
+        default=0,
+        metadata=doc(
+            "1 = the sampler generates step t+1's rollouts, from the weights step t's came from, while the trainer "
+            "updates on step t (each rollout one weight version stale: sampler/staleness; grpo.tis corrects it); "
+            "0 = generate, then train"
+        ),
+    )
 
     def check(self):
         require(self.steps >= 0, "steps", f"got {self.steps}; must be >= 0")
@@ -509,6 +520,7 @@ class TrainConfig:
         require(self.eval_every >= 0, "eval_every", f"got {self.eval_every}; must be >= 0 (0 = only at the ends)")
         require(self.checkpoint_every >= 0, "checkpoint_every", f"got {self.checkpoint_every}; must be >= 0")
         require(self.microbatches >= 0, "microbatches", f"got {self.microbatches}; must be >= 0 (0 = mesh.stage)")
+        require(self.async_rollouts in (0, 1), "async_rollouts", f"got {self.async_rollouts}; allowed 0 or 1")
 
 
 @dataclass(frozen=True)

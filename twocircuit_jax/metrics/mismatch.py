@@ -90,15 +90,14 @@ def mismatch_metrics(
     else:
         w = jnp.broadcast_to(jnp.asarray(weights, jnp.float32), m.shape)
         log_w = jnp.log(jnp.where(m > 0, w, 1.0))
-    splits = {"": m}
+    suffixes, masks = [""], [m]
     if truncated is not None:
         t = jnp.asarray(truncated, jnp.float32)[:, None]
-        splits["/truncated"], splits["/finished"] = m * t, m * (1.0 - t)
-    out = {}
-    for suffix, sm in splits.items():
-        for k, v in _stats(lo, ls, sm, log_w).items():
-            out[f"{prefix}{k}{suffix}"] = v
-    return out
+        suffixes += ["/truncated", "/finished"]
+        masks += [m * t, m * (1.0 - t)]
+    # The splits batched through one set of reductions (vmap): a third of the programs XLA compiles and runs.
+    stats = jax.vmap(lambda sm: _stats(lo, ls, sm, log_w))(jnp.stack(masks))
+    return {f"{prefix}{k}{suffix}": v[i] for k, v in stats.items() for i, suffix in enumerate(suffixes)}
 
 
 BY_TURN = ("prob_gap_mean", "prob_corr", "kl_k3")

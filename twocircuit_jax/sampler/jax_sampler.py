@@ -72,16 +72,24 @@ def generate_tokens(
 
 
 class JaxSampler:
-    """Sampler on the trainer's own devices; `update_weights` just swaps the parameter reference."""
+    """Sampler on the trainer's own devices; `update_weights` swaps the parameter reference, or with
+    `copy_weights` takes a copy (one more set of weights in device memory), for a sampler that generates while the
+    trainer's steps donate the buffers it was given (train.async_rollouts)."""
 
     pads_batch = True  # compiles per batch shape: callers with a varying row count pad to a few sizes
 
-    def __init__(self, cfg: ModelConfig, params=None, *, prompt_bucket: int = 32, version: int = 0):
-        self.cfg, self.params, self.version = cfg, params, version
+    def __init__(
+        self, cfg: ModelConfig, params=None, *, prompt_bucket: int = 32, version: int = 0, copy_weights: bool = False
+    ):
+        self.cfg, self.version, self.copy_weights = cfg, version, copy_weights
+        self.params = self._own(params)
         self.prompt_bucket = prompt_bucket
 
+    def _own(self, params):
+        return jax.tree.map(jnp.copy, params) if (self.copy_weights and params is not None) else params
+
     def update_weights(self, params, version: int) -> None:
-        self.params, self.version = params, version
+        self.params, self.version = self._own(params), version
 
     def _pad(self, prompts: list[list[int]]):
         P = max(self.prompt_bucket, max(len(p) for p in prompts))

@@ -23,11 +23,10 @@ import numpy as np
 from twocircuit_jax.config.base import ConfigError, to_dict
 from twocircuit_jax.config.run import save_config
 from twocircuit_jax.config.sections import SamplingConfig
-from twocircuit_jax.grpo.tis import tis_weights
-from twocircuit_jax.metrics.gauges import entropy_summary, length_slope, length_stats, to_floats
+from twocircuit_jax.metrics.gauges import length_slope, length_stats, to_floats
 from twocircuit_jax.metrics.health import HealthMonitor
 from twocircuit_jax.metrics.logger import MetricsLogger
-from twocircuit_jax.metrics.mismatch import mismatch_by_turn, mismatch_metrics
+from twocircuit_jax.metrics.mismatch import mismatch_by_turn
 from twocircuit_jax.metrics.probe import dense_probe_metrics, make_fidelity_fn
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
 from twocircuit_jax.parallel.distributed import is_primary
@@ -36,8 +35,9 @@ from twocircuit_jax.train import rollout as ro
 from twocircuit_jax.train.checkpoint import CheckpointManager
 from twocircuit_jax.train.circuit_state import CircuitState, Clock, init_clock, place, set_clock
 from twocircuit_jax.train.collect import make_collector
-from twocircuit_jax.train.grpo_step import DENSE, OLD, REF, make_grpo_loss, make_logp_fn
+from twocircuit_jax.train.grpo_step import DENSE, OLD, REF, make_diagnostics_fn, make_grpo_loss, make_logp_fn
 from twocircuit_jax.train.guard import Guard, apply_mitigations, mitigate
+from twocircuit_jax.train.rollout_ahead import RolloutAhead
 from twocircuit_jax.train.setup import (
     check_vocab,
     enable_compile_cache,
@@ -57,6 +57,7 @@ from twocircuit_jax.train.step import (
 from twocircuit_jax.train.timing import PhaseTimer
 
 ANCHOR_BLOB = "anchor_buffers.pkl"
+AHEAD_BLOB = "rollouts_ahead.pkl"  # train.async_rollouts: the next step's finished rollouts, for an exact resume
 # The checkpoint tree {"train", "circuit"}; layout 1 (no "state_layout" in meta) held {"train", "ctx", "anchor"}.
 STATE_LAYOUT = 2
 
@@ -162,6 +163,12 @@ class GRPOTrainer:
             cfg = apply_mitigations(cfg, self.guard.applied)
         self.cfg, self.run_dir, self.resume = cfg, run_dir, resume
         enable_compile_cache(cfg.train.compile_cache)  # before the first compile of this process
+        if cfg.train.async_rollouts and jax.process_count() > 1:
+            # The background generation would dispatch programs in a different order on each process.
+            raise ConfigError(
+                "train.async_rollouts",
+                f"1 runs with one trainer process; this run has {jax.process_count()}",
+            )
         self.health = HealthMonitor(cfg.health)
         t, s = cfg.train, cfg.sampler
         self.tokenizer = load_run_tokenizer(cfg)
@@ -196,7 +203,7 @@ class GRPOTrainer:
         self._build_circuits()
         self._compile()
         self.start_step, self.history = 0, {"length/mean": [], "best": None}
-        self._resume_row = None
+        self._resume_row = self._ahead_blob = None
         if resume:
             self._restore()
         # Everything a step reads is set here, so `step()` works without `run()`: the last step done, the weight
@@ -206,6 +213,13 @@ class GRPOTrainer:
         self.timer = PhaseTimer()
         self.summary = {"base_accuracy": None, "final_accuracy": None}
         self._start_sampler()
+        self.ahead = None  # train.async_rollouts: step gs+1's rollouts, generated during step gs
+        if t.async_rollouts:
+            # The embedded sampler's programs may not run beside the trainer's on a multi-device XLA:CPU mesh.
+            inline = s.backend == "jax" and dispatch.serial_dispatch() and self.mesh.size > 1
+            self.ahead = RolloutAhead(threaded=not inline)
+            if self._ahead_blob is not None:
+                self.ahead.load(self._ahead_blob)
         # Run-level files come from process 0 alone; the others run the same steps and write only their shards of
         # each checkpoint (train/checkpoint.py).
         self.logger = None
@@ -296,6 +310,7 @@ class GRPOTrainer:
             grad_transform=grad_transform,
             skip_nonfinite=cfg.train.skip_nonfinite,
         )
+        self.diagnostics = dispatch.jit(make_diagnostics_fn(cfg.grpo))
         self.logp_old = dispatch.jit(make_logp_fn(self.model_cfg, codec, OLD, pl))
         self.logp_ref = dispatch.jit(make_logp_fn(self.model_cfg, codec, REF, pl))
         self.logp_dense = dispatch.jit(
@@ -339,6 +354,7 @@ class GRPOTrainer:
         meta = self._load(step)
         self.start_step = int(meta["step"])
         self._resume_row = meta.get("metrics")
+        self._ahead_blob = self.ckpt.read_blob(step, AHEAD_BLOB)  # the finished rollouts of step `step` + 1
         self.health.load_state_dict(meta.get("health"))
         self.collector.load_state_dict(meta.get("collector"))
         if self.guard:
@@ -421,19 +437,15 @@ class GRPOTrainer:
     def grpo_step(self, gs: int) -> dict:
         cfg, t = self.cfg, self.cfg.train
         t_start = time.perf_counter()
-        problems = self._problems_for(gs)
-        begin = getattr(self.task, "begin_step", None)  # optional: a task whose scoring depends on the step
-        if begin is not None:
-            begin(gs)
-        col = self.collector.collect(gs, problems, self.sampler, step_seed(t.seed, gs))
-        self.timer.add("generate", col.gen_s)
-        self.timer.add("score", col.score_s)
-        if self.state_version - col.weight_version > cfg.sampler.max_staleness:
+        col, metrics = self._rollouts(gs)
+        staleness = self.state_version - col.weight_version
+        if staleness > cfg.sampler.max_staleness + t.async_rollouts:
             raise RuntimeError(
                 f"sampler answered with weight version {col.weight_version}; the trainer is at "
-                f"{self.state_version} and sampler.max_staleness is {cfg.sampler.max_staleness}"
+                f"{self.state_version}, sampler.max_staleness is {cfg.sampler.max_staleness} and "
+                f"train.async_rollouts is {t.async_rollouts}"
             )
-        batch, metrics = dict(col.batch), dict(col.metrics)
+        batch = dict(col.batch)
         loss_mask = batch.pop("loss_mask")
         full_mask = self._shard_batch(batch["response_mask"])  # every sampled token: the diagnostics see them all
         batch["response_mask"] = batch["response_mask"] * loss_mask[:, None]  # the loss may exclude some rows
@@ -455,16 +467,13 @@ class GRPOTrainer:
                         self.logp_dense(self.ref_params, _logp_rows(dev), self.cs)[0] if codec_ref else dev["ref_logp"]
                     )
             jax.block_until_ready((old_logp, dev.get("ref_logp"), dev.get("ref_logp_dense")))
-        if cfg.grpo.tis != "off":
-            w, tis_m = tis_weights(old_logp, dev["sampler_logp"], dev["response_mask"], cfg.grpo.tis, cfg.grpo.tis_cap)
+        trunc_dev = self._shard_batch(truncated)  # a global array: one program on every process
+        w, diag = self.diagnostics(old_logp, dev["sampler_logp"], dev["response_mask"], full_mask, trunc_dev, ent)
+        if w is not None:
             dev["is_weight"] = w
-            metrics.update(tis_m)
-        metrics.update(
-            mismatch_metrics(old_logp, dev["sampler_logp"], full_mask, truncated, weights=dev.get("is_weight"))
-        )
+        metrics.update(diag)
         if col.row_turn is not None:  # multi-turn: the gap per interaction index
             metrics.update(mismatch_by_turn(old_logp, dev["sampler_logp"], full_mask, col.row_turn))
-        metrics.update(entropy_summary(ent, full_mask))
         if self.codec:
             metrics.update(self.codec.summarize_aux(old_aux, tag=OLD))
         if t.probe_every and gs % t.probe_every == 0:
@@ -476,6 +485,9 @@ class GRPOTrainer:
             self.cs = self.cs._replace(codec=codec_state)
             metrics.update(cm)
         self.state_version = gs
+        if self.ahead is not None:
+            with self.timer("rollout_wait"):  # step gs+1's rollouts stay those of the weights before this step's
+                self.ahead.join()
         with self.timer("export"):
             self.sampler.update_weights(self.state.params, gs)  # publish: the next rollout uses these weights
         metrics.update(length_stats(col.lengths, col.truncated, self.max_new))
@@ -489,7 +501,32 @@ class GRPOTrainer:
         if hasattr(self.sampler, "metrics"):  # vLLM: restarts, refused deltas, bytes of the newest weight sync
             metrics.update(self.sampler.metrics())
         metrics["sampler/weight_version"] = col.weight_version  # the rollouts' version, not the newest export
+        metrics["sampler/staleness"] = staleness
         return metrics
+
+    def _collect(self, gs: int):
+        """Step gs's rollouts, scored and packed (train/collect.py)."""
+        begin = getattr(self.task, "begin_step", None)  # optional: a task whose scoring depends on the step
+        if begin is not None:
+            begin(gs)
+        return self.collector.collect(gs, self._problems_for(gs), self.sampler, step_seed(self.cfg.train.seed, gs))
+
+    def _rollouts(self, gs: int):
+        """(Collected, metrics) of step gs: the rollouts generated during step gs-1 when `train.async_rollouts`
+        (their engine and scoring seconds overlapped that step: `sampler/*_ahead_s`, not phases of this one), else
+        collected now. With async_rollouts, step gs+1's then start from the weights the sampler holds."""
+        col = self.ahead.take(gs) if self.ahead is not None else None
+        if col is None:
+            col = self._collect(gs)
+            self.timer.add("generate", col.gen_s)
+            self.timer.add("score", col.score_s)
+            metrics = dict(col.metrics)
+        else:
+            metrics = {**col.metrics, "sampler/generate_ahead_s": col.gen_s, "sampler/score_ahead_s": col.score_s}
+        if self.ahead is not None and gs < self.cfg.train.steps:
+            with self.timer("rollout_wait"):  # ~0 s in a thread; all of step gs+1's generation when inline
+                self.ahead.start(gs + 1, lambda: self._collect(gs + 1))
+        return col, metrics
 
     def _dense_probe(self, dev, mask, old_logp) -> dict:
         """design §6 probe: reference KL with codecs off everywhere (`kl/ref_dense`) against the codec view at the
@@ -636,6 +673,8 @@ class GRPOTrainer:
             return
         self.closed = True
         try:
+            if self.ahead is not None:  # a generation in flight ends before its sampler does
+                self.ahead.close()
             if self.logger:
                 self.logger.close()
         finally:
@@ -687,6 +726,8 @@ class GRPOTrainer:
         """Restore the best checkpoint and go on from step gs + 1, under the mitigated config when one is given
         (circuits rebuilt and recompiled first, so the checkpoint loads into the new structures)."""
         change = None
+        if self.ahead is not None:  # generated from weights the rollback discards
+            self.ahead.drop()
         if mitigation is not None:
             cfg, change = mitigate(self.cfg, mitigation)
             cfg.check()
@@ -706,7 +747,11 @@ class GRPOTrainer:
         return change
 
     def _blobs(self):
-        return {ANCHOR_BLOB: self.anchor.dump_buffers()} if self.anchor else None
+        blobs = {ANCHOR_BLOB: self.anchor.dump_buffers()} if self.anchor else {}
+        ahead = self.ahead.dump() if self.ahead is not None else None
+        if ahead is not None:
+            blobs[AHEAD_BLOB] = ahead
+        return blobs or None
 
 
 def _merge(acc: dict, m: dict):

@@ -124,7 +124,13 @@ def make_sampler(run_cfg, model_cfg, params, tokenizer, run_dir: str):
     if run_cfg.sampler.backend == "jax":
         from twocircuit_jax.sampler.jax_sampler import JaxSampler
 
-        return JaxSampler(model_cfg, params, prompt_bucket=run_cfg.train.max_prompt_len)
+        # With async rollouts it generates while the train step donates the weights it was given: it keeps a copy.
+        return JaxSampler(
+            model_cfg,
+            params,
+            prompt_bucket=run_cfg.train.max_prompt_len,
+            copy_weights=run_cfg.train.async_rollouts > 0,
+        )
     if jax.process_count() > 1:
         # Every process would start its own engine, export its own copy of the weights and get different samples
         # (vLLM's sampling is not reproducible across engines): the processes' batches would disagree.

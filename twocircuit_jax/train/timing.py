@@ -16,7 +16,8 @@ import time
 
 import jax
 
-PHASES = ("generate", "score", "logprob", "update", "anchor", "export", "eval", "checkpoint")
+# rollout_wait: train.async_rollouts' wait for the next step's rollouts before publishing (train/rollout_ahead.py)
+PHASES = ("generate", "score", "logprob", "update", "anchor", "rollout_wait", "export", "eval", "checkpoint")
 _COMPILE_EVENTS = "/jax/core/compile/"
 _lock = threading.Lock()
 _CACHE_EVENTS = {"/jax/compilation_cache/cache_hits": 1, "/jax/compilation_cache/cache_misses": 2}

@@ -1,0 +1,109 @@
+"""Rollouts one step ahead (`train.async_rollouts: 1`): the sampler generates step gs+1's rollouts while the trainer
+updates on step gs.
+
+The schedule, with the loop's calls in order:
+
+    step gs:  take(gs)          the rollouts generated during step gs-1 (none yet: the loop collects them now)
+              start(gs+1, fn)   generate step gs+1's from the weights the sampler holds, version gs-1
+              ...               old/ref log-probs and the optimizer ticks of step gs, meanwhile
+              join()            before publishing version gs, so step gs+1's rollouts are all version gs-1
+              publish gs
+
+So every rollout is exactly one weight version behind the trainer that uses it (`sampler/staleness` 1; step 1's
+and the first after a resume without saved rollouts are 0), and which version made which batch is fixed by the
+schedule, not by timing: a run repeats itself, and a resumed run repeats an uninterrupted one, since the finished
+step-ahead batch is saved with each checkpoint (`dump`/`load`). The loop's TIS weights (grpo.tis) compare the
+trainer's log-probs with the sampler's, so they correct the one version of lag like any other mismatch.
+
+The work runs in one background thread when the sampler is a separate process (vLLM) or JAX dispatch may run two
+programs at once. On a multi-device XLA:CPU mesh (parallel/dispatch.py) the embedded sampler's program must not
+be in flight beside the trainer's, so there `threaded=False` runs it at `start`: the same batches, no overlap.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import pickle
+import time
+from typing import Callable, Optional
+
+from twocircuit_jax.train.rollout import Collected
+
+
+class RolloutAhead:
+    """At most one step's rollouts in flight or finished, tagged with the step they are for."""
+
+    def __init__(self, threaded: bool = True):
+        self.threaded = threaded
+        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-ahead") if threaded else None
+        self._gs: Optional[int] = None
+        self._future: Optional[cf.Future] = None
+
+    def start(self, gs: int, fn: Callable[[], Collected]) -> None:
+        """Begin step gs's rollouts: `fn()` in the background thread (or now, unthreaded)."""
+        if self._future is not None:
+            raise RuntimeError(f"rollouts for step {self._gs} are still held; take or drop them first")
+        self._gs = gs
+        if self._pool is not None:
+            self._future = self._pool.submit(fn)
+        else:
+            self._future = cf.Future()
+            try:
+                self._future.set_result(fn())
+            except BaseException as e:  # raised at join/take, like the threaded path
+                self._future.set_exception(e)
+
+    def join(self) -> float:
+        """Wait for the rollouts in flight; seconds waited. A failure in the background is raised here."""
+        if self._future is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self._future.result()
+        return time.perf_counter() - t0
+
+    def take(self, gs: int) -> Optional[Collected]:
+        """Step gs's rollouts when they are the ones held (waiting for them if needed), else None; either way
+        nothing is held afterwards (rollouts for another step are stale and dropped)."""
+        if self._future is None:
+            return None
+        mine = self._gs == gs
+        try:
+            return self._future.result() if mine else None
+        finally:
+            if not mine:
+                cf.wait([self._future])  # a thread still generating finishes before the next starts
+            self._gs = self._future = None
+
+    def drop(self) -> None:
+        """Forget what is held (after a rollback: those rollouts came from weights the run no longer has)."""
+        if self._future is not None:
+            cf.wait([self._future])
+        self._gs = self._future = None
+
+    def held(self) -> Optional[tuple]:
+        """(step, Collected) of the finished rollouts held, without releasing them; None when none are."""
+        f = self._future
+        if f is None or not f.done() or f.exception() is not None:
+            return None
+        return self._gs, f.result()
+
+    def dump(self) -> Optional[bytes]:
+        """The finished rollouts with their step, for a checkpoint (None when nothing finished is held)."""
+        held = self.held()
+        return None if held is None else pickle.dumps({"step": held[0], "collected": tuple(held[1])})
+
+    def load(self, blob: bytes) -> int:
+        """Hold rollouts from `dump` (a resume); returns their step."""
+        d = pickle.loads(blob)
+        self.drop()
+        self._gs, self._future = int(d["step"]), cf.Future()
+        self._future.set_result(Collected(*d["collected"]))
+        return self._gs
+
+    def close(self) -> None:
+        """Wait for the background thread and stop it. Safe to call twice."""
+        if self._future is not None:
+            cf.wait([self._future])
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
