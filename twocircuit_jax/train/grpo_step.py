@@ -48,7 +48,7 @@ def make_logp_fn(model_cfg, codec=None, tag: str = OLD, pipeline=None):
     return fn
 
 
-def make_grpo_loss(model_cfg, grpo_cfg, max_new_tokens: int, codec=None, pipeline=None):
+def make_grpo_loss(model_cfg, grpo_cfg, max_new_tokens: int, codec=None, pipeline=None, diagnose: bool = False):
     """loss_fn(params, batch, cs) -> (loss, metrics) for train.step.make_train_step.
 
     batch carries old_logp (and ref_logp when kl_coef > 0), advantages, response_mask (loss mask applied),
@@ -58,7 +58,14 @@ def make_grpo_loss(model_cfg, grpo_cfg, max_new_tokens: int, codec=None, pipelin
     cs.clock.first_minibatch (bool scalar, traced): on a step's first mini-batch the parameters are those that
     produced old_logp, so ℓ_old is taken as the stop-gradient of this forward's own log-probs. The ratio is then
     exactly 1 (PPO-KL and clip fraction exactly 0) instead of 1 ± a few ulp from a separately compiled pass.
+
+    `diagnose`: the step's one tick is its first mini-batch, so the batch has no old_logp and this forward is the
+    old-log-prob pass too: the TIS weights and the step's diagnostics (`make_diagnostics_fn`, over the batch's
+    `full_mask` and `truncated`) come from it, and one program replaces three. Only where the loss sees the whole
+    batch as one global computation (no pipeline, no gradient codec): a max or a correlation is not a mean over
+    replicas.
     """
+    diagnostics = make_diagnostics_fn(grpo_cfg) if diagnose else None
 
     def loss_fn(params, batch, cs):
         stats, aux = _policy_pass(
@@ -66,20 +73,28 @@ def make_grpo_loss(model_cfg, grpo_cfg, max_new_tokens: int, codec=None, pipelin
         )
         logp, ent = stats
         ref = batch.get("ref_logp") if grpo_cfg.kl_coef > 0 else None
-        old = jnp.where(cs.clock.first_minibatch, jax.lax.stop_gradient(logp), batch["old_logp"])
+        is_weight, diag = batch.get("is_weight"), {}
+        if diagnostics is not None:
+            old = jax.lax.stop_gradient(logp)
+            is_weight, diag = diagnostics(
+                old, batch["sampler_logp"], batch["response_mask"], batch["full_mask"], batch["truncated"], ent
+            )
+        else:
+            old = jnp.where(cs.clock.first_minibatch, jax.lax.stop_gradient(logp), batch["old_logp"])
         loss, metrics = grpo_loss(
             logp,
             old,
             ref,
             batch["advantages"],
             batch["response_mask"],
-            batch.get("is_weight"),
+            is_weight,
             grpo_cfg,
             token_count=batch.get("token_count"),
             seq_count=batch.get("seq_count"),
             entropy=ent,
             norm_len=max_new_tokens,
         )
+        metrics.update(diag)
         if codec is not None and aux:
             metrics.update(codec.summarize(aux))
             metrics[AUX] = aux  # raw per-boundary outputs (the low-rank sketch): folded into cs.codec by the step

@@ -137,6 +137,8 @@ class GRPOTrainer:
     `reward_weights`; datasets are iterables of dicts (a `datasets.Dataset` too) with the prompt field
     (`task.prompt_key`, default "prompt") and the fields the functions read."""
 
+    FUSE_OLD_PASS = True  # one tick per step: ℓ_old from the train forward, no separate pass (False: always separate)
+
     def __init__(
         self,
         cfg,
@@ -283,7 +285,17 @@ class GRPOTrainer:
         cfg, mesh = self.cfg, self.mesh
         codec = self.codec if (self.codec and self.codec.has_activation_codec) else None
         pl = self.pipeline
-        loss_fn = make_grpo_loss(self.model_cfg, cfg.grpo, self.max_new, codec, pl)
+        # One tick per step, dense, single-turn: the train forward is the old-log-prob pass (grpo_step.py).
+        self.old_from_train = (
+            self.FUSE_OLD_PASS
+            and cfg.ticks_per_step == 1
+            and self.codec is None
+            and self.anchor is None
+            and pl is None
+            and not cfg.train.probe_every
+            and not cfg.env.enabled
+        )
+        loss_fn = make_grpo_loss(self.model_cfg, cfg.grpo, self.max_new, codec, pl, diagnose=self.old_from_train)
         grad_fn = self.codec.grad_fn(self.state_sh.params) if self.codec else None
         grad_transform = self.anchor.grad_transform if self.anchor else None
         self.fidelity = None
@@ -456,29 +468,15 @@ class GRPOTrainer:
             codec_state, bm = self.codec.bootstrap(self.cs.codec, self.state.params, dev)
             self.cs = place(self.cs._replace(codec=codec_state), self.cs_sh)  # placed like every later step's
             metrics.update(bm)
-        with self.timer("logprob"):
-            old_logp, ent, old_aux = self.logp_old(self.state.params, _logp_rows(dev), self.cs)
-            dev["old_logp"] = old_logp
-            if cfg.grpo.kl_coef > 0:
-                dev["ref_logp"] = self.logp_ref(self.ref_params, _logp_rows(dev), self.cs)[0]
-                if self.anchor:  # the anchor's KL is in the dense view: one more reference forward, codecs off
-                    codec_ref = self.codec is not None and self.codec.applies(REF)
-                    dev["ref_logp_dense"] = (
-                        self.logp_dense(self.ref_params, _logp_rows(dev), self.cs)[0] if codec_ref else dev["ref_logp"]
-                    )
-            jax.block_until_ready((old_logp, dev.get("ref_logp"), dev.get("ref_logp_dense")))
         trunc_dev = self._shard_batch(truncated)  # a global array: one program on every process
-        w, diag = self.diagnostics(old_logp, dev["sampler_logp"], dev["response_mask"], full_mask, trunc_dev, ent)
-        if w is not None:
-            dev["is_weight"] = w
-        metrics.update(diag)
-        if col.row_turn is not None:  # multi-turn: the gap per interaction index
-            metrics.update(mismatch_by_turn(old_logp, dev["sampler_logp"], full_mask, col.row_turn))
-        if self.codec:
-            metrics.update(self.codec.summarize_aux(old_aux, tag=OLD))
-        if t.probe_every and gs % t.probe_every == 0:
-            with self.timer("logprob"):
-                metrics.update(to_host(self._dense_probe(dev, full_mask, old_logp)))
+        if self.old_from_train:  # the tick's forward gives ℓ_old, the TIS weights and the diagnostics
+            dev["full_mask"], dev["truncated"] = full_mask, trunc_dev
+            if cfg.grpo.kl_coef > 0:
+                with self.timer("logprob"):
+                    dev["ref_logp"] = self.logp_ref(self.ref_params, _logp_rows(dev), self.cs)[0]
+                    jax.block_until_ready(dev["ref_logp"])
+        else:
+            metrics.update(self._old_pass(gs, dev, full_mask, trunc_dev, col))
         metrics.update(self._ticks(gs, dev))
         if self.codec:
             codec_state, cm = self.codec.end_step(self.cs.codec, gs, self.cs.grad)
@@ -502,6 +500,33 @@ class GRPOTrainer:
             metrics.update(self.sampler.metrics())
         metrics["sampler/weight_version"] = col.weight_version  # the rollouts' version, not the newest export
         metrics["sampler/staleness"] = staleness
+        return metrics
+
+    def _old_pass(self, gs, dev, full_mask, truncated, col) -> dict:
+        """ℓ_old (and ℓ_ref) into `dev` from their own forwards, the TIS weights, the step's diagnostics (and the
+        dense probe when due). Returns their metrics."""
+        cfg, t = self.cfg, self.cfg.train
+        with self.timer("logprob"):
+            old_logp, ent, old_aux = self.logp_old(self.state.params, _logp_rows(dev), self.cs)
+            dev["old_logp"] = old_logp
+            if cfg.grpo.kl_coef > 0:
+                dev["ref_logp"] = self.logp_ref(self.ref_params, _logp_rows(dev), self.cs)[0]
+                if self.anchor:  # the anchor's KL is in the dense view: one more reference forward, codecs off
+                    codec_ref = self.codec is not None and self.codec.applies(REF)
+                    dev["ref_logp_dense"] = (
+                        self.logp_dense(self.ref_params, _logp_rows(dev), self.cs)[0] if codec_ref else dev["ref_logp"]
+                    )
+            jax.block_until_ready((old_logp, dev.get("ref_logp"), dev.get("ref_logp_dense")))
+        w, metrics = self.diagnostics(old_logp, dev["sampler_logp"], dev["response_mask"], full_mask, truncated, ent)
+        if w is not None:
+            dev["is_weight"] = w
+        if col.row_turn is not None:  # multi-turn: the gap per interaction index
+            metrics.update(mismatch_by_turn(old_logp, dev["sampler_logp"], full_mask, col.row_turn))
+        if self.codec:
+            metrics.update(self.codec.summarize_aux(old_aux, tag=OLD))
+        if t.probe_every and gs % t.probe_every == 0:
+            with self.timer("logprob"):
+                metrics.update(to_host(self._dense_probe(dev, full_mask, old_logp)))
         return metrics
 
     def _collect(self, gs: int):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional, Sequence
 
+import jax
 import numpy as np
 
 from twocircuit_jax.grpo.advantages import group_advantages
@@ -98,12 +99,15 @@ def score_and_advantages(task, tokenizer, problems, rollout: Rollout, n: int, ma
     return np.asarray(rewards, np.float32), np.asarray(loss_mask, np.float32), adv, metrics, texts
 
 
+# One program per (group size, options) rather than a handful of op-by-op ones, each compiled on the first step.
+_group_advantages = jax.jit(group_advantages, static_argnames=("n", "std_normalize", "eps", "ddof"))
+
+
 def advantages(rewards, n: int, grpo_cfg) -> np.ndarray:
     """Group advantages [B] float32 as the GRPO config asks (std_normalize, adv_std)."""
     ddof = 1 if grpo_cfg.adv_std == "unbiased" else 0
-    return np.asarray(
-        group_advantages(np.asarray(rewards, np.float32), n, grpo_cfg.std_normalize, ddof=ddof), np.float32
-    )
+    r = np.asarray(rewards, np.float32)
+    return np.asarray(_group_advantages(r, n=n, std_normalize=grpo_cfg.std_normalize, ddof=ddof), np.float32)
 
 
 def split_minibatches(batch: dict, n_mini: int) -> list[dict]:

@@ -1,0 +1,79 @@
+"""One tick per step (train_batch = mini_batch, one epoch): the train forward is the old-log-prob pass. The loss
+then computes ℓ_old, the TIS weights and the step's diagnostics itself, and must give what the separate passes
+give; the loop compiles and runs no separate ℓ_old forward or diagnostics program."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny_run import circuit_state, narrow_batch, narrow_run_config, tiny_config
+
+from twocircuit_jax.config import load_config
+from twocircuit_jax.model.qwen2 import init_params
+from twocircuit_jax.train import loop
+from twocircuit_jax.train.grpo_step import make_diagnostics_fn, make_grpo_loss, make_logp_fn
+
+
+def test_fused_loss_equals_the_loss_after_separate_passes():
+    cfg = narrow_run_config(kl_coef=0.0)
+    grpo = cfg.grpo.__class__(**{**cfg.grpo.__dict__, "tis": "token", "tis_cap": 2.0})
+    params = init_params(cfg.model, jax.random.PRNGKey(0))
+    batch, k = narrow_batch(4)
+    cs = circuit_state()
+    old, ent, _ = make_logp_fn(cfg.model)(params, batch, cs)
+    # a sampler that disagreed with the trainer: TIS weights well away from 1, some of them capped
+    batch["sampler_logp"] = old + 0.5 * jax.random.normal(k[2], old.shape)
+    full = batch["response_mask"]
+    batch["response_mask"] = full * (jnp.arange(16) % 5 != 0)[:, None]  # a loss mask that drops some rows
+    trunc = jax.random.bernoulli(k[3], 0.5, (16,))
+    w, diag = make_diagnostics_fn(grpo)(old, batch["sampler_logp"], batch["response_mask"], full, trunc, ent)
+    assert diag["tis/clip_frac"] > 0.01 and diag["tis/weight_min"] < 0.8
+
+    apart = make_grpo_loss(cfg.model, grpo, 6)
+    fused = make_grpo_loss(cfg.model, grpo, 6, diagnose=True)
+    grad = lambda f, b: jax.value_and_grad(f, has_aux=True)(params, b, cs)  # noqa: E731
+    (la, ma), ga = grad(apart, {**batch, "old_logp": old, "is_weight": w})
+    (lf, mf), gf = grad(fused, {**batch, "full_mask": full, "truncated": trunc})
+    np.testing.assert_allclose(lf, la, rtol=1e-6)
+    for x, y in zip(jax.tree.leaves(gf), jax.tree.leaves(ga)):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-9)
+    for key, v in diag.items():
+        np.testing.assert_allclose(mf[key], v, rtol=1e-6, err_msg=key)
+    # the comparison can fail: without the weights the gradient is another one
+    (_, _), g_unweighted = grad(apart, {**batch, "old_logp": old})
+    gap = max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(g_unweighted), jax.tree.leaves(ga)))
+    assert gap > 1e-3 * max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(ga))
+
+
+CFG = tiny_config(
+    grpo={"kl_coef": 0.0},
+    train={"steps": 2, "train_batch": 4, "mini_batch": 4, "eval_every": 0, "final_checkpoint": False},
+    eval={"at_start": False, "at_end": False},
+)
+
+
+def _run(path, fused, monkeypatch):
+    monkeypatch.setattr(loop.GRPOTrainer, "FUSE_OLD_PASS", fused)
+    with loop.GRPOTrainer(load_config(data=CFG), path, show_progress=False) as tr:
+        assert tr.old_from_train is fused
+        tr.step(), tr.step()
+        params = jax.tree.map(np.asarray, tr.state.params)
+    return [json.loads(line) for line in open(os.path.join(path, "metrics.jsonl"))], params
+
+
+@pytest.mark.slow
+def test_loop_skips_the_old_pass_and_reports_the_same(tmp_path, monkeypatch):
+    fused, p_fused = _run(str(tmp_path / "fused"), True, monkeypatch)
+    apart, p_apart = _run(str(tmp_path / "apart"), False, monkeypatch)
+    for f, a in zip(fused, apart, strict=True):
+        assert "time/logprob_s" not in f and a["time/logprob_s"] > 0  # KL 0: no log-prob pass at all
+        keys = [k for k in a if k.startswith(("mismatch/", "tis/", "policy/", "ppo/", "grad/", "reward/"))]
+        assert {"mismatch/kl_k3", "mismatch/prob_gap_max", "policy/entropy", "ppo/clip_frac"} <= set(keys)
+        assert set(keys) <= set(f), set(keys) - set(f)
+        for k in keys:
+            assert f[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (f["step"], k)
+    for x, y in zip(jax.tree.leaves(p_fused), jax.tree.leaves(p_apart)):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
