@@ -55,9 +55,10 @@ CFG = tiny_config(
 )
 
 
-def _run(path, fused, monkeypatch):
+def _run(path, fused, monkeypatch, fast=None):
     monkeypatch.setattr(loop.GRPOTrainer, "FUSE_OLD_PASS", fused)
-    with loop.GRPOTrainer(load_config(data=CFG), path, show_progress=False) as tr:
+    data = {**CFG, "fast": {**CFG["fast"], **(fast or {})}}
+    with loop.GRPOTrainer(load_config(data=data), path, show_progress=False) as tr:
         assert tr.old_from_train is fused
         tr.step(), tr.step()
         params = jax.tree.map(np.asarray, tr.state.params)
@@ -65,13 +66,19 @@ def _run(path, fused, monkeypatch):
 
 
 @pytest.mark.slow
-def test_loop_skips_the_old_pass_and_reports_the_same(tmp_path, monkeypatch):
-    fused, p_fused = _run(str(tmp_path / "fused"), True, monkeypatch)
-    apart, p_apart = _run(str(tmp_path / "apart"), False, monkeypatch)
+@pytest.mark.parametrize("codec", ["none", "prf_mask"])
+def test_loop_skips_the_old_pass_and_reports_the_same(tmp_path, monkeypatch, codec):
+    """Dense, and under the PRF mask, whose ℓ_old view is the train view (the same mask bits)."""
+    fast = {"codec": {"type": "prf_mask", "p": 0.5}} if codec == "prf_mask" else None
+    fused, p_fused = _run(str(tmp_path / "fused"), True, monkeypatch, fast)
+    apart, p_apart = _run(str(tmp_path / "apart"), False, monkeypatch, fast)
     for f, a in zip(fused, apart, strict=True):
         assert "time/logprob_s" not in f and a["time/logprob_s"] > 0  # KL 0: no log-prob pass at all
-        keys = [k for k in a if k.startswith(("mismatch/", "tis/", "policy/", "ppo/", "grad/", "reward/"))]
+        prefixes = ("mismatch/", "tis/", "policy/", "ppo/", "grad/", "reward/", "codec/old_logprob/")
+        keys = [k for k in a if k.startswith(prefixes)]
         assert {"mismatch/kl_k3", "mismatch/prob_gap_max", "policy/entropy", "ppo/clip_frac"} <= set(keys)
+        if codec != "none":
+            assert a["codec/old_logprob/mask_ratio"] == pytest.approx(0.5, abs=0.05)
         assert set(keys) <= set(f), set(keys) - set(f)
         for k in keys:
             assert f[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (f["step"], k)

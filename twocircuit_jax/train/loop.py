@@ -285,11 +285,14 @@ class GRPOTrainer:
         cfg, mesh = self.cfg, self.mesh
         codec = self.codec if (self.codec and self.codec.has_activation_codec) else None
         pl = self.pipeline
-        # One tick per step, dense, single-turn: the train forward is the old-log-prob pass (grpo_step.py).
+        # One tick per step, single-turn, the loss one global computation: the train forward is the old-log-prob
+        # pass (grpo_step.py). Under an activation codec too when ℓ_old takes the codec's view: the train view is
+        # the same (the codec keys on the step and the rows, not on the path).
+        one_view = self.codec is None or (self.codec.grad_codec is None and self.codec.applies(OLD))
         self.old_from_train = (
             self.FUSE_OLD_PASS
             and cfg.ticks_per_step == 1
-            and self.codec is None
+            and one_view
             and self.anchor is None
             and pl is None
             and not cfg.train.probe_every
@@ -477,7 +480,12 @@ class GRPOTrainer:
                     jax.block_until_ready(dev["ref_logp"])
         else:
             metrics.update(self._old_pass(gs, dev, full_mask, trunc_dev, col))
-        metrics.update(self._ticks(gs, dev))
+        tm = self._ticks(gs, dev)
+        metrics.update(tm)
+        if self.old_from_train and self.codec:  # the tick's forward was the old-log-prob pass: its codec view too
+            self.codec.applications[OLD] += 1
+            views = ("codec/mask_ratio", "codec/recon_rel_err")  # what summarize_aux reports of an old pass
+            metrics.update({f"codec/{OLD}/{k[len('codec/') :]}": tm[k] for k in views if k in tm})
         if self.codec:
             codec_state, cm = self.codec.end_step(self.cs.codec, gs, self.cs.grad)
             self.cs = self.cs._replace(codec=codec_state)
