@@ -84,3 +84,14 @@ def test_loop_skips_the_old_pass_and_reports_the_same(tmp_path, monkeypatch, cod
             assert f[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (f["step"], k)
     for x, y in zip(jax.tree.leaves(p_fused), jax.tree.leaves(p_apart)):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_a_second_epoch_keeps_the_separate_old_pass(tmp_path):
+    """With ppo_epochs 2 the second tick's ℓ_old is the first tick's weights, not its own forward: no fusion."""
+    data = {**CFG, "train": {**CFG["train"], "ppo_epochs": 2}}
+    with loop.GRPOTrainer(load_config(data=data), str(tmp_path / "r"), show_progress=False) as tr:
+        assert not tr.old_from_train
+        m = tr.step()
+    assert m["time/logprob_s"] > 0 and m["tick"] == 2
+    assert m["ppo/clip_frac"] >= 0 and "mismatch/kl_k3" in m

@@ -285,13 +285,14 @@ class GRPOTrainer:
         cfg, mesh = self.cfg, self.mesh
         codec = self.codec if (self.codec and self.codec.has_activation_codec) else None
         pl = self.pipeline
-        # One tick per step, single-turn, the loss one global computation: the train forward is the old-log-prob
-        # pass (grpo_step.py). Under an activation codec too when ℓ_old takes the codec's view: the train view is
+        # One tick per step (one mini-batch, one epoch: a second epoch's ℓ_old is not its own forward's), single-
+        # turn, the loss one global computation: the train forward is the old-log-prob pass (grpo_step.py). Under an activation codec too when ℓ_old takes the codec's view: the train view is
         # the same (the codec keys on the step and the rows, not on the path).
         one_view = self.codec is None or (self.codec.grad_codec is None and self.codec.applies(OLD))
         self.old_from_train = (
             self.FUSE_OLD_PASS
             and cfg.ticks_per_step == 1
+            and cfg.train.ppo_epochs == 1
             and one_view
             and self.anchor is None
             and pl is None
