@@ -85,3 +85,31 @@ def test_anchor_fires_count_on_the_config_side(comm_bytes, capsys):
     fire = anchor_c * 2 / ticks  # cadence 2
     assert abs(fire - hlo_d / ticks) / (hlo_d / ticks) < 0.05, (fire, hlo_d / ticks)
     assert c == round(hlo_c + bound_c + anchor_c) and c > d
+
+
+def test_staged_powersgd_counts_its_steady_state(comm_bytes, capsys, tmp_path):
+    """mesh data 2 x stage 2 with PowerSGD (default warm-up, start_after 100): the count is of the compressed
+    reduction alone (compiled with start_after 0, and the output says so), the boundaries carry the dense
+    activation on both sides, and the gradient reduction is smaller than the dense twin's: each stage reduces its own
+    layers' P and Q over `data`, and nothing of the layer stack is gathered over `stage`."""
+    import yaml
+    from tiny_run import NARROW_MODEL
+
+    cfg = {
+        "model": NARROW_MODEL,
+        "mesh": {"data": 2, "stage": 2},
+        "sampler": {"n": 4},
+        "fast": {"pp_size": 2, "grad_codec": {"type": "powersgd", "rank": 2}},
+        "anchor": {"enabled": False},
+        "train": {"train_batch": 4, "mini_batch": 4, "max_prompt_len": 6},
+    }
+    path = tmp_path / "staged.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert comm_bytes.main(["--config", str(path), "--devices", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "steady state (compiled with start_after=0); its first 100 reductions send the plain mean" in out
+    assert re.search(r"boundary_ratio=1\.00x", out), out
+    dense, comp = (float(x) for x in re.search(r"grad_reduce_dense_bytes=(\d+) grad_reduce_bytes=(\d+)", out).groups())
+    # per stage: the embedding and final norm (1,616 values, reduced whole) plus the layers' P and Q or bias-free
+    # vectors; the dense twin sends the same ends plus each stage's two layers whole (2 x 2,592 values)
+    assert comp < 0.6 * dense, out

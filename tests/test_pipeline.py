@@ -142,6 +142,12 @@ def test_staged_step_equals_the_one_program_step(narrow, codec, extra, width):
     exit_shapes = _exit_shapes(hlo)
     assert ("f32", (4, 2, 12)) in exit_shapes, exit_shapes
     assert not [s for _, s in exit_shapes if 12 in s and (16 in s or 100 in s)], exit_shapes
+    if extra.get("grad_codec"):
+        # PowerSGD reduces each stage's own layers over `data`: its packed buffers keep the layer stack's split over
+        # `stage` ([L/S, Σ] per stage), so nothing is gathered or moved between stages outside the boundaries.
+        # (One flat buffer of every leaf made XLA all-gather the whole layer stack's gradient over `stage`.)
+        assert not re.search(r" all-gather(?:-start)?\(", hlo)
+        assert not [ln for ln in hlo.splitlines() if " collective-permute" in ln and "stage_boundary" not in ln]
     exit_bytes = staged_bytes(hlo, 2)["stage_exit"]
     assert exit_bytes <= 4 * (16 * 12 * 4) + 4 * (100 * 16 + 16) + 1024, exit_bytes
     assert not any(
@@ -220,3 +226,21 @@ def test_stages_with_fsdp_and_tensor_axes():
         np.testing.assert_allclose(float(v), float(v0), rtol=1e-6)
         for x, y in zip(jax.tree.leaves(g), jax.tree.leaves(g0)):
             assert float(jnp.linalg.norm(x - y)) <= 1e-5 * float(jnp.linalg.norm(y)) + 1e-7
+
+
+def test_powersgd_state_is_split_over_stages(narrow):
+    """data 2 x stage 4: each device holds its own stage's layers of PowerSGD's Q [L, m, r] and of its replica's
+    error memory e [R·L, n, m] (one layer of four here), as it holds only those layers' parameters; the unstacked
+    leaves keep today's placement."""
+    params, _ = narrow
+    cfg = run_cfg({"data": 2, "stage": 4}, codec="none", grad_codec="powersgd", grad_rank=2, start_after=0)
+    circuit = FastCircuit(cfg, cfg.model, pmesh.make_mesh(cfg.mesh))
+    g = circuit.init_grad_state(params)
+    lay = [k for k in g.e if k.startswith("layers/")]
+    assert lay and all(k.startswith("layers/") for k in g.Q)
+    for k in lay:
+        assert {s.data.shape[0] for s in g.e[k].addressable_shards} == {1}, k  # [2·4, n, m] over 8 devices
+        assert {s.data.shape[0] for s in g.Q[k].addressable_shards} == {1}, k  # [4, m, r] over 4 stages
+        # the two data replicas of one stage hold different rows of e (their own error memory)
+        idx = {s.device.id: s.index[0] for s in g.e[k].addressable_shards}
+        assert len(set(map(str, idx.values()))) == 8, idx

@@ -157,8 +157,8 @@ class FastCircuit:
         return None if st is None else jax.device_put(st, NamedSharding(self.mesh, P()))
 
     def init_grad_state(self, params_like=None):
-        """The gradient codec's state placed by its `state_specs` (PowerSGD: Q replicated, the per-replica error memory
-        split over dp), or None."""
+        """The gradient codec's state placed by its `global_specs` (PowerSGD: Q replicated, the per-replica error
+        memory split over dp; with real stages, each stage holds its own layers' Q and e), or None."""
         if params_like is not None:
             self._params_like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_like)
         if self.grad_codec is None:
@@ -170,7 +170,7 @@ class FastCircuit:
     def grad_state_shardings(self, grad_state):
         if grad_state is None:
             return None
-        specs = self.grad_codec.state_specs(grad_state, BATCH_AXES)
+        specs = self.grad_codec.global_specs(grad_state, BATCH_AXES)
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
     def _params_shapes(self):

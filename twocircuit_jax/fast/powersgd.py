@@ -93,8 +93,54 @@ def state_specs(state: PowerSGDState, axis_name: str) -> PowerSGDState:
     )
 
 
+def global_specs(state: PowerSGDState, axes, stage: str | None = None) -> PowerSGDState:
+    """Where the state lives on the mesh. With real stages (`stage` names the axis), a layer-stack leaf's Q [L, m, r]
+    is split over `stage` like its layers, and its e [R·L, n, m] over the replica axes then `stage` (replica i's
+    block of L rows, each stage holding its L/S layers): no stage holds another's error memory."""
+    axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+    spec = state_specs(state, axes)
+    if stage is None:
+        return spec
+    return PowerSGDState(
+        Q={k: PartitionSpec(stage) if _stacked(k) else v for k, v in spec.Q.items()},
+        e={k: PartitionSpec(axes + (stage,)) if _stacked(k) else v for k, v in spec.e.items()},
+        step=spec.step,
+    )
+
+
 def _pack(xs):
     return jnp.concatenate([x.astype(F32).reshape(-1) for x in xs]) if xs else jnp.zeros((0,), F32)
+
+
+def _stacked(path: str) -> bool:
+    """A leaf of the layer stack [L, ...]: split over `stage` when the pipeline is real (parallel/mesh.py)."""
+    return path.startswith("layers/")
+
+
+def _reduce_packed(xs, paths, collective, staged: bool):
+    """collective(one packed fp32 buffer) per group, unpacked back into xs' shapes (fp32).
+
+    Unstaged: one flat buffer of every leaf. On a staged mesh the layer-stack leaves [L, ...] pack along axis 1 into
+    one [L, Σ] buffer, which keeps their split over `stage` (each stage reduces its own layers, over `data` only),
+    and the rest pack flat: two collectives. One flat buffer there would make the partitioner gather every stage's
+    layers first (measured: the whole layer stack's gradient all-gathered over `stage` per tick)."""
+    if not staged:
+        return _unpack(collective(_pack(xs)), xs)
+    out = [None] * len(xs)
+    lay = [i for i, p in enumerate(paths) if p is not None and _stacked(p)]
+    rest = [i for i in range(len(xs)) if i not in lay]
+    if lay:
+        L = xs[lay[0]].shape[0]
+        buf = collective(jnp.concatenate([xs[i].astype(F32).reshape(L, -1) for i in lay], axis=1))
+        o = 0
+        for i in lay:
+            w = xs[i].size // L
+            out[i] = buf[:, o : o + w].reshape(xs[i].shape)
+            o += w
+    if rest:
+        for i, v in zip(rest, _unpack(collective(_pack([xs[i] for i in rest])), [xs[i] for i in rest])):
+            out[i] = v
+    return out
 
 
 def _unpack(vec, likes):
@@ -126,7 +172,15 @@ def _project(g, e, Q, cfg, interpret, platform):
 
 
 def powersgd_reduce(
-    grads, state: PowerSGDState, cfg, axis_name: str, *, skip=False, interpret: bool = False, platform=None
+    grads,
+    state: PowerSGDState,
+    cfg,
+    axis_name: str,
+    *,
+    skip=False,
+    interpret: bool = False,
+    platform=None,
+    staged: bool = False,
 ):
     """One tick of the dp reduction. Returns (mean_grad_estimate like grads, new_state, metrics).
 
@@ -134,6 +188,8 @@ def powersgd_reduce(
     a non-finite estimate skips by itself. Plain pmean for the first `cfg.start_after` steps (e, Q untouched).
     metrics: powersgd/error_norm (RMS over replicas of ‖e‖ entering the tick), powersgd/compressed,
     powersgd/skipped, powersgd/bytes_compressed, powersgd/bytes_dense (per replica, logical, design §3.6).
+    staged: the mesh has real pipeline stages: each collective is two buffers, the layer stack's [L, Σ] (kept split
+    over `stage`) and the rest (`_reduce_packed`); the values are the same.
     """
     if cfg.use_kernel:
         check_can_run(interpret, "powersgd (fast.grad_codec.use_kernel=true)", platform)
@@ -143,20 +199,23 @@ def powersgd_reduce(
     unc = [p for p in plan if not p.compress]
     e2 = sum((jnp.sum(state.e[p.path] ** 2) for p in comp), jnp.zeros((), F32))
 
+    def reduce(xs, paths, kind):
+        op = (lambda v: jax.lax.psum(v, axis_name)) if kind == "sum" else (lambda v: jax.lax.pmean(v, axis_name))
+        return _reduce_packed(xs, paths, op, staged)
+
     def plain(_):
-        vec = jax.lax.pmean(_pack([leaves[p.path] for p in plan] + [e2]), axis_name)
-        outs = _unpack(vec, [leaves[p.path] for p in plan])
-        return {p.path: o for p, o in zip(plan, outs)}, state.Q, state.e, vec[-1]
+        outs = reduce([leaves[p.path] for p in plan] + [e2], [p.path for p in plan] + [None], "mean")
+        return {p.path: o for p, o in zip(plan, outs)}, state.Q, state.e, outs[-1]
 
     def compressed(_):
         M = {p.path: leaves[p.path].astype(F32) + state.e[p.path] for p in comp}
         Ps = [_project(leaves[p.path], state.e[p.path], state.Q[p.path], cfg, interpret, platform) for p in comp]
-        Ps = _unpack(jax.lax.psum(_pack(Ps), axis_name), Ps)
+        Ps = reduce(Ps, [p.path for p in comp], "sum")
         Ph = [_orth_batched(P, cfg.reortho_eps, jax.random.PRNGKey(cfg.seed ^ _SALT ^ i)) for i, P in enumerate(Ps)]
         Qs = [jnp.einsum("...nm,...nr->...mr", M[p.path], ph) for p, ph in zip(comp, Ph)]
-        Qs = _unpack(jax.lax.pmean(_pack(Qs), axis_name), Qs)
-        uvec = jax.lax.pmean(_pack([leaves[p.path] for p in unc] + [e2]), axis_name)
-        out = {p.path: o for p, o in zip(unc, _unpack(uvec, [leaves[p.path] for p in unc]))}
+        Qs = reduce(Qs, [p.path for p in comp], "mean")
+        uouts = reduce([leaves[p.path] for p in unc] + [e2], [p.path for p in unc] + [None], "mean")
+        out = {p.path: o for p, o in zip(unc, uouts)}
         new_e = {}
         for p, ph, q in zip(comp, Ph, Qs):
             G = jnp.einsum("...nr,...mr->...nm", ph, q)
@@ -166,7 +225,7 @@ def powersgd_reduce(
             new_Q = {p.path: q for p, q in zip(comp, Qs)}
         else:  # a fresh shared draw each tick: same key on every replica, so Q stays replicated
             new_Q = {p.path: _fresh_q(cfg, plan.index(p), p, state.step + 1) for p in comp}
-        return out, new_Q, new_e, uvec[-1]
+        return out, new_Q, new_e, uouts[-1]
 
     if cfg.start_after <= 0:
         out, new_Q, new_e, e2m = compressed(None)
@@ -217,8 +276,17 @@ class PowerSGDCodec(GradCodec):
     def state_specs(self, state, axes) -> PowerSGDState:
         return state_specs(state, axes)
 
+    def global_specs(self, state, axes) -> PowerSGDState:
+        return global_specs(state, axes, "stage" if self._staged else None)
+
+    @property
+    def _staged(self) -> bool:
+        return self.mesh is not None and self.mesh.shape.get("stage", 1) > 1
+
     def reduce(self, grads, state, axes):
-        return powersgd_reduce(grads, state, self.cfg, axes, interpret=self.interpret, platform=self.platform)
+        return powersgd_reduce(
+            grads, state, self.cfg, axes, interpret=self.interpret, platform=self.platform, staged=self._staged
+        )
 
     def wire_bytes(self, params_like, state=None) -> dict:
         """Compressed-branch bytes; while the warm-up still holds at `state` (its last reduction took the plain

@@ -169,7 +169,7 @@ def make_activation_codec(cfg, **kw) -> Optional[ActivationCodec]:
 
 class GradCodec:
     """Base class of a data-parallel gradient codec; subclasses override `init`, `state_specs`, `reduce` and
-    `wire_bytes`."""
+    `wire_bytes` (and `global_specs` when the state's placement differs from its shard_map view)."""
 
     config: ClassVar[type]  # the config section class this codec is built from
     has_kernel: ClassVar[bool] = False  # a Pallas kernel exists (fast.grad_codec.use_kernel may be true)
@@ -185,6 +185,11 @@ class GradCodec:
 
     def state_specs(self, state, axes) -> Any:
         raise NotImplementedError
+
+    def global_specs(self, state, axes) -> Any:
+        """Where the state lives on the whole mesh (the circuit state's shardings); `state_specs` by default, the
+        shard_map view over the batch axes."""
+        return self.state_specs(state, axes)
 
     def reduce(self, grads, state, axes):
         raise NotImplementedError
