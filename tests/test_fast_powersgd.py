@@ -90,6 +90,9 @@ def test_plan_rule_and_embeddings():
     assert plan["layers/w"].compress and plan["layers/w"].layers == 2
     assert plan["head"].compress  # (20+18)·2·2 = 152 < 360
     assert not plan["layers/b"].compress and not plan["embed"].compress
+    # a layer-stack vector is L vectors, not an L x H matrix, however well the rule would compress it
+    wide = {"layers": {"norm": jnp.zeros((28, 1536))}, "w": jnp.zeros((28, 1536))}
+    assert [p.compress for p in plan_leaves(cfg, wide)] == [False, True]
     assert plan_leaves(dataclasses.replace(cfg, compress_embeddings=True), {"embed": jnp.zeros((40, 40))})[0].compress
     # The rule is strict: (8+8)·2·2 = 64 = 8·8 does not qualify.
     assert not plan_leaves(cfg, {"w": jnp.zeros((8, 8))})[0].compress

@@ -52,7 +52,16 @@ def test_staged_loop_compiles_each_pass_once(straight):
     assert rows[-1]["pipeline/bubble_fraction"] == pytest.approx(1 / 3)  # (S - 1) / (M + S - 1), S = M = 2
     assert rows[-1]["anchor/fires"] == 6 and "fidelity/grad_cos" in rows[-1]  # a fire every tick, 2 ticks a step
     for name in ("train_step", "logp_old", "logp_ref", "logp_dense", "fidelity"):
-        assert getattr(trainer, name)._cache_size() == 1, name
+        assert getattr(trainer, name)._cache_size() == 1, name  # comm/hlo/* compiled it ahead: still once
+    # comm/hlo/*: the train step's traffic from its compiled program, per data replica per step. The boundary
+    # carries r = 3 fp32 coefficients per token of a replica's microbatch, forward and back, at each of the
+    # M + S - 1 = 3 ticks (bubble ticks send too), for each of the step's mini-batches.
+    cfg = trainer.cfg
+    mb_rows = cfg.train.mini_batch * cfg.sampler.n // 2 // 4  # M = 2 microbatches over 4 data replicas
+    tokens = mb_rows * (cfg.train.max_prompt_len + cfg.sampler.sampling.max_new_tokens)
+    want = 3 * tokens * 3 * 4 * cfg.ticks_per_step
+    assert rows[-1]["comm/hlo/boundary_fwd"] == rows[-1]["comm/hlo/boundary_bwd"] == want, (rows[-1], want)
+    assert rows[-1]["comm/hlo/grad_reduce"] > 0 and rows[-1]["comm/hlo/stage_exit"] > 0
     # the layer stack lives split over the stages: one of the 2 layers per device
     q = trainer.state.params["layers"]["q_proj"]["kernel"]
     assert q.shape[0] == 2 and {s.data.shape[0] for s in q.addressable_shards} == {1}

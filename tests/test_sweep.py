@@ -31,33 +31,6 @@ def _flat(d, pre=""):
 
 
 @pytest.mark.slow
-def test_two_arm_sweep_runs_each_arm_and_prints_the_table(tmp_path, capsys):
-    (tmp_path / "base.yaml").write_text(yaml.safe_dump(TINY))
-    (tmp_path / "sweep.yaml").write_text(
-        yaml.safe_dump(
-            {"base": "base.yaml", "arms": {"dense": {}, "anchored": {"anchor.enabled": True}}}, sort_keys=False
-        )
-    )
-    out = tmp_path / "runs" / "s"
-    assert main(["sweep", "--config", str(tmp_path / "sweep.yaml"), "--out", str(out), "--set", "train.steps=1"]) == 0
-    text = capsys.readouterr().out
-    for arm in ("dense", "anchored"):
-        rows = [json.loads(l) for l in open(out / arm / "metrics.jsonl")]
-        assert [r["step"] for r in rows] == [0, 1]  # the --set reached every arm
-        assert yaml.safe_load(open(out / arm / "config.yaml"))["name"] == f"sweep/{arm}"
-    assert "anchor/fires" in rows[-1] and "anchor/fires" not in json.loads(
-        open(out / "dense" / "metrics.jsonl").readlines()[-1]
-    )
-    lines = text.splitlines()
-    table = lines[next(i for i, ln in enumerate(lines) if ln.split()[:2] == ["arm", "reward"]) :]
-    assert table[0].split() == ["arm", "reward", "heldout_acc", "ref_kl", "gap"]
-    body = {ln.split()[0]: ln.split()[1:] for ln in table[2:4]}
-    assert set(body) == {"dense", "anchored"} and all(len(v) == 4 and "-" not in v for v in body.values())
-    summary = json.load(open(out / "summary.json"))
-    assert [s["arm"] for s in summary] == ["dense", "anchored"]
-
-
-@pytest.mark.slow
 def test_bad_arm_fails_before_running_anything(tmp_path, capsys):
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(TINY))
     (tmp_path / "sweep.yaml").write_text(
@@ -72,7 +45,8 @@ def test_bad_arm_fails_before_running_anything(tmp_path, capsys):
 @pytest.mark.slow
 def test_sweep_in_parts_parallel_and_resumed_adds_up(tmp_path, capsys):
     """`--arms` runs a subset; `--jobs 2 --resume` then reads the finished arm instead of rerunning it, runs the rest
-    in worker processes with their output in OUT/ARM.log, and summary.json holds every arm in the file's order."""
+    in worker processes with their output in OUT/ARM.log, prints the table of every arm, and summary.json holds
+    every arm in the file's order. The `--set` reaches every arm, and each arm's config is its own."""
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(TINY))
     arms = {"dense": {}, "anchored": {"anchor.enabled": True}, "tis": {"grpo.tis": "token"}}
     (tmp_path / "sweep.yaml").write_text(yaml.safe_dump({"base": "base.yaml", "arms": arms}, sort_keys=False))
@@ -88,8 +62,16 @@ def test_sweep_in_parts_parallel_and_resumed_adds_up(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "arm tis -> " in text and "finished: read" in text and (out / "tis" / "metrics.jsonl").read_text() == first
     assert (out / "anchored.log").is_file() and not (out / "tis.log").exists()  # only the new arm ran in a worker
-    rows = [json.loads(l) for l in open(out / "anchored" / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == [0, 1] and "anchor/fires" in rows[-1]
+    for arm in arms:
+        rows = [json.loads(l) for l in open(out / arm / "metrics.jsonl")]
+        assert [r["step"] for r in rows] == [0, 1]  # the --set reached every arm
+        assert yaml.safe_load(open(out / arm / "config.yaml"))["name"] == f"sweep/{arm}"
+        assert ("anchor/fires" in rows[-1]) == (arm == "anchored")
+    lines = text.splitlines()
+    table = lines[next(i for i, ln in enumerate(lines) if ln.split()[:2] == ["arm", "reward"]) :]
+    assert table[0].split() == ["arm", "reward", "heldout_acc", "ref_kl", "gap"]
+    body = {ln.split()[0]: ln.split()[1:] for ln in table[2:5]}
+    assert set(body) == set(arms) and all(len(v) == 4 and "-" not in v for v in body.values()), table
     summary = json.load(open(out / "summary.json"))
     assert [s["arm"] for s in summary] == ["dense", "anchored", "tis"]
     assert all(s["heldout_acc"] is not None for s in summary)

@@ -117,6 +117,14 @@ def staged_bytes(hlo_text: str, replicas: int) -> dict:
     return out
 
 
+def step_comm(jitted, args, replicas: int, ticks: int) -> dict:
+    """{"comm/hlo/<part>": bytes per data replica per GRPO step} of a staged train step, read from its compiled
+    program: `jitted` is compiled ahead of its first call (the call then reuses that executable: no second compile),
+    and every part is counted as `staged_bytes` does, times the step's `ticks` (mini-batches x epochs)."""
+    parts = staged_bytes(jitted.lower(*args).compile().as_text(), replicas)
+    return {f"comm/hlo/{p}": parts[p] * ticks for p in PARTS}
+
+
 def memory_bytes(compiled) -> dict:
     """Per-device bytes of a compiled program (XLA's memory analysis): arguments, outputs, temporaries."""
     m = compiled.memory_analysis()

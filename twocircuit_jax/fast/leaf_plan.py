@@ -29,12 +29,17 @@ def flat_leaves(tree) -> dict:
 
 
 def plan_leaves(cfg, params_like) -> list[LeafPlan]:
-    """Sorted per-leaf decision: compress iff 2-D/stacked and (n+m)·r·min_compression_rate < n·m."""
+    """Sorted per-leaf decision: compress iff a matrix [n, m] or a stack of them and (n+m)·r·min_compression_rate < n·m.
+
+    A leaf of the layer stack (`layers/...`) carries the layer axis first: [L, n, m] is L matrices, and [L, H] (a
+    norm, a bias) is L vectors, never one L x H matrix. Compressing it as one would mix the layers in one low-rank
+    factor and, with real pipeline stages, tie the stages' layers together."""
     out = []
     for path, x in sorted(flat_leaves(params_like).items()):
         shape = tuple(x.shape)
         is_embed = ("embed" in path) or ("lm_head" in path)
-        if len(shape) >= 2 and not (is_embed and not cfg.compress_embeddings):
+        stacked = path.startswith("layers/")
+        if len(shape) >= 2 + stacked and not (is_embed and not cfg.compress_embeddings):
             n, m = shape[-2], shape[-1]
             L = 1
             for d in shape[:-2]:

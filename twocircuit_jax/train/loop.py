@@ -23,6 +23,7 @@ import numpy as np
 from twocircuit_jax.config.base import ConfigError, to_dict
 from twocircuit_jax.config.run import save_config
 from twocircuit_jax.config.sections import SamplingConfig
+from twocircuit_jax.fast.hlo_bytes import step_comm
 from twocircuit_jax.metrics.gauges import length_slope, length_stats, to_floats
 from twocircuit_jax.metrics.health import HealthMonitor
 from twocircuit_jax.metrics.logger import MetricsLogger
@@ -255,6 +256,7 @@ class GRPOTrainer:
         state with its shardings: every field exists from tick 1, so the step compiles once."""
         codec_state = grad_state = merger = moments = None
         self.pipeline = None
+        self.comm_hlo = None  # staged runs: the train step's collectives by part, from its compiled program
         if self.mesh.shape["stage"] > 1:
             self.pipeline = make_pipeline(self.cfg, self.model_cfg, self.mesh)
         if self.cfg.fast.codec_type != "none" or self.cfg.fast.grad_codec_type != "none":
@@ -503,6 +505,7 @@ class GRPOTrainer:
         metrics["time/step_s"] = time.perf_counter() - t_start
         if self.pipeline is not None:
             metrics["pipeline/bubble_fraction"] = self.pipeline.bubble
+            metrics.update(self.comm_hlo or {})
         metrics["time/tokens_per_s"] = sum(col.lengths) / max(col.gen_s, 1e-9)
         metrics["sampler/restarts"] = 0
         if hasattr(self.sampler, "metrics"):  # vLLM: restarts, refused deltas, bytes of the newest weight sync
@@ -599,6 +602,9 @@ class GRPOTrainer:
                     self.cs = place(self.cs, self.cs_sh)
                     if probe and first:  # before the tick: the weights and M it will use
                         _merge(accum, to_host(self.fidelity(self.state.params, self.ref_params, mb, self.cs)))
+                    if self.pipeline is not None and self.comm_hlo is None:  # once a run, before the first call
+                        args, n = (self.state, self.cs, mb), n_mini * t.ppo_epochs
+                        self.comm_hlo = step_comm(self.train_step, args, pmesh.dp_size(self.mesh), n)
                     self.state, self.cs, m = self.train_step(self.state, self.cs, mb)
                     m = to_host(dict(m))  # host sync, once per tick
                 if self.codec:
