@@ -15,8 +15,8 @@ import pytest
 from tiny_run import tiny_config
 
 from twocircuit_jax.config import ConfigError, load_config
-from twocircuit_jax.train import loop
 from twocircuit_jax.train.loop import GRPOTrainer
+from twocircuit_jax.train.trainer_checkpoints import AHEAD_BLOB
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +90,7 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(inline_run, tmp_path):
     shutil.rmtree(os.path.join(res, "checkpoints", "step_00000004"))
     with open(os.path.join(res, "metrics.jsonl"), "w") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in ref[:2])
-    assert os.path.exists(os.path.join(res, "checkpoints", "step_00000002", "blobs", loop.AHEAD_BLOB))
+    assert os.path.exists(os.path.join(res, "checkpoints", "step_00000002", "blobs", AHEAD_BLOB))
     GRPOTrainer(load_config(data=CFG), res, resume=True, show_progress=False).run()
     got = _rows(res)
     assert [r["step"] for r in got] == [1, 2, 3, 4]

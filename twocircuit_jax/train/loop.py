@@ -10,8 +10,6 @@ fire and swap, the basis refresh at the end of a step.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import sys
 import time
@@ -20,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from twocircuit_jax.config.base import ConfigError, to_dict
+from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.config.run import save_config
 from twocircuit_jax.config.sections import SamplingConfig
 from twocircuit_jax.fast.hlo_bytes import step_comm
@@ -34,7 +32,7 @@ from twocircuit_jax.parallel.distributed import is_primary
 from twocircuit_jax.parallel.host import to_global, to_host
 from twocircuit_jax.train import rollout as ro
 from twocircuit_jax.train.checkpoint import CheckpointManager
-from twocircuit_jax.train.circuit_state import CircuitState, Clock, init_clock, place, set_clock
+from twocircuit_jax.train.circuit_state import CircuitState, init_clock, place, set_clock
 from twocircuit_jax.train.collect import make_collector
 from twocircuit_jax.train.grpo_step import DENSE, OLD, REF, make_diagnostics_fn, make_grpo_loss, make_logp_fn
 from twocircuit_jax.train.guard import Guard, apply_mitigations, mitigate
@@ -56,11 +54,8 @@ from twocircuit_jax.train.step import (
     state_shardings,
 )
 from twocircuit_jax.train.timing import PhaseTimer
-
-ANCHOR_BLOB = "anchor_buffers.pkl"
-AHEAD_BLOB = "rollouts_ahead.pkl"  # train.async_rollouts: the next step's finished rollouts, for an exact resume
-# The checkpoint tree {"train", "circuit"}; layout 1 (no "state_layout" in meta) held {"train", "ctx", "anchor"}.
-STATE_LAYOUT = 2
+from twocircuit_jax.train.trainer_checkpoints import TrainerCheckpoints
+from twocircuit_jax.train.trainer_inputs import as_config, python_task
 
 
 def step_seed(seed: int, gs: int, salt: int = 0) -> int:
@@ -73,61 +68,7 @@ def _logp_rows(batch: dict) -> dict:
     return {k: batch[k] for k in ("tokens", "attention_mask", "sample_id") if k in batch}
 
 
-def _as_config(cfg):
-    """A RunConfig from a RunConfig, a dict of sections or a YAML path."""
-    from twocircuit_jax.config.run import RunConfig, load_config
-
-    if isinstance(cfg, RunConfig):
-        return cfg
-    if isinstance(cfg, dict):
-        return load_config(data=cfg)
-    if isinstance(cfg, (str, os.PathLike)):
-        return load_config(os.fspath(cfg))
-    raise TypeError(f"config: got {type(cfg).__name__}; expected a RunConfig, a dict of sections or a YAML path")
-
-
-def _python_task(cfg, reward_fns, reward_weights, train_dataset, eval_dataset):
-    """(config, task) for reward functions and rows given as Python objects; the config's task becomes
-    `type: python` (allowed when it is one already or left at the default), naming the functions it was given."""
-    from twocircuit_jax.config.base import from_dict
-    from twocircuit_jax.config.sections import PythonTask as PyCfg, TaskConfig
-    from twocircuit_jax.tasks.python_task import PythonTask, load_function, reward_fns as named_fns
-
-    if cfg.env.enabled:
-        raise ConfigError("env.type", "reward_fns / train_dataset train a single-turn task; set env.type: none")
-    tc = cfg.task
-    if not isinstance(tc, PyCfg):
-        if tc != from_dict(TaskConfig, {}):
-            raise ConfigError(
-                "task.type",
-                f"got {type(tc).__name__}; reward_fns / train_dataset need task.type: python (or no task section)",
-            )
-        tc = PyCfg()
-    if reward_fns is None:
-        if not tc.reward_fns:
-            raise ConfigError("reward_fns", "no reward functions: pass reward_fns=[...] or set task.reward_fns")
-        reward_fns = [load_function(s, f"task.reward_fns[{i}]") for i, s in enumerate(tc.reward_fns)]
-    weights = tc.reward_weights if reward_weights is None else tuple(float(w) for w in reward_weights)
-    fns = named_fns(reward_fns, weights)
-    if train_dataset is None:
-        if not tc.train_files:
-            raise ConfigError("train_dataset", "no training rows: pass train_dataset=... or set task.train_files")
-        from twocircuit_jax.tasks.math_files_task import read_records
-
-        train_dataset = [r for f in tc.train_files for _, r in read_records(f)]
-    if eval_dataset is None and tc.eval_files:
-        from twocircuit_jax.tasks.math_files_task import read_records
-
-        eval_dataset = [r for f in tc.eval_files for _, r in read_records(f)]
-    # The saved config names the functions (module:qualname) and weights it ran with; a record, since a function
-    # defined in a script or notebook cannot be imported back.
-    names = tuple(f"{getattr(f.fn, '__module__', '?')}:{getattr(f.fn, '__qualname__', f.name)}" for f in fns)
-    tc = dataclasses.replace(tc, reward_fns=names, reward_weights=tuple(f.weight for f in fns))
-    cfg = dataclasses.replace(cfg, task=tc)
-    return cfg, PythonTask(tc, fns, train_dataset, eval_dataset)
-
-
-class GRPOTrainer:
+class GRPOTrainer(TrainerCheckpoints):
     """GRPO on a task from the config, or on one's own reward functions and rows:
 
         trainer = GRPOTrainer(cfg, "runs/x", reward_fns=[f, g], train_dataset=rows, eval_dataset=held_out)
@@ -152,10 +93,10 @@ class GRPOTrainer:
         resume: bool = False,
         show_progress: bool = True,
     ):
-        cfg = _as_config(cfg)
+        cfg = as_config(cfg)
         task = None
         if any(x is not None for x in (reward_fns, reward_weights, train_dataset, eval_dataset)):
-            cfg, task = _python_task(cfg, reward_fns, reward_weights, train_dataset, eval_dataset)
+            cfg, task = python_task(cfg, reward_fns, reward_weights, train_dataset, eval_dataset)
         run_dir = os.path.abspath(run_dir or os.path.join("runs", cfg.name))  # orbax wants absolute paths
         os.makedirs(run_dir, exist_ok=True)
         self.ckpt = CheckpointManager(os.path.join(run_dir, "checkpoints"), keep_last=2)
@@ -338,110 +279,6 @@ class GRPOTrainer:
     def _shard_batch(self, batch):
         """Host rows (the same on every process) or device rows, split over the batch axes of the mesh."""
         return to_global(batch, pmesh.batch_shardings(batch, self.mesh))
-
-    # --- checkpoints ------------------------------------------------------------------------------------------
-    def _ckpt_state(self):
-        return {"train": self.state, "circuit": self.cs}
-
-    def _meta(self, gs, metrics=None):
-        meta = {
-            "step": gs,
-            "state_layout": STATE_LAYOUT,
-            "circuit_fields": [k for k, v in zip(self.cs._fields, self.cs) if v is not None],
-            "history": self.history,
-            "model_config": to_dict(self.model_cfg),
-        }
-        if self.anchor:
-            meta["anchor"] = self.anchor.host_state()
-        if self.codec:
-            meta["codec_applications"] = dict(self.codec.applications)  # host counters of codec forwards
-            meta["codec_steps"] = self.codec.steps
-        meta["health"] = self.health.state_dict()
-        if self.collector.state_dict() is not None:
-            meta["collector"] = self.collector.state_dict()  # the environment RNG: a resume plays the same games
-        if self.guard:
-            meta["guard"] = self.guard.state_dict()
-        if metrics is not None:  # the step's metrics line, restored on resume if the process died before logging it
-            meta["metrics"] = json.loads(json.dumps(metrics, default=float))  # numpy scalars as JSON numbers
-        return meta
-
-    def _restore(self):
-        step = self.ckpt.latest()
-        if step is None:
-            raise ConfigError("--resume", f"no complete checkpoint under {self.ckpt.root}")
-        meta = self._load(step)
-        self.start_step = int(meta["step"])
-        self._resume_row = meta.get("metrics")
-        self._ahead_blob = self.ckpt.read_blob(step, AHEAD_BLOB)  # the finished rollouts of step `step` + 1
-        self.health.load_state_dict(meta.get("health"))
-        self.collector.load_state_dict(meta.get("collector"))
-        if self.guard:
-            self.guard.load_state_dict(meta.get("guard"))
-
-    def _load(self, step) -> dict:
-        """Checkpoint `step` (or "best") into the trainer: train state, circuit state, host counters, history.
-        Returns its meta."""
-        meta = self.ckpt.read_meta(step)
-        layout = meta.get("state_layout", 1)
-        # The restore targets carry the shardings the arrays come back with. A fresh circuit state's clock is host
-        # scalars on one local device: restored like that, it would be a per-process array that cannot then be
-        # placed on the global mesh of a multi-process run. Placed first, every leaf returns on its run sharding.
-        self.cs = place(self.cs, self.cs_sh)
-        if layout == STATE_LAYOUT:
-            # Restore into the fields the checkpoint holds; a field it lacks (one a guard mitigation added since,
-            # the swap's moments) keeps its fresh value.
-            have = meta.get("circuit_fields", self.cs._fields)
-            like = CircuitState(*(v if k in have else None for k, v in zip(self.cs._fields, self.cs)))
-            state, meta = self.ckpt.restore(step, {"train": self.state, "circuit": like})
-            self.state = state["train"]
-            self.cs = CircuitState(*(r if r is not None else f for f, r in zip(self.cs, state["circuit"])))
-        elif layout == 1:
-            state, meta = self.ckpt.restore(step, self._legacy_tree())
-            self.state, self.cs = state["train"], self._from_legacy(state)
-        else:
-            raise ConfigError(
-                "--resume",
-                f"the checkpoint {self.ckpt.root}/{'best' if step == 'best' else f'step_{step:08d}'} has state layout {layout}, written by a newer "
-                f"twocircuit_jax; this one reads layouts 1 and {STATE_LAYOUT}",
-            )
-        if self.anchor:
-            self.anchor.load(meta.get("anchor"), self.ckpt.read_blob(step, ANCHOR_BLOB))
-        self.history = meta["history"]
-        if self.codec:
-            self.codec.applications.update(meta.get("codec_applications", {}))
-            self.codec.steps = int(meta.get("codec_steps", self.codec.steps))
-        return meta
-
-    def _legacy_tree(self):
-        """Restore target of a layout-1 checkpoint (written before the circuit state was one pytree): the train
-        state, a `ctx` dict and the anchor's moments."""
-        cs = self.cs
-        ctx = {"step": cs.clock.step, "first_minibatch": cs.clock.first_minibatch}
-        if self.codec:
-            ctx["codec"] = {"steps": jnp.zeros((), jnp.int32)}
-            if cs.codec is not None:
-                ctx["codec"]["lowrank"] = cs.codec
-            if cs.grad is not None:
-                ctx["codec"]["powersgd"] = cs.grad
-        if cs.merger is not None:
-            ctx.update(merger=cs.merger, anchor_fire=cs.clock.anchor_fire, anchor_merge=cs.clock.anchor_merge)
-        tree = {"train": self.state, "ctx": ctx}
-        if self.anchor:
-            tree["anchor"] = {"moments": cs.moments} if cs.moments is not None else {"none": jnp.zeros((), jnp.int32)}
-        return tree
-
-    def _from_legacy(self, tree) -> CircuitState:
-        ctx, codec = tree["ctx"], tree["ctx"].get("codec", {})
-        if self.codec:
-            self.codec.steps = int(codec["steps"])
-        clock = Clock(
-            ctx["step"],
-            ctx["first_minibatch"],
-            ctx.get("anchor_fire", self.cs.clock.anchor_fire),
-            ctx.get("anchor_merge", self.cs.clock.anchor_merge),
-        )
-        moments = tree.get("anchor", {}).get("moments")
-        return CircuitState(clock, codec.get("lowrank"), codec.get("powersgd"), ctx.get("merger"), moments)
 
     # --- one GRPO step ----------------------------------------------------------------------------------------
     def _problems_for(self, gs):
@@ -726,21 +563,6 @@ class GRPOTrainer:
     def __exit__(self, *exc):
         self.close()
 
-    def _maybe_save_best(self, gs, metrics):
-        if "eval/accuracy" in metrics:
-            best = self.history.get("best")
-            if best is None or metrics["eval/accuracy"] > best:
-                self.history["best"] = metrics["eval/accuracy"]
-                self.ckpt.save_best(gs, self._ckpt_state(), self._meta(gs), metrics["eval/accuracy"], self._blobs())
-
-    def _maybe_checkpoint(self, gs, metrics=None, force: bool = False):
-        """Periodic checkpoint, and the final one when `train.final_checkpoint`; `force` after a guard action, so a
-        resume starts from what the guard left."""
-        t = self.cfg.train
-        final = gs == t.steps and t.final_checkpoint
-        if force or (t.checkpoint_every and gs % t.checkpoint_every == 0) or final:
-            self.ckpt.save(gs, self._ckpt_state(), self._meta(gs, metrics), self._blobs())
-
     # --- the collapse guard -----------------------------------------------------------------------------------
     def _guard_step(self, gs, metrics):
         """Ask the guard (when on) and carry out its action; adds `guard/*` to `metrics`. Returns the action."""
@@ -785,13 +607,6 @@ class GRPOTrainer:
         self.state_version = gs
         self.health.reset_trends()
         return change
-
-    def _blobs(self):
-        blobs = {ANCHOR_BLOB: self.anchor.dump_buffers()} if self.anchor else {}
-        ahead = self.ahead.dump() if self.ahead is not None else None
-        if ahead is not None:
-            blobs[AHEAD_BLOB] = ahead
-        return blobs or None
 
 
 def _merge(acc: dict, m: dict):

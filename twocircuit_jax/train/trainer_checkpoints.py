@@ -1,0 +1,153 @@
+"""The trainer's checkpoints: what a GRPO run saves each `train.checkpoint_every` steps and at its best evaluation,
+and how it loads them back (a resume, a guard rollback).
+
+A checkpoint is the train state and the circuit state as one orbax tree {"train", "circuit"} (train/checkpoint.py
+writes it atomically), a meta.json of host state (step, history, anchor and codec counters, health, the environment
+RNG, the guard, the step's metrics line) and blobs: the anchor's replay buffers and, with `train.async_rollouts`,
+the next step's finished rollouts. `TrainerCheckpoints` is a mixin of `GRPOTrainer` (train/loop.py): it reads and
+writes the trainer's fields and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+
+from twocircuit_jax.config.base import ConfigError, to_dict
+from twocircuit_jax.train.circuit_state import CircuitState, Clock, place
+
+ANCHOR_BLOB = "anchor_buffers.pkl"
+AHEAD_BLOB = "rollouts_ahead.pkl"  # train.async_rollouts: the next step's finished rollouts, for an exact resume
+# The checkpoint tree {"train", "circuit"}; layout 1 (no "state_layout" in meta) held {"train", "ctx", "anchor"}.
+STATE_LAYOUT = 2
+
+
+class TrainerCheckpoints:
+    """Save and load of `GRPOTrainer`'s state (a mixin: it uses the trainer's `ckpt`, `state`, `cs`, `cs_sh`,
+    `anchor`, `codec`, `ahead`, `health`, `collector`, `guard`, `history` and `model_cfg`)."""
+
+    def _ckpt_state(self):
+        return {"train": self.state, "circuit": self.cs}
+
+    def _meta(self, gs, metrics=None):
+        meta = {
+            "step": gs,
+            "state_layout": STATE_LAYOUT,
+            "circuit_fields": [k for k, v in zip(self.cs._fields, self.cs) if v is not None],
+            "history": self.history,
+            "model_config": to_dict(self.model_cfg),
+        }
+        if self.anchor:
+            meta["anchor"] = self.anchor.host_state()
+        if self.codec:
+            meta["codec_applications"] = dict(self.codec.applications)  # host counters of codec forwards
+            meta["codec_steps"] = self.codec.steps
+        meta["health"] = self.health.state_dict()
+        if self.collector.state_dict() is not None:
+            meta["collector"] = self.collector.state_dict()  # the environment RNG: a resume plays the same games
+        if self.guard:
+            meta["guard"] = self.guard.state_dict()
+        if metrics is not None:  # the step's metrics line, restored on resume if the process died before logging it
+            meta["metrics"] = json.loads(json.dumps(metrics, default=float))  # numpy scalars as JSON numbers
+        return meta
+
+    def _restore(self):
+        step = self.ckpt.latest()
+        if step is None:
+            raise ConfigError("--resume", f"no complete checkpoint under {self.ckpt.root}")
+        meta = self._load(step)
+        self.start_step = int(meta["step"])
+        self._resume_row = meta.get("metrics")
+        self._ahead_blob = self.ckpt.read_blob(step, AHEAD_BLOB)  # the finished rollouts of step `step` + 1
+        self.health.load_state_dict(meta.get("health"))
+        self.collector.load_state_dict(meta.get("collector"))
+        if self.guard:
+            self.guard.load_state_dict(meta.get("guard"))
+
+    def _load(self, step) -> dict:
+        """Checkpoint `step` (or "best") into the trainer: train state, circuit state, host counters, history.
+        Returns its meta."""
+        meta = self.ckpt.read_meta(step)
+        layout = meta.get("state_layout", 1)
+        # The restore targets carry the shardings the arrays come back with. A fresh circuit state's clock is host
+        # scalars on one local device: restored like that, it would be a per-process array that cannot then be
+        # placed on the global mesh of a multi-process run. Placed first, every leaf returns on its run sharding.
+        self.cs = place(self.cs, self.cs_sh)
+        if layout == STATE_LAYOUT:
+            # Restore into the fields the checkpoint holds; a field it lacks (one a guard mitigation added since,
+            # the swap's moments) keeps its fresh value.
+            have = meta.get("circuit_fields", self.cs._fields)
+            like = CircuitState(*(v if k in have else None for k, v in zip(self.cs._fields, self.cs)))
+            state, meta = self.ckpt.restore(step, {"train": self.state, "circuit": like})
+            self.state = state["train"]
+            self.cs = CircuitState(*(r if r is not None else f for f, r in zip(self.cs, state["circuit"])))
+        elif layout == 1:
+            state, meta = self.ckpt.restore(step, self._legacy_tree())
+            self.state, self.cs = state["train"], self._from_legacy(state)
+        else:
+            raise ConfigError(
+                "--resume",
+                f"the checkpoint {self.ckpt.root}/{'best' if step == 'best' else f'step_{step:08d}'} has state layout {layout}, written by a newer "
+                f"twocircuit_jax; this one reads layouts 1 and {STATE_LAYOUT}",
+            )
+        if self.anchor:
+            self.anchor.load(meta.get("anchor"), self.ckpt.read_blob(step, ANCHOR_BLOB))
+        self.history = meta["history"]
+        if self.codec:
+            self.codec.applications.update(meta.get("codec_applications", {}))
+            self.codec.steps = int(meta.get("codec_steps", self.codec.steps))
+        return meta
+
+    def _legacy_tree(self):
+        """Restore target of a layout-1 checkpoint (written before the circuit state was one pytree): the train
+        state, a `ctx` dict and the anchor's moments."""
+        cs = self.cs
+        ctx = {"step": cs.clock.step, "first_minibatch": cs.clock.first_minibatch}
+        if self.codec:
+            ctx["codec"] = {"steps": jnp.zeros((), jnp.int32)}
+            if cs.codec is not None:
+                ctx["codec"]["lowrank"] = cs.codec
+            if cs.grad is not None:
+                ctx["codec"]["powersgd"] = cs.grad
+        if cs.merger is not None:
+            ctx.update(merger=cs.merger, anchor_fire=cs.clock.anchor_fire, anchor_merge=cs.clock.anchor_merge)
+        tree = {"train": self.state, "ctx": ctx}
+        if self.anchor:
+            tree["anchor"] = {"moments": cs.moments} if cs.moments is not None else {"none": jnp.zeros((), jnp.int32)}
+        return tree
+
+    def _from_legacy(self, tree) -> CircuitState:
+        ctx, codec = tree["ctx"], tree["ctx"].get("codec", {})
+        if self.codec:
+            self.codec.steps = int(codec["steps"])
+        clock = Clock(
+            ctx["step"],
+            ctx["first_minibatch"],
+            ctx.get("anchor_fire", self.cs.clock.anchor_fire),
+            ctx.get("anchor_merge", self.cs.clock.anchor_merge),
+        )
+        moments = tree.get("anchor", {}).get("moments")
+        return CircuitState(clock, codec.get("lowrank"), codec.get("powersgd"), ctx.get("merger"), moments)
+
+    def _maybe_save_best(self, gs, metrics):
+        if "eval/accuracy" in metrics:
+            best = self.history.get("best")
+            if best is None or metrics["eval/accuracy"] > best:
+                self.history["best"] = metrics["eval/accuracy"]
+                self.ckpt.save_best(gs, self._ckpt_state(), self._meta(gs), metrics["eval/accuracy"], self._blobs())
+
+    def _maybe_checkpoint(self, gs, metrics=None, force: bool = False):
+        """Periodic checkpoint, and the final one when `train.final_checkpoint`; `force` after a guard action, so a
+        resume starts from what the guard left."""
+        t = self.cfg.train
+        final = gs == t.steps and t.final_checkpoint
+        if force or (t.checkpoint_every and gs % t.checkpoint_every == 0) or final:
+            self.ckpt.save(gs, self._ckpt_state(), self._meta(gs, metrics), self._blobs())
+
+    def _blobs(self):
+        blobs = {ANCHOR_BLOB: self.anchor.dump_buffers()} if self.anchor else {}
+        ahead = self.ahead.dump() if self.ahead is not None else None
+        if ahead is not None:
+            blobs[AHEAD_BLOB] = ahead
+        return blobs or None
