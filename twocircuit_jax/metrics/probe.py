@@ -38,12 +38,26 @@ GROUPS = (
 )
 
 
-def dense_probe_metrics(lp_dense, ref_dense, old_logp, ref_codec, sampler_logp, mask, estimator) -> dict:
-    """All inputs [B, T] (mask: every sampled token). Returns host floats; reading them is a host sync."""
+def dense_probe_sums(lp_dense, ref_dense, old_logp, ref_codec, sampler_logp, mask, estimator):
+    """[3] fp32: the token means of the dense reference KL, the codec-view reference KL and the dense gap to the
+    sampler. One program when jitted (`estimator` static): on sharded inputs, op-by-op evaluation would put several
+    small multi-device programs (reductions, reshards) in flight at once, which can deadlock XLA:CPU
+    (parallel/dispatch.py)."""
     n = jnp.maximum(jnp.sum(mask), 1.0)
-    dense = float(jnp.sum(kl_penalty(lp_dense, ref_dense, estimator) * mask) / n)
-    codec = float(jnp.sum(kl_penalty(old_logp, ref_codec, estimator) * mask) / n)
-    gap = float(jnp.sum(jnp.abs(jnp.exp(lp_dense) - jnp.exp(sampler_logp)) * mask) / n)
+    dense = jnp.sum(kl_penalty(lp_dense, ref_dense, estimator) * mask) / n
+    codec = jnp.sum(kl_penalty(old_logp, ref_codec, estimator) * mask) / n
+    gap = jnp.sum(jnp.abs(jnp.exp(lp_dense) - jnp.exp(sampler_logp)) * mask) / n
+    return jnp.stack([dense, codec, gap]).astype(jnp.float32)
+
+
+def dense_probe_metrics(lp_dense, ref_dense, old_logp, ref_codec, sampler_logp, mask, estimator, sums=None) -> dict:
+    """All inputs [B, T] (mask: every sampled token). Returns host floats; reading them is a host sync. `sums`: the
+    jitted `dense_probe_sums` to use (the trainer's, through parallel/dispatch.py); by default it is jitted here."""
+    fn = sums if sums is not None else jax.jit(dense_probe_sums, static_argnames="estimator")
+    dense, codec, gap = (
+        float(x)
+        for x in jax.device_get(fn(lp_dense, ref_dense, old_logp, ref_codec, sampler_logp, mask, estimator=estimator))
+    )
     gain = codec / dense if dense > 1e-8 else float("nan")  # undefined before the policy has moved
     return {"kl/ref_dense": dense, "kl/ref_codec": codec, "kl/gain": gain, "probe/prob_gap_mean": gap}
 

@@ -26,7 +26,7 @@ from twocircuit_jax.metrics.gauges import length_slope, length_stats, to_floats
 from twocircuit_jax.metrics.health import HealthMonitor
 from twocircuit_jax.metrics.logger import MetricsLogger
 from twocircuit_jax.metrics.mismatch import mismatch_by_turn
-from twocircuit_jax.metrics.probe import dense_probe_metrics, make_fidelity_fn
+from twocircuit_jax.metrics.probe import dense_probe_metrics, dense_probe_sums, make_fidelity_fn
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
 from twocircuit_jax.parallel.distributed import is_primary
 from twocircuit_jax.parallel.host import to_global, to_host
@@ -258,6 +258,7 @@ class GRPOTrainer(TrainerCheckpoints):
                 pipeline=pl,
             )
             self.fidelity = dispatch.jit(fid)
+        self.probe_sums = dispatch.jit(dense_probe_sums, static_argnames="estimator")
         self.train_step = build_train_step(
             loss_fn,
             self.optimizer,
@@ -412,7 +413,7 @@ class GRPOTrainer(TrainerCheckpoints):
             dev["ref_logp"] if "ref_logp" in dev else self.logp_ref(self.ref_params, _logp_rows(dev), self.cs)[0]
         )
         return dense_probe_metrics(
-            lp, lr_dense, old_logp, ref_codec, dev["sampler_logp"], mask, self.cfg.grpo.kl_estimator
+            lp, lr_dense, old_logp, ref_codec, dev["sampler_logp"], mask, self.cfg.grpo.kl_estimator, self.probe_sums
         )
 
     def _ticks(self, gs, dev) -> dict:
