@@ -9,6 +9,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # overlap (twocircuit_jax/parallel/dispatch.py), but eager ops on sharded arrays and orbax's background saves are
 # not serialised: a larger pool (idle threads cost nothing) leaves room for them.
 os.environ.setdefault("PJRT_NPROC", "64")
+# ... and one program's own collectives, run concurrently by XLA:CPU, can do the same (twocircuit_jax/parallel/
+# distributed.py CPU_SCHEDULER_FLAG): the scheduler flag the CLI adds, added here for the in-process runs.
+from twocircuit_jax.parallel.distributed import cpu_xla_flags  # noqa: E402
+
+cpu_xla_flags()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

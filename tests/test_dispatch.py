@@ -87,3 +87,24 @@ def test_wrapper_binds_self_as_a_method_decorator():
 
     assert float(Scale(3.0).apply(jnp.float32(2.0))) == 6.0
     assert isinstance(Scale.__dict__["apply"], dispatch.Jitted)
+
+
+def test_cpu_scheduler_flag_is_added_once_and_a_users_choice_kept():
+    """The CLI (and conftest) add XLA:CPU's scheduler flag (parallel/distributed.py CPU_SCHEDULER_FLAG) to the
+    flags already given, once, and leave a value the user set alone."""
+    from twocircuit_jax.parallel.distributed import CPU_SCHEDULER_FLAG, cpu_xla_flags
+
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    cpu_xla_flags(env)
+    cpu_xla_flags(env)
+    assert env["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=8 {CPU_SCHEDULER_FLAG}"
+    env = {}
+    cpu_xla_flags(env)
+    assert env["XLA_FLAGS"] == CPU_SCHEDULER_FLAG
+    mine = {"XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_scheduler=true"}
+    cpu_xla_flags(mine)
+    assert mine["XLA_FLAGS"] == "--xla_cpu_enable_concurrency_optimized_scheduler=true"
+    # the test session runs under it (conftest), so every staged program of the suite does
+    import os
+
+    assert CPU_SCHEDULER_FLAG in os.environ["XLA_FLAGS"]

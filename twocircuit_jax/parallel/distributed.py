@@ -113,8 +113,26 @@ def _check_address(addr: str) -> str:
     return addr
 
 
+# XLA:CPU runs the independent collectives of one program concurrently, each holding a thread of a pool shared by
+# every simulated device while it waits at its rendezvous. On 8 simulated devices a staged step (two circuits, the
+# anchor firing) ended in that pool: seven devices waiting at a boundary `ppermute`, one at a `data` all-reduce, and
+# the eighth device with no thread to reach either; XLA aborts after 40 s. Seen at steps 24 to 84 of 300 in four of
+# five runs here. Without XLA's concurrency-optimised scheduler the same runs finish, with metrics bit-identical to
+# the aborted runs' steps (the flag orders work; it changes no arithmetic). GPU and TPU backends ignore it.
+CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
+def cpu_xla_flags(env=os.environ) -> None:
+    """Add CPU_SCHEDULER_FLAG to XLA_FLAGS unless the flag is set there already. XLA reads XLA_FLAGS when JAX starts
+    its first backend: call before any JAX computation (the CLI does, in `initialize`)."""
+    flags = env.get("XLA_FLAGS", "")
+    if CPU_SCHEDULER_FLAG.split("=")[0] not in flags:
+        env["XLA_FLAGS"] = f"{flags} {CPU_SCHEDULER_FLAG}".strip()
+
+
 def initialize(launch: Launch) -> None:
     """Configure and start JAX for `launch`. Call once, before any JAX computation."""
+    cpu_xla_flags()
     import jax
 
     if launch.local_devices is not None:
