@@ -146,9 +146,7 @@ def test_staged_step_equals_the_one_program_step(narrow, codec, extra, width):
         # PowerSGD reduces each stage's own layers over `data`: its packed buffers keep the layer stack's split over
         # `stage` ([L/S, Σ] per stage), so nothing is gathered or moved between stages outside the boundaries.
         # (One flat buffer of every leaf made XLA all-gather the whole layer stack's gradient over `stage`.)
-        # The only gather is the embedding's, stored split over `stage` and taken whole by the pipeline.
-        gathers = re.findall(r"= (\w+\[[\d,]*\])\S* all-gather(?:-start)?\(", hlo)
-        assert set(gathers) <= {"f32[100,16]"}, gathers
+        assert not re.search(r" all-gather(?:-start)?\(", hlo)
         assert not [ln for ln in hlo.splitlines() if " collective-permute" in ln and "stage_boundary" not in ln]
     exit_bytes = staged_bytes(hlo, 2)["stage_exit"]
     assert exit_bytes <= 4 * (16 * 12 * 4) + 4 * (100 * 16 + 16) + 1024, exit_bytes
@@ -160,8 +158,6 @@ def test_staged_step_equals_the_one_program_step(narrow, codec, extra, width):
     # each stage's devices hold their own layer: the leading layer axis is split 4 ways
     q = p1["layers"]["q_proj"]["kernel"]
     assert {s.data.shape[0] for s in q.addressable_shards} == {1}
-    # and the embedding (tied LM head) is stored split over the stages along the vocabulary: 100 / 4 rows each
-    assert {s.data.shape for s in p1["embed"].addressable_shards} == {(25, 16)}
 
 
 @pytest.mark.slow

@@ -112,9 +112,6 @@ def _pack(xs):
     return jnp.concatenate([x.astype(F32).reshape(-1) for x in xs]) if xs else jnp.zeros((0,), F32)
 
 
-_SPLIT_ENDS = ("embed", "lm_head")  # stored split over `stage` along the vocabulary on a staged mesh
-
-
 def _stacked(path: str) -> bool:
     """A leaf of the layer stack [L, ...]: split over `stage` when the pipeline is real (parallel/mesh.py)."""
     return path.startswith("layers/")
@@ -124,18 +121,14 @@ def _reduce_packed(xs, paths, collective, staged: bool):
     """collective(one packed fp32 buffer) per group, unpacked back into xs' shapes (fp32).
 
     Unstaged: one flat buffer of every leaf. On a staged mesh the layer-stack leaves [L, ...] pack along axis 1 into
-    one [L, Σ] buffer, which keeps their split over `stage` (each stage reduces its own layers, over `data` only);
-    the end weights, stored split over `stage` along the vocabulary (parallel/mesh.py), go alone; the rest pack
-    flat: up to four collectives. One flat buffer there would make the partitioner gather every stage's layers
-    first (measured: the whole layer stack's gradient all-gathered over `stage` per tick)."""
+    one [L, Σ] buffer, which keeps their split over `stage` (each stage reduces its own layers, over `data` only),
+    and the rest pack flat: two collectives. One flat buffer there would make the partitioner gather every stage's
+    layers first (measured: the whole layer stack's gradient all-gathered over `stage` per tick)."""
     if not staged:
         return _unpack(collective(_pack(xs)), xs)
     out = [None] * len(xs)
     lay = [i for i, p in enumerate(paths) if p is not None and _stacked(p)]
-    for i, p in enumerate(paths):
-        if p in _SPLIT_ENDS:
-            out[i] = collective(xs[i].astype(F32))
-    rest = [i for i in range(len(xs)) if i not in lay and paths[i] not in _SPLIT_ENDS]
+    rest = [i for i in range(len(xs)) if i not in lay]
     if lay:
         L = xs[lay[0]].shape[0]
         buf = collective(jnp.concatenate([xs[i].astype(F32).reshape(L, -1) for i in lay], axis=1))

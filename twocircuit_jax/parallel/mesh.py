@@ -24,13 +24,9 @@ BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both
 
 # (regex on the '/'-joined param path, spec for the array). Stacked layer arrays lead with the layer axis, split
 # over `stage` (contiguous: stage s holds layers s*L/S .. (s+1)*L/S - 1; with stage = 1 it is not split).
-# The end weights (embedding, LM head) are stored split over `stage` too, along the vocabulary (with `tensor`): their
-# fp32 values and Adam moments take 1/S of a device's memory, like the layers. The pipeline gathers them over `stage`
-# once per pass, where its shard_map takes them whole (parallel/pipeline.py), and their gradient leaves as a sum over
-# `stage` split back. At Qwen2.5-1.5B shapes and S = 4 that is 2.1 GB less per device for one 0.93 GB gather per pass.
 PARAM_RULES: list[tuple[str, tuple]] = [
-    (r"^embed$", (("stage", "tensor"), "fsdp")),
-    (r"^lm_head$", ("fsdp", ("stage", "tensor"))),
+    (r"^embed$", ("tensor", "fsdp")),
+    (r"^lm_head$", ("fsdp", "tensor")),
     (r"^layers/(q_proj|k_proj|v_proj|gate_proj|up_proj)/kernel$", ("stage", "fsdp", "tensor")),
     (r"^layers/(o_proj|down_proj)/kernel$", ("stage", "tensor", "fsdp")),
     (r"^layers/(q_proj|k_proj|v_proj)/bias$", ("stage", "tensor")),
@@ -71,17 +67,10 @@ def path_str(path) -> str:
 
 
 def _fit(spec: tuple, shape: tuple, mesh: Mesh) -> P:
-    """Drop mesh axes that do not divide the dimension (or are absent from the array's rank). A dimension split over
-    several axes (a tuple) keeps those whose sizes multiply to a divisor, dropping from the front (`stage` before
-    `tensor`: the matmul's own split is kept longest)."""
+    """Drop mesh axes that do not divide the dimension (or are absent from the array's rank)."""
     out = []
     for dim, ax in zip(shape, spec + (None,) * (len(shape) - len(spec))):
-        if isinstance(ax, tuple):
-            axes = [a for a in ax if a in mesh.shape and mesh.shape[a] > 1]
-            while axes and dim % math.prod(mesh.shape[a] for a in axes):
-                axes.pop(0)
-            ax = tuple(axes) if len(axes) > 1 else (axes[0] if axes else None)
-        elif ax is not None and (ax not in mesh.shape or dim % mesh.shape[ax] != 0):
+        if ax is not None and (ax not in mesh.shape or dim % mesh.shape[ax] != 0):
             ax = None
         out.append(ax)
     while out and out[-1] is None:
