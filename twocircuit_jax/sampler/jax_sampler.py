@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from twocircuit_jax.config.sections import ModelConfig, SamplingConfig
-from twocircuit_jax.model.qwen2 import decode_step, init_cache
+from twocircuit_jax.model.qwen2 import decode_step, init_cache, split_layers
 from twocircuit_jax.parallel import dispatch
 from twocircuit_jax.parallel.host import to_host
 from twocircuit_jax.sampler.base import Rollout
@@ -24,6 +24,12 @@ def process_logits(logits, temperature, top_k, top_p):
     """Log-probs [B, V] of the sampling distribution. temperature 0 -> untempered (argmax is taken outside)."""
     t = jnp.where(temperature > 0, temperature, 1.0)
     lp = jax.nn.log_softmax(logits.astype(jnp.float32) / t, axis=-1)
+    # The truncations sort the vocabulary of every row: a branch taken at run time skips that when there is none
+    # (top-k 0, top-p 1), without a compile per setting.
+    return jax.lax.cond((top_k > 0) | (top_p < 1.0), _truncate, lambda lp, k, p: lp, lp, top_k, top_p)
+
+
+def _truncate(lp, top_k, top_p):
     V = lp.shape[-1]
     sorted_lp = jnp.sort(lp, axis=-1)[:, ::-1]
     # top-k: keep values >= the k-th largest (k = 0 disables)
@@ -45,7 +51,8 @@ def generate_tokens(
     """prompt [B, P] left-padded. Returns tokens [B, N], logps [B, N], lengths [B], truncated [B]."""
     B, P = prompt.shape
     cache = init_cache(cfg, B, P + max_new_tokens)
-    logits, cache = decode_step(cfg, params, cache, prompt, prompt_mask)
+    layers = split_layers(params)  # once, not per generated token
+    logits, cache = decode_step(cfg, params, cache, prompt, prompt_mask, layers)
     eos = cfg.eos_token_id
 
     def pick(logits, k):
@@ -61,7 +68,7 @@ def generate_tokens(
         tok = jnp.where(done, cfg.pad_token_id, tok)
         lp = jnp.where(done, 0.0, lp)
         new_done = done | (tok == eos)
-        logits, cache = decode_step(cfg, params, cache, tok[:, None], jnp.ones((B, 1), jnp.int32))
+        logits, cache = decode_step(cfg, params, cache, tok[:, None], jnp.ones((B, 1), jnp.int32), layers)
         return (cache, logits[:, -1], new_done), (tok, lp, done)
 
     init = (cache, logits[:, -1], jnp.zeros((B,), bool))
