@@ -105,10 +105,14 @@ class MetricsLogger:
         rec.update(_plain({k: v for k, v in host.items() if k != "step"}))
         self._file.write(json.dumps(rec) + "\n")
         self._file.flush()
-        for k, v in rec.items():
-            x = _scalar(v)
-            if k != "step" and x is not None:
-                self._tb.add_scalar(k, x, global_step=int(step))
+        # One TensorBoard event a step holding every scalar: one `add_scalar` per metric costs ~0.2 ms each (a proto,
+        # an event and a queue hand-off apiece), about 20 ms a step at 90 metrics.
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        scalars = {k: _scalar(v) for k, v in rec.items() if k != "step"}
+        values = [Summary.Value(tag=k, simple_value=x) for k, x in scalars.items() if x is not None]
+        if values:
+            self._tb._get_file_writer().add_summary(Summary(value=values), global_step=int(step))
         self._remember(rec)
         self.last_step = max(self.last_step, int(step))
         self._refresh_postfix()
