@@ -48,6 +48,56 @@ def test_fused_loss_equals_the_loss_after_separate_passes():
     assert gap > 1e-3 * max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(ga))
 
 
+def test_fused_diagnostics_per_replica_are_the_global_ones():
+    """Under a gradient codec the loss runs per data replica (fast/grad_fn.py): with `rows_over` its diagnostics
+    gather their inputs, so on 8 replicas of 2 rows each the loss, gradient, TIS weights and metrics are the
+    one-program loss's."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from twocircuit_jax.fast.grad_fn import _reduce_metrics, global_normalisers
+
+    cfg = narrow_run_config(kl_coef=0.0)
+    grpo = cfg.grpo.__class__(**{**cfg.grpo.__dict__, "tis": "token", "tis_cap": 2.0})
+    params = init_params(cfg.model, jax.random.PRNGKey(0))
+    batch, k = narrow_batch(4)
+    cs = circuit_state()
+    old, _, _ = make_logp_fn(cfg.model)(params, batch, cs)
+    batch["sampler_logp"] = old + 0.5 * jax.random.normal(k[2], old.shape)  # weights well away from 1
+    batch["full_mask"] = batch["response_mask"]
+    batch["response_mask"] = batch["response_mask"] * (jnp.arange(16) % 5 != 0)[:, None]
+    batch["truncated"] = jax.random.bernoulli(k[3], 0.5, (16,))
+    (l1, m1), g1 = jax.value_and_grad(make_grpo_loss(cfg.model, grpo, 6, diagnose=True), has_aux=True)(
+        params, batch, cs
+    )
+    axes = ("data", "fsdp")
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(8, 1), axes)
+
+    def per_replica(rows_over):
+        loss_fn = make_grpo_loss(cfg.model, grpo, 6, diagnose=True, rows_over=rows_over)
+
+        def body(params, batch):
+            batch = dict(batch, **global_normalisers(batch["response_mask"], axes))
+            (loss, m), g = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, cs)
+            return jax.lax.pmean(loss, axes), _reduce_metrics(m, axes), jax.lax.pmean(g, axes)
+
+        spec = jax.tree.map(lambda _: P(axes), batch)
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), spec), out_specs=P(), check_vma=False))(
+            params, batch
+        )
+
+    l8, m8, g8 = per_replica(axes)
+    np.testing.assert_allclose(l8, l1, rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-8)
+    diag_keys = [key for key in m1 if key.startswith(("tis/", "mismatch/", "policy/entropy"))]
+    assert {"mismatch/prob_gap_max", "mismatch/prob_corr", "tis/clip_frac"} <= set(diag_keys)
+    for key in diag_keys:
+        np.testing.assert_allclose(m8[key], m1[key], rtol=1e-5, atol=1e-7, err_msg=key)
+    # the comparison can fail: each replica's diagnostics on its own 2 rows, averaged, are other numbers
+    _, m_local, _ = per_replica(None)
+    assert any(abs(float(m_local[key]) - float(m1[key])) > 1e-3 * max(1.0, abs(float(m1[key]))) for key in diag_keys)
+
+
 CFG = tiny_config(
     grpo={"kl_coef": 0.0},
     train={"steps": 2, "train_batch": 4, "mini_batch": 4, "eval_every": 0, "final_checkpoint": False},
@@ -65,11 +115,20 @@ def _run(path, fused, monkeypatch, fast=None):
     return [json.loads(line) for line in open(os.path.join(path, "metrics.jsonl"))], params
 
 
+FAST = {
+    "none": None,
+    "prf_mask": {"codec": {"type": "prf_mask", "p": 0.5}},
+    "powersgd": {"grad_codec": {"type": "powersgd", "rank": 2, "start_after": 0}},
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("codec", ["none", "prf_mask"])
+@pytest.mark.parametrize("codec", list(FAST))
 def test_loop_skips_the_old_pass_and_reports_the_same(tmp_path, monkeypatch, codec):
-    """Dense, and under the PRF mask, whose ℓ_old view is the train view (the same mask bits)."""
-    fast = {"codec": {"type": "prf_mask", "p": 0.5}} if codec == "prf_mask" else None
+    """Dense; under the PRF mask, whose ℓ_old view is the train view (the same mask bits); and under PowerSGD,
+    whose loss runs per data replica (8 here): the diagnostics gather their inputs, so a max, a correlation and
+    the TIS weights are the global ones, not means over replicas."""
+    fast = FAST[codec]
     fused, p_fused = _run(str(tmp_path / "fused"), True, monkeypatch, fast)
     apart, p_apart = _run(str(tmp_path / "apart"), False, monkeypatch, fast)
     for f, a in zip(fused, apart, strict=True):
@@ -77,7 +136,7 @@ def test_loop_skips_the_old_pass_and_reports_the_same(tmp_path, monkeypatch, cod
         prefixes = ("mismatch/", "tis/", "policy/", "ppo/", "grad/", "reward/", "codec/old_logprob/")
         keys = [k for k in a if k.startswith(prefixes)]
         assert {"mismatch/kl_k3", "mismatch/prob_gap_max", "policy/entropy", "ppo/clip_frac"} <= set(keys)
-        if codec != "none":
+        if codec == "prf_mask":
             assert a["codec/old_logprob/mask_ratio"] == pytest.approx(0.5, abs=0.05)
         assert set(keys) <= set(f), set(keys) - set(f)
         for k in keys:

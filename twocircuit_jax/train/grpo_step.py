@@ -48,7 +48,9 @@ def make_logp_fn(model_cfg, codec=None, tag: str = OLD, pipeline=None):
     return fn
 
 
-def make_grpo_loss(model_cfg, grpo_cfg, max_new_tokens: int, codec=None, pipeline=None, diagnose: bool = False):
+def make_grpo_loss(
+    model_cfg, grpo_cfg, max_new_tokens: int, codec=None, pipeline=None, diagnose: bool = False, rows_over=None
+):
     """loss_fn(params, batch, cs) -> (loss, metrics) for train.step.make_train_step.
 
     batch carries old_logp (and ref_logp when kl_coef > 0), advantages, response_mask (loss mask applied),
@@ -61,11 +63,16 @@ def make_grpo_loss(model_cfg, grpo_cfg, max_new_tokens: int, codec=None, pipelin
 
     `diagnose`: the step's one tick is its first mini-batch, so the batch has no old_logp and this forward is the
     old-log-prob pass too: the TIS weights and the step's diagnostics (`make_diagnostics_fn`, over the batch's
-    `full_mask` and `truncated`) come from it, and one program replaces three. Only where the loss sees the whole
-    batch as one global computation (no pipeline, no gradient codec): a max or a correlation is not a mean over
-    replicas.
+    `full_mask` and `truncated`) come from it, and one program replaces three. A max or a correlation is not a
+    mean over replicas, so where the loss runs per replica (`rows_over`: the mesh axes of a gradient codec's
+    shard_map, fast/grad_fn.py) the diagnostics' inputs are gathered over them first: every replica computes the
+    global TIS weights and metrics from [B, T] scalars (six such arrays on the wire, against a second forward
+    pass saved) and keeps its own rows' weights. Not under the pipeline (its loss is one program already, but its
+    passes are not fused; loop.py).
     """
     diagnostics = make_diagnostics_fn(grpo_cfg) if diagnose else None
+    if diagnostics is not None and rows_over:
+        diagnostics = _over_replicas(diagnostics, rows_over)
 
     def loss_fn(params, batch, cs):
         stats, aux = _policy_pass(
@@ -101,6 +108,22 @@ def make_grpo_loss(model_cfg, grpo_cfg, max_new_tokens: int, codec=None, pipelin
         return loss, metrics
 
     return loss_fn
+
+
+def _over_replicas(diagnostics, axes):
+    """`diagnostics` inside a shard_map over the batch `axes`: on the gathered global rows, this replica's rows of
+    the weights back (the tiled gather orders replicas by their linear index over `axes`)."""
+    axes = tuple(axes)
+
+    def fn(*xs):
+        rows = xs[0].shape[0]
+        glob = [jax.lax.all_gather(jax.lax.stop_gradient(x), axes, axis=0, tiled=True) for x in xs]
+        w, metrics = diagnostics(*glob)
+        if w is not None:
+            w = jax.lax.dynamic_slice_in_dim(w, jax.lax.axis_index(axes) * rows, rows, axis=0)
+        return w, metrics
+
+    return fn
 
 
 def make_diagnostics_fn(grpo_cfg):

@@ -229,9 +229,11 @@ class GRPOTrainer(TrainerCheckpoints):
         codec = self.codec if (self.codec and self.codec.has_activation_codec) else None
         pl = self.pipeline
         # One tick per step (one mini-batch, one epoch: a second epoch's ℓ_old is not its own forward's), single-
-        # turn, the loss one global computation: the train forward is the old-log-prob pass (grpo_step.py). Under an activation codec too when ℓ_old takes the codec's view: the train view is
-        # the same (the codec keys on the step and the rows, not on the path).
-        one_view = self.codec is None or (self.codec.grad_codec is None and self.codec.applies(OLD))
+        # turn, not pipelined: the train forward is the old-log-prob pass (grpo_step.py). Under an activation codec
+        # too when ℓ_old takes the codec's view: the train view is the same (the codec keys on the step and the
+        # rows, not on the path). Under a gradient codec the loss runs per data replica: the diagnostics gather
+        # their inputs over the batch axes (grpo_step.make_grpo_loss, rows_over).
+        one_view = self.codec is None or not self.codec.has_activation_codec or self.codec.applies(OLD)
         self.old_from_train = (
             self.FUSE_OLD_PASS
             and cfg.ticks_per_step == 1
@@ -242,7 +244,10 @@ class GRPOTrainer(TrainerCheckpoints):
             and not cfg.train.probe_every
             and not cfg.env.enabled
         )
-        loss_fn = make_grpo_loss(self.model_cfg, cfg.grpo, self.max_new, codec, pl, diagnose=self.old_from_train)
+        rows_over = pmesh.BATCH_AXES if (self.codec and self.codec.grad_codec is not None) else None
+        loss_fn = make_grpo_loss(
+            self.model_cfg, cfg.grpo, self.max_new, codec, pl, diagnose=self.old_from_train, rows_over=rows_over
+        )
         grad_fn = self.codec.grad_fn(self.state_sh.params) if self.codec else None
         grad_transform = self.anchor.grad_transform if self.anchor else None
         self.fidelity = None
