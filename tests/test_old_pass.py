@@ -17,18 +17,27 @@ from twocircuit_jax.train import loop
 from twocircuit_jax.train.grpo_step import make_diagnostics_fn, make_grpo_loss, make_logp_fn
 
 
-def test_fused_loss_equals_the_loss_after_separate_passes():
+def _disagreeing_sampler():
+    """(cfg, grpo with token TIS, params, cs, batch, ℓ_old, entropy): the narrow run's batch with a sampler that
+    disagreed with the trainer (TIS weights well away from 1, some capped), a loss mask that drops some rows
+    (`full_mask` keeps them) and random `truncated` flags."""
     cfg = narrow_run_config(kl_coef=0.0)
     grpo = cfg.grpo.__class__(**{**cfg.grpo.__dict__, "tis": "token", "tis_cap": 2.0})
     params = init_params(cfg.model, jax.random.PRNGKey(0))
     batch, k = narrow_batch(4)
     cs = circuit_state()
     old, ent, _ = make_logp_fn(cfg.model)(params, batch, cs)
-    # a sampler that disagreed with the trainer: TIS weights well away from 1, some of them capped
     batch["sampler_logp"] = old + 0.5 * jax.random.normal(k[2], old.shape)
-    full = batch["response_mask"]
-    batch["response_mask"] = full * (jnp.arange(16) % 5 != 0)[:, None]  # a loss mask that drops some rows
-    trunc = jax.random.bernoulli(k[3], 0.5, (16,))
+    batch["full_mask"] = batch["response_mask"]
+    batch["response_mask"] = batch["response_mask"] * (jnp.arange(16) % 5 != 0)[:, None]
+    batch["truncated"] = jax.random.bernoulli(k[3], 0.5, (16,))
+    return cfg, grpo, params, cs, batch, old, ent
+
+
+def test_fused_loss_equals_the_loss_after_separate_passes():
+    cfg, grpo, params, cs, fused_batch, old, ent = _disagreeing_sampler()
+    batch = dict(fused_batch)
+    full, trunc = batch.pop("full_mask"), batch.pop("truncated")
     w, diag = make_diagnostics_fn(grpo)(old, batch["sampler_logp"], batch["response_mask"], full, trunc, ent)
     assert diag["tis/clip_frac"] > 0.01 and diag["tis/weight_min"] < 0.8
 
@@ -36,7 +45,7 @@ def test_fused_loss_equals_the_loss_after_separate_passes():
     fused = make_grpo_loss(cfg.model, grpo, 6, diagnose=True)
     grad = lambda f, b: jax.value_and_grad(f, has_aux=True)(params, b, cs)  # noqa: E731
     (la, ma), ga = grad(apart, {**batch, "old_logp": old, "is_weight": w})
-    (lf, mf), gf = grad(fused, {**batch, "full_mask": full, "truncated": trunc})
+    (lf, mf), gf = grad(fused, fused_batch)
     np.testing.assert_allclose(lf, la, rtol=1e-6)
     for x, y in zip(jax.tree.leaves(gf), jax.tree.leaves(ga)):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-9)
@@ -56,16 +65,7 @@ def test_fused_diagnostics_per_replica_are_the_global_ones():
 
     from twocircuit_jax.fast.grad_fn import _reduce_metrics, global_normalisers
 
-    cfg = narrow_run_config(kl_coef=0.0)
-    grpo = cfg.grpo.__class__(**{**cfg.grpo.__dict__, "tis": "token", "tis_cap": 2.0})
-    params = init_params(cfg.model, jax.random.PRNGKey(0))
-    batch, k = narrow_batch(4)
-    cs = circuit_state()
-    old, _, _ = make_logp_fn(cfg.model)(params, batch, cs)
-    batch["sampler_logp"] = old + 0.5 * jax.random.normal(k[2], old.shape)  # weights well away from 1
-    batch["full_mask"] = batch["response_mask"]
-    batch["response_mask"] = batch["response_mask"] * (jnp.arange(16) % 5 != 0)[:, None]
-    batch["truncated"] = jax.random.bernoulli(k[3], 0.5, (16,))
+    cfg, grpo, params, cs, batch, _, _ = _disagreeing_sampler()
     (l1, m1), g1 = jax.value_and_grad(make_grpo_loss(cfg.model, grpo, 6, diagnose=True), has_aux=True)(
         params, batch, cs
     )
