@@ -41,10 +41,12 @@ def test_layout1_checkpoint_resumes_exactly(tmp_path):
         for k, v in ro.items():
             if k.startswith("time/") or not isinstance(v, (int, float)):
                 continue
-            # The fixture was recorded on another host, and XLA:CPU's last bits differ between CPU types: the first
-            # resumed step agrees to 1e-6; after it the round-off grows (1e-4 by step 6 on an AMD EPYC host). A
-            # resume from a wrong state (data order, RNG, optimizer or circuit state) is off from the first step.
-            rel = 1e-6 if ro["step"] == 4 else 1e-3
+            # The fixture was recorded on another host and by older code, and XLA:CPU's last bits differ between
+            # CPU types and between two orders of one matmul's sums (the model's linears over flattened tokens
+            # moved a merger ratio by 2.8e-6): the first resumed step agrees to 1e-5; after it the round-off grows
+            # (3e-4 by step 6). A resume from a wrong state (data order, RNG, optimizer or circuit state) is off
+            # from the first step.
+            rel = 1e-5 if ro["step"] == 4 else 1e-3
             assert rn[k] == pytest.approx(v, abs=1e-6, rel=rel), (ro["step"], k)
     assert CheckpointManager(run / "checkpoints").read_meta(6)["state_layout"] == 2  # new saves use the new one
 
