@@ -12,9 +12,10 @@ Adam-sized step (lr times a random sign, so every weight moves, as under Adam), 
   cast      device -> host copy in the sampler dtype (trainer)
   diff      changed words and hashes (trainer; a full version hashes every word)
   write     orbax save + atomic rename (trainer)
-  apply     sampler: read the version, check its hash, apply it to the host copy, build the touched tensors
-  reload    in the vLLM engine (in-place reload of the touched modules + prefix-cache reset); only where --engine
-            starts an engine for that size ("-" otherwise)
+  apply     sampler: read the version, check its hashes, apply it to the host copy, and map a delta's changed
+            words to their places in the engine's tensors (a full version: build every Hugging Face tensor)
+  reload    in the vLLM engine: a delta's words written into its tensors in place (a full version: every tensor
+            reloaded), then the prefix cache reset; only where --engine starts an engine for that size ("-" else)
   total     the trainer's update_weights() call end to end (engine rows), else cast + diff + write + apply
   copy      `cp` of the full fp32 weights' bytes on the same file system, measured in the same run
 
@@ -43,6 +44,7 @@ from twocircuit_jax.config.sections import ModelConfig, SamplerConfig  # noqa: E
 from twocircuit_jax.model import init_params, save_hf  # noqa: E402
 from twocircuit_jax.model.hf_io import hf_names_touched, to_hf_state_dict  # noqa: E402
 from twocircuit_jax.sampler import (
+    engine_layout,  # noqa: E402
     export as ex,  # noqa: E402
     weight_sync as ws,  # noqa: E402
 )
@@ -90,11 +92,16 @@ def _copy_s(src_dir: str, work: str) -> float:
 
 
 def _apply_s(store, cfg, path) -> float:
-    """The sampler's side without an engine: WeightStore.load + the touched HF tensors (what /load does)."""
+    """The sampler's side without an engine, as /load does it: WeightStore.load, then the engine positions of a
+    delta's words (sampler/engine_layout.py) or, for a full version, every Hugging Face tensor."""
     t0 = time.perf_counter()
     changed = store.load(path)
     shapes = {n: x.shape for n, x in zip(store.names, store.leaves)}
-    to_hf_state_dict(cfg, store.params(), only=hf_names_touched(changed, shapes))
+    if changed and all(v is None for v in changed.values()):
+        to_hf_state_dict(cfg, store.params(), only=hf_names_touched(changed, shapes))
+    else:
+        for leaf, idx in changed.items():
+            engine_layout.targets(cfg, leaf, shapes[leaf], idx)
     return time.perf_counter() - t0
 
 

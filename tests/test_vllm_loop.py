@@ -75,7 +75,14 @@ def test_vllm_async_rollouts_come_from_the_previous_version(tmp_path):
     from twocircuit_jax.config import load_config
     from twocircuit_jax.train.loop import GRPOTrainer
 
-    data = {**CFG, "train": {**CFG["train"], "steps": 3, "async_rollouts": 1}, "grpo": {"tis": "token"}}
+    # deltas reach this engine by reloading whole modules (the other test covers in-place writes)
+    sampler = {**CFG["sampler"], "weight_update": "reload"}
+    data = {
+        **CFG,
+        "sampler": sampler,
+        "train": {**CFG["train"], "steps": 3, "async_rollouts": 1},
+        "grpo": {"tis": "token"},
+    }
     tr = GRPOTrainer(load_config(data=data), str(tmp_path / "run"), show_progress=False)
     assert tr.ahead.threaded
     params, rows = {0: jax.tree.map(np.asarray, tr.state.params)}, []

@@ -203,6 +203,8 @@ def test_delta_sync_twenty_updates_restart_and_corrupt_delta(setup):
         s.update_weights(p, v)
         kinds.append(s.last_publish.kind)
         assert s.last_load["version"] == v and s.last_load["hashes"] == s.publisher.hashes
+        # a delta is written into the engine's tensors (v19: the restarted server had no base and got it whole)
+        assert s.last_load["inplace"] == (s.last_publish.kind == "delta" and v != 19)
         want = [np.asarray(x, np.float32).view(np.uint32).ravel() for x in jax.tree.leaves(p)]
         assert all(np.array_equal(a.view(np.uint32).ravel(), b) for a, b in zip(s.publisher.host, want))
         if v in (14, 22):

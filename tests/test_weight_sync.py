@@ -1,8 +1,9 @@
 """Delta weight sync without an engine: the hash, the publisher/store round trip, the on-disk chain and refusals.
 
-The engine side (vLLM reloading only the changed modules, a restart, a corrupted delta sent again whole) is in
+The engine side (vLLM taking a delta's words in place, a restart, a corrupted delta sent again whole) is in
 tests/test_vllm_sampler.py."""
 
+import dataclasses
 import json
 import os
 
@@ -161,6 +162,42 @@ def test_hf_names_touched_maps_stacked_layers():
     )
 
 
+def _vllm_layout(cfg, params) -> dict:
+    """vLLM's tensors built the slow way: HF tensors with q/k/v and gate/up concatenated row-wise."""
+    hf = to_hf_state_dict(cfg, params)
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}."
+        for fused, parts in (("self_attn.qkv_proj", ("q", "k", "v")), ("mlp.gate_up_proj", ("gate", "up"))):
+            for kind in ("weight", "bias"):
+                names = [f"{pre}{fused.split('.')[0]}.{p}_proj.{kind}" for p in parts]
+                if names[0] in hf:
+                    hf[f"{pre}{fused}.{kind}"] = np.concatenate([hf.pop(n) for n in names])
+    return {k: np.array(v, copy=True) for k, v in hf.items()}
+
+
+def test_engine_layout_writes_a_delta_where_vllm_keeps_each_word():
+    """Writing each changed word at engine_layout.targets' positions turns vLLM's tensors of the old parameters
+    into those of the new ones, for every leaf kind (fused q/k/v and gate/up, biases, norms, embedding, head)."""
+    from twocircuit_jax.sampler import engine_layout
+
+    cfg = dataclasses.replace(CFG, tie_embeddings=False)
+    old = jax.device_get(init_params(cfg, jax.random.PRNGKey(0)))
+    old = {**old, "lm_head": old["embed"].T.copy()} if "lm_head" not in old else old
+    new = jax.device_get(_step(old, jax.random.PRNGKey(1), frac=0.2))
+    engine, want = _vllm_layout(cfg, old), _vllm_layout(cfg, new)
+    assert not all(np.array_equal(engine[k], want[k]) for k in want)
+    names, olds, _ = ws.leaf_names(old)
+    _, news, _ = ws.leaf_names(new)
+    for name, o, n in zip(names, olds, news):
+        idx = np.flatnonzero(ws.words(o) != ws.words(n)).astype(np.uint32)
+        vals = np.asarray(n).reshape(-1)[idx]
+        for t in engine_layout.targets(cfg, name, o.shape, idx):
+            assert engine[t.name].shape == engine_layout.engine_shape(cfg, name, o.shape)
+            engine[t.name].reshape(-1)[t.pos] = vals[t.lo : t.hi]
+    bad = [k for k in want if not np.array_equal(engine[k], want[k])]
+    assert not bad, bad[:4]
+
+
 def test_diff_leaves_in_chunks_equals_the_direct_diff(monkeypatch):
     monkeypatch.setattr(ws, "_CHUNK", 1000)  # many ranges per leaf, spread over the thread pool
     rng = np.random.default_rng(1)
@@ -176,3 +213,23 @@ def test_diff_leaves_in_chunks_equals_the_direct_diff(monkeypatch):
         np.testing.assert_array_equal(i, np.flatnonzero(o != n))
         np.testing.assert_array_equal(v, n[i])
         assert h == ws.leaf_hash(n) and np.array_equal(w, n)  # the old copy became the new one in place
+
+
+def test_bench_export_runs_and_a_delta_writes_less(tmp_path, capsys):
+    """scripts/bench_export.py on the tiny shapes without an engine: one row per sync kind, the delta's payload a
+    small share of the full one's (the timings are a benchmark's, never asserted); a bad size exits 2."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_export.py")
+    spec = importlib.util.spec_from_file_location("bench_export", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--sizes", "tiny,huge"]) == 2
+    assert "--sizes" in capsys.readouterr().err
+    assert bench.main(["--sizes", "tiny", "--engine", "none", "--reps", "1", "--dir", str(tmp_path)]) == 0
+    rows = {r.split()[2]: r.split() for r in capsys.readouterr().out.splitlines() if r.strip().startswith("tiny")}
+    assert set(rows) == {"full", "delta"}
+    mib = {k: float(v[3].removesuffix("MiB")) for k, v in rows.items()}
+    changed = {k: float(v[4]) for k, v in rows.items()}
+    assert changed["full"] == 1.0 and 0 < changed["delta"] < 0.2
+    assert mib["delta"] < 0.5 * mib["full"]

@@ -162,6 +162,13 @@ class SamplerConfig:
         ),
     )
     full_every: int = field(default=20, metadata=doc("vllm: with delta sync, every n-th version is written whole"))
+    weight_update: Literal["inplace", "reload"] = field(
+        default="inplace",
+        metadata=doc(
+            "vllm: how a delta reaches the engine: inplace = its changed words are written into the engine's "
+            "tensors; reload = the touched modules are reloaded whole (where vLLM packs weights, e.g. AMX CPUs)"
+        ),
+    )
     dtype: Literal["auto", "float32", "bfloat16"] = field(
         default="auto", metadata=doc("vllm: the engine's weight dtype, and so the exports'; auto = model.param_dtype")
     )

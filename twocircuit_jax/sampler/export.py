@@ -74,7 +74,10 @@ def export_weights(params, config, export_root: str, version: int, keep: int = 3
     shutil.rmtree(tmp, ignore_errors=True)  # leftover of a crashed earlier attempt by this pid
     os.makedirs(tmp)
     try:
-        ocp.PyTreeCheckpointer().save(os.path.join(tmp, PARAMS), params)
+        # No zstd: weights in bf16/fp32 barely compress (a 126 MB delta payload shrank to 100 MB) and compressing
+        # cost 4-7x the write (0.3-0.7 s vs 0.1 s on /dev/shm, 2 cores). Readers need no flag: the codec is in
+        # the array metadata.
+        ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False)).save(os.path.join(tmp, PARAMS), params)
         with open(os.path.join(tmp, META), "w") as fh:
             json.dump({**(meta or {}), "version": int(version), "model_config": _config_dict(config)}, fh, indent=1)
         if os.path.isdir(final):  # rename cannot replace a non-empty folder; move the old one aside first

@@ -105,6 +105,8 @@ class VLLMSampler:
             str(config.gpu_memory_utilization),
             "--kv-cache-bytes",
             str(kv_cache_bytes),
+            "--weight-update",
+            config.weight_update,
         ]
         if max_model_len:
             self._extra += ["--max-model-len", str(max_model_len)]
