@@ -233,3 +233,28 @@ def test_bench_export_runs_and_a_delta_writes_less(tmp_path, capsys):
     changed = {k: float(v[4]) for k, v in rows.items()}
     assert changed["full"] == 1.0 and 0 < changed["delta"] < 0.2
     assert mib["delta"] < 0.5 * mib["full"]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_scatter_words_writes_bit_patterns_through_numpy_and_torch(dtype):
+    """The server's in-place write: the word at each position becomes the given bit pattern (no rounding), through
+    the numpy view (CPU tensors) and through torch indexing (the GPU path, run here on CPU tensors)."""
+    torch = pytest.importorskip("torch")
+    from twocircuit_jax.sampler import vllm_server as vs
+
+    rng = np.random.default_rng(0)
+    wd = np.uint16 if dtype == "bfloat16" else np.uint32
+    for scatter in (vs._scatter_numpy, vs._scatter_torch, None):
+        param = torch.nn.Parameter(torch.randn(6, 10).to(getattr(torch, dtype)), requires_grad=False)
+        ints = {2: torch.int16, 4: torch.int32}[param.element_size()]
+        before = param.data.view(-1).view(ints).numpy().view(wd).copy()
+        pos = np.sort(rng.choice(60, 17, replace=False))
+        new = rng.integers(0, np.iinfo(wd).max, 17, dtype=wd)
+        if scatter is None:
+            vs.scatter_words(param, pos, new)
+        else:
+            scatter(param.data.view(-1).view(ints), pos, new)
+        after = param.data.view(-1).view(ints).numpy().view(wd)
+        want = before.copy()
+        want[pos] = new
+        assert np.array_equal(after, want)

@@ -86,16 +86,32 @@ def _keep_plain_cpu_weights() -> None:
         ops._supports_onednn = False
 
 
-def _words_view(param):
-    """The parameter's storage as a flat numpy array of unsigned words (no copy; writes reach the engine)."""
-    import numpy as np
+_INT = {2: ("int16", "uint16"), 4: ("int32", "uint32")}  # word size -> (torch dtype, numpy dtype)
+
+
+def scatter_words(param, pos, words) -> None:
+    """param.flat[pos] = words, the words given as unsigned integers of the parameter's width (bit patterns: no
+    rounding). A CPU tensor is written through a numpy view of its storage (numpy's scatter releases the GIL, so
+    several run at once); a GPU tensor by torch indexing on its device."""
     import torch
 
     size = param.element_size()
-    ints = {2: (torch.int16, np.uint16), 4: (torch.int32, np.uint32)}
-    if size not in ints or not param.data.is_contiguous():
+    if size not in _INT or not param.data.is_contiguous():
         raise ExportError(f"engine tensor of dtype {param.dtype}, shape {tuple(param.shape)}: no in-place word view")
-    return param.data.view(-1).view(ints[size][0]).numpy().view(ints[size][1])
+    flat = param.data.view(-1).view(getattr(torch, _INT[size][0]))
+    (_scatter_numpy if flat.device.type == "cpu" else _scatter_torch)(flat, pos, words)
+
+
+def _scatter_numpy(flat, pos, words) -> None:
+    flat.numpy().view(words.dtype)[pos] = words
+
+
+def _scatter_torch(flat, pos, words) -> None:
+    import numpy as np
+    import torch
+
+    idx = torch.from_numpy(np.asarray(pos, np.int64)).to(flat.device)
+    flat[idx] = torch.from_numpy(np.asarray(words).view(f"int{8 * words.itemsize}")).to(flat.device)
 
 
 def _to_torch(a):
@@ -239,7 +255,7 @@ class Engine:
             try:
                 if tensors is None:  # a delta: its words go straight into the engine's tensors (numpy scatters,
                     # which release the GIL: spread over weight_sync's thread pool)
-                    list(_POOL.map(lambda w: w[1].__setitem__(w[2], w[3]), writes))
+                    list(_POOL.map(lambda w: scatter_words(*w), writes))
                 elif tensors:
                     self.llm.collective_rpc(
                         "reload_weights", kwargs={"weights_iterator": [(k, _to_torch(v)) for k, v in tensors.items()]}
@@ -272,7 +288,7 @@ class Engine:
         return params
 
     def _inplace_writes(self, cfg, changed: dict) -> list:
-        """[(engine parameter, its words as a flat numpy view, flat positions, new words)] for a delta the store
+        """[(engine parameter, flat positions, new words)] for a delta the store
         has applied; ExportError if a target parameter is missing, has another shape or another dtype (the export
         does not fit the served model)."""
         from twocircuit_jax.sampler import engine_layout
@@ -292,9 +308,11 @@ class Engine:
                 padded = leaf in ("embed", "lm_head") and got is not None and got[1:] == want[1:] and got[0] >= want[0]
                 if got != want and not padded:
                     raise ExportError(f"leaf {leaf} -> engine tensor {t.name}: expected shape {want}, engine has {got}")
+                if param.element_size() not in _INT or not param.data.is_contiguous():
+                    raise ExportError(f"engine tensor {t.name} ({param.dtype}): no in-place word view")
                 if str(param.dtype).removeprefix("torch.") != new.dtype.name:
                     raise ExportError(f"leaf {leaf}: export dtype {new.dtype.name}, engine tensor {param.dtype}")
-                writes.append((param, _words_view(param), t.pos, vals[t.lo : t.hi]))
+                writes.append((param, t.pos, vals[t.lo : t.hi]))
         return writes
 
     def _modules(self, names: set) -> set:
