@@ -198,7 +198,7 @@ def test_engine_layout_writes_a_delta_where_vllm_keeps_each_word():
     assert not bad, bad[:4]
 
 
-def test_diff_leaves_in_chunks_equals_the_direct_diff(monkeypatch):
+def test_diff_parts_in_chunks_equals_the_direct_diff(monkeypatch):
     monkeypatch.setattr(ws, "_CHUNK", 1000)  # many ranges per leaf, spread over the thread pool
     rng = np.random.default_rng(1)
     olds = [rng.integers(0, 2**16, size=n, dtype=np.uint16) for n in (10, 4321, 2000)]
@@ -208,7 +208,9 @@ def test_diff_leaves_in_chunks_equals_the_direct_diff(monkeypatch):
         n[k] ^= np.uint16(3)
     hashes = [ws.leaf_hash(o) for o in olds]
     work = [o.copy() for o in olds]
-    idx, val, new_h = ws.diff_leaves(work, news, hashes)
+    parts, new_h = ws.diff_parts(work, news, hashes)
+    idx = [np.concatenate([i for i, _ in p]) for p in parts]
+    val = [np.concatenate([v for _, v in p]) for p in parts]
     for o, n, i, v, h, w in zip(olds, news, idx, val, new_h, work):
         np.testing.assert_array_equal(i, np.flatnonzero(o != n))
         np.testing.assert_array_equal(v, n[i])
@@ -250,10 +252,7 @@ def test_scatter_words_writes_bit_patterns_through_numpy_and_torch(dtype):
         before = param.data.view(-1).view(ints).numpy().view(wd).copy()
         pos = np.sort(rng.choice(60, 17, replace=False))
         new = rng.integers(0, np.iinfo(wd).max, 17, dtype=wd)
-        if scatter is None:
-            vs.scatter_words(param, pos, new)
-        else:
-            scatter(param.data.view(-1).view(ints), pos, new)
+        (scatter or vs.scatter_words)(vs.word_view(param), pos, new)
         after = param.data.view(-1).view(ints).numpy().view(wd)
         want = before.copy()
         want[pos] = new

@@ -18,9 +18,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from twocircuit_jax.model.hf_io import _NORMS
+from twocircuit_jax.model.hf_io import _NORMS, _TOP
 
-_TOP = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
 _MODULE = {  # our projection -> vLLM module under model.layers.{i}
     "q_proj": "self_attn.qkv_proj",
     "k_proj": "self_attn.qkv_proj",

@@ -89,16 +89,21 @@ def _keep_plain_cpu_weights() -> None:
 _INT = {2: ("int16", "uint16"), 4: ("int32", "uint32")}  # word size -> (torch dtype, numpy dtype)
 
 
-def scatter_words(param, pos, words) -> None:
-    """param.flat[pos] = words, the words given as unsigned integers of the parameter's width (bit patterns: no
-    rounding). A CPU tensor is written through a numpy view of its storage (numpy's scatter releases the GIL, so
-    several run at once); a GPU tensor by torch indexing on its device."""
+def word_view(param):
+    """The parameter's storage as a flat tensor of signed integers of its width (no copy: writes reach the engine);
+    ExportError where there is none (another width, a non-contiguous tensor)."""
     import torch
 
     size = param.element_size()
     if size not in _INT or not param.data.is_contiguous():
         raise ExportError(f"engine tensor of dtype {param.dtype}, shape {tuple(param.shape)}: no in-place word view")
-    flat = param.data.view(-1).view(getattr(torch, _INT[size][0]))
+    return param.data.view(-1).view(getattr(torch, _INT[size][0]))
+
+
+def scatter_words(flat, pos, words) -> None:
+    """flat[pos] = words (a word_view; the words as unsigned integers of its width: bit patterns, no rounding). On
+    CPU through a numpy view of the storage (numpy's scatter releases the GIL, so several run at once); on a GPU by
+    torch indexing on its device."""
     (_scatter_numpy if flat.device.type == "cpu" else _scatter_torch)(flat, pos, words)
 
 
@@ -255,7 +260,7 @@ class Engine:
             try:
                 if tensors is None:  # a delta: its words go straight into the engine's tensors (numpy scatters,
                     # which release the GIL: spread over weight_sync's thread pool)
-                    list(_POOL.map(lambda w: scatter_words(*w), writes))
+                    list(_POOL.map(lambda w: scatter_words(*w[1:]), writes))
                 elif tensors:
                     self.llm.collective_rpc(
                         "reload_weights", kwargs={"weights_iterator": [(k, _to_torch(v)) for k, v in tensors.items()]}
@@ -271,7 +276,7 @@ class Engine:
             "version": version,
             "restore_s": t1 - t0,
             "reload_s": time.perf_counter() - t1,
-            "tensors": len(tensors) if tensors is not None else len({id(w[0]) for w in writes}),  # engine tensors
+            "tensors": len(tensors) if tensors is not None else len({w[0] for w in writes}),  # engine tensors
             "inplace": tensors is None,
             "hashes": list(self.store.hashes),  # per-leaf hashes of the served words (weight_sync.leaf_hash)
         }
@@ -288,8 +293,7 @@ class Engine:
         return params
 
     def _inplace_writes(self, cfg, changed: dict) -> list:
-        """[(engine parameter, flat positions, new words)] for a delta the store
-        has applied; ExportError if a target parameter is missing, has another shape or another dtype (the export
+        """[(engine tensor name, its word_view, flat positions, new words)] for a delta the store has applied; ExportError if a target parameter is missing, has another shape or another dtype (the export
         does not fit the served model)."""
         from twocircuit_jax.sampler import engine_layout
 
@@ -308,11 +312,9 @@ class Engine:
                 padded = leaf in ("embed", "lm_head") and got is not None and got[1:] == want[1:] and got[0] >= want[0]
                 if got != want and not padded:
                     raise ExportError(f"leaf {leaf} -> engine tensor {t.name}: expected shape {want}, engine has {got}")
-                if param.element_size() not in _INT or not param.data.is_contiguous():
-                    raise ExportError(f"engine tensor {t.name} ({param.dtype}): no in-place word view")
                 if str(param.dtype).removeprefix("torch.") != new.dtype.name:
                     raise ExportError(f"leaf {leaf}: export dtype {new.dtype.name}, engine tensor {param.dtype}")
-                writes.append((param, t.pos, vals[t.lo : t.hi]))
+                writes.append((t.name, word_view(param), t.pos, vals[t.lo : t.hi]))
         return writes
 
     def _modules(self, names: set) -> set:

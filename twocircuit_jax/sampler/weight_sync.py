@@ -101,7 +101,7 @@ def _diff_range(wo: np.ndarray, wn: np.ndarray, s: int, e: int):
     return i.astype(np.uint32), v, _change(i, o, v)
 
 
-def _diff_parts(olds: list, news: list, hashes: list) -> tuple[list, list]:
+def diff_parts(olds: list, news: list, hashes: list) -> tuple[list, list]:
     """Per leaf: [(changed positions, new words) per _CHUNK range], and the new hashes; every `olds` leaf becomes
     its `news` leaf in place. The ranges are spread over a thread pool (memory-bound numpy passes: compare, gather,
     hash, scatter)."""
@@ -115,15 +115,6 @@ def _diff_parts(olds: list, news: list, hashes: list) -> tuple[list, list]:
         parts.append([(i, v) for i, v, _ in done])
         out.append((h + sum(d for _, _, d in done)) & _M64)
     return parts, out
-
-
-def diff_leaves(olds: list, news: list, hashes: list) -> tuple[list, list, list]:
-    """Per leaf: (changed positions uint32, their new words, the new hash); every `olds` leaf becomes its `news`
-    leaf in place (see _diff_parts)."""
-    parts, out = _diff_parts(olds, news, hashes)
-    idx = [np.concatenate([i for i, _ in p]) if p else np.zeros(0, np.uint32) for p in parts]
-    val = [np.concatenate([v for _, v in p]) if p else np.zeros(0, words(o).dtype) for p, o in zip(parts, olds)]
-    return idx, val, out
 
 
 def updated_hash(h: int, idx: np.ndarray, old: np.ndarray, new: np.ndarray) -> int:
@@ -191,7 +182,7 @@ class WeightPublisher:
             stats = PublishStats("full", n, 1.0, t1 - t0, t2 - t1, time.perf_counter() - t2)
         else:
             # the host copy becomes the new version in place (no second copy of the weights)
-            parts, hashes = _diff_parts(self.host, leaves, self.hashes)
+            parts, hashes = diff_parts(self.host, leaves, self.hashes)
             counts = [sum(int(i.size) for i, _ in p) for p in parts]
             # the payload is gathered into buffers kept between versions: a fresh 100+ MB array would cost a page
             # fault per 4 KiB (~0.3 s here), more than the copy
