@@ -9,13 +9,17 @@ Adam-sized step (lr times a random sign, so every weight moves, as under Adam), 
 
   bytes     payload written per version (words, plus a 4-byte position per changed word for a delta)
   changed   share of words that differ from the previous version in the sampler dtype
-  cast      device -> host copy in the sampler dtype (trainer)
-  diff      changed words and hashes (trainer; a full version hashes every word)
+  cast      the parameters to the host: an accelerator casts to the sampler dtype first; on a CPU backend the fp32
+            words are read where they lie (no copy) and cast inside the diff (trainer)
+  diff      cast per range, changed words and hashes (trainer; a full version casts and hashes every word; a tied
+            embedding's served head is derived from the embedding's changed words)
   write     orbax save + atomic rename (trainer)
-  apply     sampler: read the version, check its hashes, apply it to the host copy, and map a delta's changed
-            words to their places in the engine's tensors (a full version: build every Hugging Face tensor)
-  reload    in the vLLM engine: a delta's words written into its tensors in place (a full version: every tensor
-            reloaded), then the prefix cache reset; only where --engine starts an engine for that size ("-" else)
+  apply     sampler, engine rows: read the version, check it fits the served one, map a delta's changed words to
+            their places in the engine's tensors (a full version: host copy, hash check, every Hugging Face tensor);
+            rows without an engine: the same version applied to a host copy (weight_sync.WeightStore) and mapped
+  reload    in the vLLM engine: a delta's words swapped into its tensors in place, the result's hashes checked from
+            the words they replaced (a full version: every tensor reloaded), then the prefix cache reset; only
+            where --engine starts an engine for that size ("-" else)
   total     the trainer's update_weights() call end to end (engine rows), else cast + diff + write + apply
   copy      `cp` of the full fp32 weights' bytes on the same file system, measured in the same run
 
@@ -96,7 +100,7 @@ def _apply_s(store, cfg, path) -> float:
     delta's words (sampler/engine_layout.py) or, for a full version, every Hugging Face tensor."""
     t0 = time.perf_counter()
     changed = store.load(path)
-    shapes = {n: x.shape for n, x in zip(store.names, store.leaves)}
+    shapes = dict(zip(store.names, store.shapes))
     if changed and all(v is None for v in changed.values()):
         to_hf_state_dict(cfg, store.params(), only=hf_names_touched(changed, shapes))
     else:
@@ -145,15 +149,15 @@ def bench(name, cfg, sync_dtype, engine, reps, lr, work):
             version, got = 0, []
             for rep in range(reps + 1):  # the first version is full for both modes: its base
                 version += 1
-                served = {**params, "lm_head": params["embed"].T} if cfg.tie_embeddings else params
+                # a tied model is served untied: the publisher derives the head from the embedding, as in a run
                 if sampler is not None:
                     t0 = time.perf_counter()
-                    sampler.update_weights(served, 1000 * (mode == "delta") + version)
+                    sampler.update_weights(params, 1000 * (mode == "delta") + version)
                     total = time.perf_counter() - t0
                     st, load = sampler.last_publish, sampler.last_load
                     apply_s, reload_s = load["restore_s"], load["reload_s"]
                 else:
-                    st = pub.publish(served, version, keep=2)
+                    st = pub.publish(params, version, keep=2, head_from_embed=cfg.tie_embeddings)
                     apply_s = _apply_s(store, serve_cfg, ex.version_dir(root, version))
                     reload_s = None
                     total = st.cast_s + st.diff_s + st.write_s + apply_s

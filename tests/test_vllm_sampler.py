@@ -206,7 +206,7 @@ def test_delta_sync_twenty_updates_restart_and_corrupt_delta(setup):
         # a delta is written into the engine's tensors (v19: the restarted server had no base and got it whole)
         assert s.last_load["inplace"] == (s.last_publish.kind == "delta" and v != 19)
         want = [np.asarray(x, np.float32).view(np.uint32).ravel() for x in jax.tree.leaves(p)]
-        assert all(np.array_equal(a.view(np.uint32).ravel(), b) for a, b in zip(s.publisher.host, want))
+        assert all(np.array_equal(a.view(np.uint32).ravel(), b) for a, b in zip(s.publisher.published(), want))
         if v in (14, 22):
             check_exact(v)
     assert s.restarts == restarts + 1 and s.full_resends == resends + 1  # v19: restarted, then sent whole

@@ -217,6 +217,59 @@ def test_diff_parts_in_chunks_equals_the_direct_diff(monkeypatch):
         assert h == ws.leaf_hash(n) and np.array_equal(w, n)  # the old copy became the new one in place
 
 
+def test_diff_parts_casts_fp32_per_range_and_finds_a_transposes_changes(monkeypatch):
+    """New versions given in fp32 are cast per range to the host copy's bf16 (bit-identical to XLA's cast); the twin
+    entry holds the changed words of the transpose at its own positions, with its hash."""
+    monkeypatch.setattr(ws, "_CHUNK", 777)
+    rng = np.random.default_rng(2)
+    shapes = [(37, 53), (4000,)]
+    f32 = [rng.standard_normal(sh).astype(np.float32) for sh in shapes]
+    olds = [np.asarray(jnp.asarray(x).astype(jnp.bfloat16)) for x in f32]
+    news = [x + np.float32(1e-2) * (rng.random(x.shape) < 0.1) for x in f32]
+    hashes = [ws.leaf_hash(ws.words(o)) for o in olds]
+    t_old = np.ascontiguousarray(olds[0].T)
+    twin_hash = ws.leaf_hash(ws.words(t_old))
+    work = [o.copy() for o in olds]
+    parts, new_h = ws.diff_parts(work, news, hashes, twin=(0, twin_hash))
+    assert len(parts) == 3
+    for k, (o, n) in enumerate(zip(olds, news)):
+        want = ws.words(np.asarray(jnp.asarray(n).astype(jnp.bfloat16)))  # XLA's rounding, word for word
+        i = np.concatenate([i for i, _ in parts[k]])
+        np.testing.assert_array_equal(i, np.flatnonzero(ws.words(o) != want))
+        np.testing.assert_array_equal(np.concatenate([v for _, v in parts[k]]), want[i])
+        assert np.array_equal(ws.words(work[k]), want) and new_h[k] == ws.leaf_hash(want)
+    t_new = np.ascontiguousarray(work[0].T)  # the transpose of the new version
+    j = np.concatenate([i for i, _ in parts[2]])
+    np.testing.assert_array_equal(np.sort(j), np.flatnonzero(ws.words(t_old) != ws.words(t_new)))
+    np.testing.assert_array_equal(np.concatenate([v for _, v in parts[2]]), ws.words(t_new)[j])
+    assert new_h[2] == ws.leaf_hash(ws.words(t_new)) and new_h[2] != twin_hash
+
+
+def test_head_from_embed_publishes_what_an_explicit_transposed_head_does(tmp_path):
+    """A tied model served untied: the head derived from the embedding's changes gives every version the same
+    words and hashes as publishing `lm_head = embed.T` built by hand, through full and delta versions."""
+    cfg = dataclasses.replace(CFG, tie_embeddings=True)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    assert "lm_head" not in params
+    served = dataclasses.replace(cfg, tie_embeddings=False)
+    derived = ws.WeightPublisher(str(tmp_path / "a"), served, "bfloat16", full_every=4)
+    explicit = ws.WeightPublisher(str(tmp_path / "b"), served, "bfloat16", full_every=4)
+    sa, sb = ws.WeightStore(), ws.WeightStore()
+    key = jax.random.PRNGKey(1)
+    for v in range(1, 7):
+        a = derived.publish(params, v, head_from_embed=True)
+        b = explicit.publish({**params, "lm_head": params["embed"].T}, v)
+        assert (a.kind, a.bytes) == (b.kind, b.bytes) and derived.hashes == explicit.hashes, v
+        ca, cb = sa.load(ex.version_dir(derived.root, v)), sb.load(ex.version_dir(explicit.root, v))
+        assert sa.names == sb.names and "lm_head" in sa.names
+        assert _same([ws.words(x) for x in sa.leaves], [ws.words(x) for x in sb.leaves]), v
+        if a.kind == "delta":
+            assert a.changed_frac > 0 and np.array_equal(np.sort(ca["lm_head"]), cb["lm_head"])
+        key, k = jax.random.split(key)
+        params = _step(params, k, frac=0.2)
+    assert _same([ws.words(x) for x in derived.published()], [ws.words(x) for x in explicit.published()])
+
+
 def test_bench_export_runs_and_a_delta_writes_less(tmp_path, capsys):
     """scripts/bench_export.py on the tiny shapes without an engine: one row per sync kind, the delta's payload a
     small share of the full one's (the timings are a benchmark's, never asserted); a bad size exits 2."""
@@ -238,22 +291,60 @@ def test_bench_export_runs_and_a_delta_writes_less(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_scatter_words_writes_bit_patterns_through_numpy_and_torch(dtype):
-    """The server's in-place write: the word at each position becomes the given bit pattern (no rounding), through
-    the numpy view (CPU tensors) and through torch indexing (the GPU path, run here on CPU tensors)."""
+def test_swap_words_writes_bit_patterns_and_returns_the_old_ones(dtype):
+    """The server's in-place write: the word at each position becomes the given bit pattern (no rounding) and the
+    replaced words come back, through the numpy view (CPU tensors), torch indexing (the GPU path, run here on CPU
+    tensors) and a host array of words; writing the old words back restores the tensor."""
     torch = pytest.importorskip("torch")
     from twocircuit_jax.sampler import vllm_server as vs
 
     rng = np.random.default_rng(0)
     wd = np.uint16 if dtype == "bfloat16" else np.uint32
-    for scatter in (vs._scatter_numpy, vs._scatter_torch, None):
+    for path in ("numpy", "torch", "host"):
         param = torch.nn.Parameter(torch.randn(6, 10).to(getattr(torch, dtype)), requires_grad=False)
         ints = {2: torch.int16, 4: torch.int32}[param.element_size()]
-        before = param.data.view(-1).view(ints).numpy().view(wd).copy()
+        words = param.data.view(-1).view(ints).numpy().view(wd)
+        before = words.copy()
+        flat = {"numpy": vs.word_view(param), "torch": vs.word_view(param), "host": words}[path]
+        swap = vs._swap_torch if path == "torch" else vs.swap_words
         pos = np.sort(rng.choice(60, 17, replace=False))
         new = rng.integers(0, np.iinfo(wd).max, 17, dtype=wd)
-        (scatter or vs.scatter_words)(vs.word_view(param), pos, new)
-        after = param.data.view(-1).view(ints).numpy().view(wd)
+        old = swap(flat, pos, new)
         want = before.copy()
         want[pos] = new
-        assert np.array_equal(after, want)
+        assert old.dtype == wd and np.array_equal(old, before[pos]) and np.array_equal(words, want), path
+        swap(flat, pos, old)
+        assert np.array_equal(words, before), path
+
+
+def test_swap_in_checks_hashes_from_the_replaced_words_and_restores_on_a_mismatch(tmp_path, monkeypatch):
+    """A store that released its words (the engine holds them) applies a delta to outside arrays: the right delta
+    leaves them equal to the new version; one against another base (right version number, other words) fails the
+    hash check and every word is written back, though it was written first."""
+    monkeypatch.setattr(ws, "_CHUNK", 50)  # several ranges per leaf
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    root = str(tmp_path)
+    pub = ws.WeightPublisher(root, CFG, "bfloat16")
+    pub.publish(params, 1)
+    p2 = _step(params, jax.random.PRNGKey(3), frac=0.3)
+    pub.publish(p2, 2)
+    store = ws.WeightStore()
+    store.load(ex.version_dir(root, 1))
+    engine = [ws.words(x).reshape(-1).copy() for x in store.leaves]  # the "engine's" tensors, outside the store
+    store.release()
+    assert all(x is None for x in store.leaves) and store.shapes
+    with pytest.raises(ws.DeltaError, match="released"):
+        store.load(ex.version_dir(root, 2))
+    other = [e.copy() for e in engine]
+    other[0][5] ^= np.uint16(1)  # the engine holds different words under the same version number
+    before = [e.copy() for e in other]
+    path = ex.version_dir(root, 2)
+    changes = store.read_delta(path, ex.read_meta(path))
+    writes = [(k, other[k], i.astype(np.int64), i, v) for k, (i, v) in enumerate(changes)]
+    with pytest.raises(ws.DeltaError, match="fails its hash check"):
+        store.swap_in(path, ex.read_meta(path), writes, ws._swap)
+    assert _same(other, before) and store.version == 1
+    writes = [(k, engine[k], i.astype(np.int64), i, v) for k, (i, v) in enumerate(changes)]
+    store.swap_in(path, ex.read_meta(path), writes, ws._swap)
+    assert store.version == 2 and store.hashes == pub.hashes
+    assert _same(engine, [ws.words(x).reshape(-1) for x in _words_of(p2, jnp.bfloat16)])

@@ -262,10 +262,10 @@ class VLLMSampler:
         return int(body["version"])
 
     def update_weights(self, params, version: int) -> None:
-        if not self.model_config.tie_embeddings and "lm_head" not in params:
-            # Served untied (see untie_for_vllm): the head is an explicit copy of the tied embedding.
-            params = {**params, "lm_head": params["embed"].T}
-        self.last_publish = self.publisher.publish(params, version, keep=self.keep_versions)
+        # Served untied (see untie_for_vllm): the head is an explicit copy of the tied embedding, which the
+        # publisher derives from the embedding's changed words.
+        head = not self.model_config.tie_embeddings and "lm_head" not in params
+        self.last_publish = self.publisher.publish(params, version, keep=self.keep_versions, head_from_embed=head)
         prev, self.latest = self.latest, int(version)  # set first: a restart inside the retries loads it
         try:
             self._retrying("load", lambda: self.load(version))

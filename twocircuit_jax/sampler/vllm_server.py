@@ -29,8 +29,10 @@ import sys
 import threading
 import time
 
+import numpy as np
+
 from twocircuit_jax.sampler.export import ExportError, read_meta, version_dir
-from twocircuit_jax.sampler.weight_sync import _POOL, WeightStore
+from twocircuit_jax.sampler.weight_sync import DELTA, WeightStore, words
 
 
 class RequestError(ValueError):
@@ -100,23 +102,29 @@ def word_view(param):
     return param.data.view(-1).view(getattr(torch, _INT[size][0]))
 
 
-def scatter_words(flat, pos, words) -> None:
-    """flat[pos] = words (a word_view; the words as unsigned integers of its width: bit patterns, no rounding). On
-    CPU through a numpy view of the storage (numpy's scatter releases the GIL, so several run at once); on a GPU by
-    torch indexing on its device."""
-    (_scatter_numpy if flat.device.type == "cpu" else _scatter_torch)(flat, pos, words)
+def swap_words(flat, pos, words):
+    """flat[pos] = words, returning the words that were there (numpy, unsigned): `flat` is a word_view of an engine
+    tensor or a host array of words; the words are unsigned integers of its width (bit patterns, no rounding). On
+    CPU through a numpy view of the storage (numpy's gather and scatter release the GIL, so several run at once);
+    on a GPU by torch indexing on its device."""
+    if isinstance(flat, np.ndarray):
+        a = flat
+    elif flat.device.type == "cpu":
+        a = flat.numpy().view(words.dtype)
+    else:
+        return _swap_torch(flat, pos, words)
+    old = a[pos]
+    a[pos] = words
+    return old
 
 
-def _scatter_numpy(flat, pos, words) -> None:
-    flat.numpy().view(words.dtype)[pos] = words
-
-
-def _scatter_torch(flat, pos, words) -> None:
-    import numpy as np
+def _swap_torch(flat, pos, words):
     import torch
 
     idx = torch.from_numpy(np.asarray(pos, np.int64)).to(flat.device)
+    old = flat[idx].cpu().numpy().view(words.dtype)
     flat[idx] = torch.from_numpy(np.asarray(words).view(f"int{8 * words.itemsize}")).to(flat.device)
+    return old
 
 
 def _to_torch(a):
@@ -219,8 +227,10 @@ class Engine:
         return 200, {"rows": rows, "version": version}
 
     def load(self, req: dict) -> tuple[int, dict]:
-        """Apply a full or delta version to the host copy (weight_sync.WeightStore), then reload in the engine the
-        tensors that hold a changed word (whole vLLM modules: q/k/v and gate/up are fused there)."""
+        """Apply a full or delta version. A full version goes through a host copy (weight_sync.WeightStore) and
+        reloads every tensor by name. A delta, in place (the default), swaps its words straight into the engine's
+        tensors and checks the result's hashes from the words it replaced (no host copy of the weights is kept);
+        with --weight-update reload it is applied to the host copy and the touched modules are reloaded whole."""
         from twocircuit_jax.config.base import from_dict
         from twocircuit_jax.config.sections import ModelConfig
         from twocircuit_jax.model.hf_io import hf_names_touched, to_hf_state_dict
@@ -232,19 +242,19 @@ class Engine:
             raise RequestError("bad /load body: needs an integer 'version'") from None
         path = version_dir(self.export_root, version)
         t0 = time.perf_counter()
+        writes = tensors = None
         try:
-            changed = self.store.load(path)
-            cfg = from_dict(ModelConfig, read_meta(path)["model_config"])
-            shapes = {n: x.shape for n, x in zip(self.store.names, self.store.leaves)}
-            whole = bool(changed) and all(v is None for v in changed.values())  # {}: a delta that changed nothing
-            if self.inplace and not whole:
-                writes, tensors = self._inplace_writes(cfg, changed), None
-                problem = ""
+            meta = read_meta(path)
+            cfg = from_dict(ModelConfig, meta["model_config"])
+            if self.inplace and meta.get("kind") == DELTA:
+                writes, problem = self._inplace_writes(cfg, path, meta), ""
             else:
+                changed = self.store.load(path)
+                shapes = dict(zip(self.store.names, self.store.shapes))
                 names = self._modules(hf_names_touched(changed, shapes))
                 tensors = to_hf_state_dict(cfg, self.store.params(), only=names, contiguous=False)
-                problem = self._mismatch(tensors, whole=whole)
-        except DeltaError as e:  # the store is unchanged; the sender writes this version in full
+                problem = self._mismatch(tensors, whole=meta.get("kind") != DELTA)
+        except DeltaError as e:  # nothing was written; the sender writes this version in full
             return 422, {"error": str(e), "version": self.version, "need_full": True}
         except ExportError as e:
             problem = str(e)
@@ -258,16 +268,19 @@ class Engine:
         t1 = time.perf_counter()
         with self.lock:
             try:
-                if tensors is None:  # a delta: its words go straight into the engine's tensors (numpy scatters,
-                    # which release the GIL: spread over weight_sync's thread pool)
-                    list(_POOL.map(lambda w: scatter_words(*w[1:]), writes))
+                if writes is not None:  # the old words come back from the swap: a failed hash check restores them
+                    self.store.swap_in(path, meta, writes, swap_words)
                 elif tensors:
                     self.llm.collective_rpc(
                         "reload_weights", kwargs={"weights_iterator": [(k, _to_torch(v)) for k, v in tensors.items()]}
                     )
                     if self.inplace:  # a layer-wise reload may have replaced the parameter objects
                         self.params = self._engine_params()
+                        # the engine holds these words now; the host keeps only what it does not (a tied head)
+                        self.store.release(keep={"lm_head"} if self.tied else ())
                 self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+            except DeltaError as e:  # the engine's words were written back: it still serves the old version
+                return 422, {"error": str(e), "version": self.version, "need_full": True}
             except BaseException:
                 self.healthy = False  # weights may be half-swapped: report unhealthy so the client restarts us
                 raise
@@ -276,8 +289,8 @@ class Engine:
             "version": version,
             "restore_s": t1 - t0,
             "reload_s": time.perf_counter() - t1,
-            "tensors": len(tensors) if tensors is not None else len({w[0] for w in writes}),  # engine tensors
-            "inplace": tensors is None,
+            "tensors": len(tensors) if tensors is not None else len({id(w[1]) for w in writes if len(w[2])}),
+            "inplace": writes is not None,
             "hashes": list(self.store.hashes),  # per-leaf hashes of the served words (weight_sync.leaf_hash)
         }
 
@@ -292,19 +305,28 @@ class Engine:
             )
         return params
 
-    def _inplace_writes(self, cfg, changed: dict) -> list:
-        """[(engine tensor name, its word_view, flat positions, new words)] for a delta the store has applied; ExportError if a target parameter is missing, has another shape or another dtype (the export
-        does not fit the served model)."""
+    def _inplace_writes(self, cfg, path: str, meta: dict) -> list:
+        """weight_sync.WeightStore.swap_in's writes for delta `path`: each changed word's engine tensor (its
+        word_view) and position there (sampler/engine_layout.py), or the host array of a leaf the engine does not
+        hold (a tied head). DeltaError if the delta does not fit the served version; ExportError if a target tensor
+        is missing or has another shape or dtype (the export does not fit the served model)."""
         from twocircuit_jax.sampler import engine_layout
 
-        writes = []
-        for leaf, new in zip(self.store.names, self.store.leaves):
-            idx = changed.get(leaf)
-            if idx is None or (self.tied and leaf == "lm_head"):  # a tied engine reads lm_head from the embedding
+        if self.store.version is None:
+            from twocircuit_jax.sampler.weight_sync import DeltaError
+
+            raise DeltaError(f"{path}: a delta, but this sampler has no base version (it serves its start-up weights)")
+        writes, views = [], {}
+        for k, (leaf, shape, held, (idx, vals)) in enumerate(
+            zip(self.store.names, self.store.shapes, self.store.leaves, self.store.read_delta(path, meta))
+        ):
+            if not idx.size:
                 continue
-            want = engine_layout.engine_shape(cfg, leaf, new.shape)
-            vals = self.store.delta_words[leaf]
-            for t in engine_layout.targets(cfg, leaf, new.shape, idx):
+            if held is not None:  # a tied engine reads its head from the embedding: the head's words stay here
+                writes.append((k, words(held).reshape(-1), idx.astype(np.int64), idx, vals))
+                continue
+            want = engine_layout.engine_shape(cfg, leaf, shape)
+            for t in engine_layout.targets(cfg, leaf, shape, idx):
                 param = self.params.get(t.name)
                 got = None if param is None else tuple(param.shape)
                 # vLLM pads the vocabulary rows of embed_tokens / lm_head (to a multiple of 64): trailing rows,
@@ -312,9 +334,11 @@ class Engine:
                 padded = leaf in ("embed", "lm_head") and got is not None and got[1:] == want[1:] and got[0] >= want[0]
                 if got != want and not padded:
                     raise ExportError(f"leaf {leaf} -> engine tensor {t.name}: expected shape {want}, engine has {got}")
-                if str(param.dtype).removeprefix("torch.") != new.dtype.name:
-                    raise ExportError(f"leaf {leaf}: export dtype {new.dtype.name}, engine tensor {param.dtype}")
-                writes.append((t.name, word_view(param), t.pos, vals[t.lo : t.hi]))
+                if str(param.dtype).removeprefix("torch.") != meta.get("dtype"):
+                    raise ExportError(f"leaf {leaf}: export dtype {meta.get('dtype')}, engine tensor {param.dtype}")
+                if t.name not in views:
+                    views[t.name] = word_view(param)
+                writes.append((k, views[t.name], t.pos, idx[t.lo : t.hi], vals[t.lo : t.hi]))
         return writes
 
     def _modules(self, names: set) -> set:

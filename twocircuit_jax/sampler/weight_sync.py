@@ -92,28 +92,56 @@ def leaf_hash(w: np.ndarray) -> int:
     return sum(_POOL.map(part, range(0, w.size, _CHUNK)), 0) & _M64
 
 
-def _diff_range(wo: np.ndarray, wn: np.ndarray, s: int, e: int):
-    """Changed positions in [s, e), their new words and hash change; writes them into `wo` (ranges are disjoint)."""
-    i = np.flatnonzero(wo[s:e] != wn[s:e])
-    i += s
+def _new_words(src: np.ndarray, dt, s: int, e: int) -> np.ndarray:
+    """Words [s, e) of flat `src` in dtype `dt`: cast here when `src` holds another dtype (the trainer's fp32 on a
+    CPU host), so the cast runs per cache-sized range, fused with the compare, instead of as one more pass."""
+    c = src[s:e]
+    return words(c if c.dtype == dt else c.astype(dt))
+
+
+def _diff_range(old: np.ndarray, src: np.ndarray, s: int, e: int, twin: tuple = ()):
+    """Changed positions in [s, e), their new words and hash change; writes them into `old` (ranges are
+    disjoint). `src` is the new version, flat, in `old`'s dtype or one to cast from. `twin` = (rows, cols) of a leaf
+    whose transpose is published too (the untied LM head of a tied embedding): also the changed positions in the
+    transpose and its hash change, from the same words."""
+    wo, wn = words(old)[s:e], _new_words(src, old.dtype, s, e)
+    i = np.flatnonzero(wo != wn)
     v, o = wn[i], wo[i]
     wo[i] = v
-    return i.astype(np.uint32), v, _change(i, o, v)
+    i += s
+    out = (i.astype(np.uint32), v, _change(i, o, v))
+    if twin:
+        r, c = np.divmod(i, twin[1])
+        t = c * twin[0] + r  # [rows, cols] flat (r, c) -> [cols, rows] flat (c, r)
+        return out + (t.astype(np.uint32), _change(t, o, v))
+    return out
 
 
-def diff_parts(olds: list, news: list, hashes: list) -> tuple[list, list]:
+def diff_parts(olds: list, news: list, hashes: list, twin: tuple = ()) -> tuple[list, list]:
     """Per leaf: [(changed positions, new words) per _CHUNK range], and the new hashes; every `olds` leaf becomes
-    its `news` leaf in place. The ranges are spread over a thread pool (memory-bound numpy passes: compare, gather,
-    hash, scatter)."""
+    its `news` leaf in place (`news` may hold another float dtype: cast per range). The ranges are spread over a
+    thread pool (memory-bound numpy passes: cast, compare, gather, hash, scatter). `twin` = (k, hash): leaf k's
+    transpose is published too; its parts (leaf k's words at transposed positions) and new hash come last."""
+    k_twin = twin[0] if twin else -1
     jobs = [
-        [_POOL.submit(_diff_range, words(o), words(n), s, min(s + _CHUNK, o.size)) for s in range(0, o.size, _CHUNK)]
-        for o, n in zip(olds, news)
+        [
+            _POOL.submit(
+                _diff_range, o.reshape(-1), n.reshape(-1), s, min(s + _CHUNK, o.size), o.shape if k == k_twin else ()
+            )
+            for s in range(0, o.size, _CHUNK)
+        ]
+        for k, (o, n) in enumerate(zip(olds, news))
     ]
     parts, out = [], []
-    for h, leaf_jobs in zip(hashes, jobs):
+    for k, (h, leaf_jobs) in enumerate(zip(hashes, jobs)):
         done = [f.result() for f in leaf_jobs]
-        parts.append([(i, v) for i, v, _ in done])
-        out.append((h + sum(d for _, _, d in done)) & _M64)
+        parts.append([(r[0], r[1]) for r in done])
+        out.append((h + sum(r[2] for r in done)) & _M64)
+        if k == k_twin:
+            twin_parts, twin_hash = [(r[3], r[1]) for r in done], (twin[1] + sum(r[4] for r in done)) & _M64
+    if twin:
+        parts.append(twin_parts)
+        out.append(twin_hash)
     return parts, out
 
 
@@ -131,26 +159,51 @@ class PublishStats(NamedTuple):
     write_s: float  # orbax save + atomic rename
 
 
+class _HeadOfEmbed:
+    """Placeholder leaf: the served `lm_head` is the transpose of `embed` (an untied engine serving a tied model)."""
+
+
+HEAD = "lm_head"
+
+
+def _host_leaves(leaves: list, dt) -> list:
+    """Each leaf as a host array to read the sampler-dtype words from. An accelerator casts first (half the bytes
+    cross to the host; a host sync); on a CPU backend the fp32 words are read where they lie (no copy for a
+    single-device array) and cast per range inside the diff, fused with the compare."""
+    import jax
+
+    def accel(x):
+        return isinstance(x, jax.Array) and any(d.platform != "cpu" for d in x.devices())
+
+    leaves = [x.astype(dt) if accel(x) and x.dtype != dt else x for x in leaves]
+    return [np.asarray(x) for x in jax.device_get(leaves)]
+
+
+def _cast_copy(src: np.ndarray, dt) -> np.ndarray:
+    """A new contiguous array of `src` in dtype `dt`, cast in _CHUNK ranges over the thread pool."""
+    out = np.empty(src.shape, dt)
+    f, g = out.reshape(-1), src.reshape(-1)
+    list(
+        _POOL.map(lambda s: np.copyto(f[s : s + _CHUNK], g[s : s + _CHUNK], casting="unsafe"), range(0, f.size, _CHUNK))
+    )
+    return out
+
+
 class WeightPublisher:
     """The trainer's side: `publish(params, version)` writes a delta against the last version when it can."""
 
     def __init__(self, export_root: str, model_config, dtype: str, *, delta: bool = True, full_every: int = 20):
+        import jax.numpy as jnp
+
         self.root, self.model_config, self.dtype = export_root, model_config, dtype
+        self.dt = jnp.dtype(dtype)
         self.delta, self.full_every = bool(delta), max(1, int(full_every))
-        self.names = self.host = self.hashes = self.treedef = None  # the newest published version, host side
+        # the newest published version, host side: per leaf name its words in the sampler dtype (`host`, None for a
+        # head derived from the embedding), `shapes` and `hashes`
+        self.names = self.host = self.shapes = self.hashes = self.treedef = None
         self.version = None
         self.since_full = 0
         self._bufs = {}  # delta payload buffers, reused between versions
-
-    def _host(self, params):
-        import jax
-        import jax.numpy as jnp
-
-        dt = jnp.dtype(self.dtype)
-        # The cast runs where the parameters live; device_get then copies the sampler-dtype words (a host sync).
-        # Tried: casting into the previous call's (donated) buffer and reading it through dlpack without a copy;
-        # no faster here (the cast itself, ~0.4 s for 0.5B shapes on 2 cores, is the cost).
-        return jax.device_get(jax.tree.map(lambda x: x.astype(dt) if x.dtype != dt else x, params))
 
     def _payload(self, name: str, size: int, dtype, pieces: list) -> np.ndarray:
         """`pieces` and one trailing pad word (orbax cannot save an empty array), in a buffer reused across
@@ -166,40 +219,60 @@ class WeightPublisher:
         """The receiver has no usable base (restart, refused delta): the next publish is full."""
         self.since_full = self.full_every
 
-    def publish(self, params, version: int, keep: int = 3) -> PublishStats:
+    def publish(self, params, version: int, keep: int = 3, head_from_embed: bool = False) -> PublishStats:
+        """Write `version` of `params` (a full version or a delta against the last one). `head_from_embed`: also
+        publish `lm_head` = `embed`.T (an untied engine serving a tied model); its changed words are those of the
+        embedding, found once, so the transpose is never built on the trainer between full versions."""
         t0 = time.perf_counter()
-        names, leaves, treedef = leaf_names(self._host(params))
+        names, leaves, treedef = leaf_names({**params, HEAD: _HeadOfEmbed()} if head_from_embed else params)
+        head = names.index(HEAD) if head_from_embed else -1
+        emb = names.index("embed") if head_from_embed else -1
+        real = [k for k in range(len(names)) if k != head]
+        srcs = dict(zip(real, _host_leaves([leaves[k] for k in real], self.dt)))
         t1 = time.perf_counter()
         full = not self.delta or self.host is None or names != self.names or self.since_full + 1 >= self.full_every
         if full:
-            # a writable copy: device_get may hand back read-only views of device buffers
-            # a writable copy: device_get may hand back read-only views of device buffers
-            self.names, self.host, self.treedef = names, [np.array(x, copy=True) for x in leaves], treedef
-            self.hashes = [leaf_hash(words(x)) for x in self.host]
+            # a new copy in the sampler dtype (never a view of the trainer's buffers, which the next step donates)
+            self.host = [None if k == head else _cast_copy(srcs[k], self.dt) for k in range(len(names))]
+            self.names, self.treedef = names, treedef
+            self.shapes = [self.host[emb].shape[::-1] if k == head else self.host[k].shape for k in range(len(names))]
+            whole = self.published()
+            self.hashes = [leaf_hash(words(x)) for x in whole]
             t2 = time.perf_counter()
-            self._write_full(version, keep)
-            n = sum(x.nbytes for x in self.host)
+            self._write_full(version, keep, whole)
+            n = sum(x.nbytes for x in whole)
             stats = PublishStats("full", n, 1.0, t1 - t0, t2 - t1, time.perf_counter() - t2)
         else:
             # the host copy becomes the new version in place (no second copy of the weights)
-            parts, hashes = diff_parts(self.host, leaves, self.hashes)
+            twin = (real.index(emb), self.hashes[head]) if head >= 0 else ()
+            parts, hashes = diff_parts(
+                [self.host[k] for k in real], [srcs[k] for k in real], [self.hashes[k] for k in real], twin
+            )
+            if head >= 0:  # diff_parts puts the transpose's entry last: move it to the head's place
+                parts.insert(head, parts.pop())
+                hashes.insert(head, hashes.pop())
             counts = [sum(int(i.size) for i, _ in p) for p in parts]
             # the payload is gathered into buffers kept between versions: a fresh 100+ MB array would cost a page
             # fault per 4 KiB (~0.3 s here), more than the copy
             flat = [x for p in parts for x in p]
             idx = self._payload("idx", sum(counts) + 1, np.uint32, [i for i, _ in flat])
-            val = self._payload("val", sum(counts) + 1, words(self.host[0]).dtype, [v for _, v in flat])
+            val = self._payload("val", sum(counts) + 1, words(self.host[real[0]]).dtype, [v for _, v in flat])
             t2 = time.perf_counter()
             base, self.hashes = self.version, hashes
             self._write_delta(version, base, idx, val, counts, keep)
-            n = sum(counts)
-            total = sum(x.size for x in self.host)
-            stats = PublishStats(
-                "delta", n * (4 + self.host[0].itemsize), n / total, t1 - t0, t2 - t1, time.perf_counter() - t2
-            )
+            n, total = sum(counts), sum(int(np.prod(x)) for x in self.shapes)
+            stats = PublishStats("delta", n * (4 + val.itemsize), n / total, t1 - t0, t2 - t1, time.perf_counter() - t2)
         self.version = int(version)
         self.since_full = 0 if full else self.since_full + 1
         return stats
+
+    def published(self) -> list:
+        """The newest version's arrays per leaf; a head derived from the embedding is built (a copy: full versions
+        and tests only)."""
+        if HEAD not in self.names or self.host[self.names.index(HEAD)] is not None:
+            return self.host
+        emb = self.host[self.names.index("embed")]
+        return [np.ascontiguousarray(emb.T) if x is None else x for x in self.host]
 
     def publish_full(self, keep: int = 3) -> None:
         """Rewrite the newest version whole from the host copy (same version number, same words)."""
@@ -209,13 +282,13 @@ class WeightPublisher:
         self.since_full = 0
 
     def _meta(self, kind: str, **extra) -> dict:
-        leaves = {n: {"shape": list(x.shape), "hash": h} for n, x, h in zip(self.names, self.host, self.hashes)}
+        leaves = {n: {"shape": list(x), "hash": h} for n, x, h in zip(self.names, self.shapes, self.hashes)}
         return {"kind": kind, "dtype": self.dtype, "leaves": leaves, **extra}
 
-    def _write_full(self, version: int, keep: int) -> None:
+    def _write_full(self, version: int, keep: int, leaves=None) -> None:
         import jax
 
-        tree = jax.tree_util.tree_unflatten(self.treedef, self.host)
+        tree = jax.tree_util.tree_unflatten(self.treedef, self.published() if leaves is None else leaves)
         ex.export_weights(tree, self.model_config, self.root, version, keep=keep, meta=self._meta("full"))
 
     def _write_delta(self, version, base, idx, val, counts, keep) -> None:
@@ -225,13 +298,22 @@ class WeightPublisher:
         ex.export_weights({"idx": idx, "val": val}, self.model_config, self.root, version, keep=keep, meta=meta)
 
 
+def _swap(a: np.ndarray, pos: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """a[pos] = v; returns the words that were there."""
+    o = a[pos]
+    a[pos] = v
+    return o
+
+
 class WeightStore:
-    """The sampler's side: the served words by leaf name, and `load(path)` for a full or delta version."""
+    """The sampler's side: the served words by leaf name, and `load(path)` for a full or delta version. A sampler
+    whose engine holds the words itself keeps only names, shapes and hashes (`release`) and swaps a delta's words
+    straight into the engine (`read_delta`, `swap_in`)."""
 
     def __init__(self):
         self.version = None
-        self.names, self.leaves, self.hashes, self.treedef = [], [], [], None
-        self.delta_words = {}  # {leaf: the new words at the changed positions} of the last delta applied
+        self.names, self.leaves, self.shapes, self.hashes, self.treedef = [], [], [], [], None
+        self.word = None  # numpy unsigned type of the served words
 
     def params(self):
         import jax
@@ -242,23 +324,34 @@ class WeightStore:
         """Apply version folder `path`; returns {leaf name: changed flat positions, or None for all}.
         DeltaError (and the store unchanged) if a delta does not fit this store or fails its hash check."""
         meta = ex.read_meta(path)
-        if meta.get("kind") != DELTA:
-            _, params = ex.load_export(path)
-            names, leaves, treedef = leaf_names(params)
-            leaves = [np.array(x, copy=True) for x in leaves]
-            want = {n: d["hash"] for n, d in meta.get("leaves", {}).items()}
-            if want:
-                got = {n: leaf_hash(words(x)) for n, x in zip(names, leaves)}
-                bad = sorted(n for n in got if got[n] != want.get(n))
-                if bad or set(want) != set(got):
-                    raise ex.ExportError(f"{path}: full version fails its hash check (leaves {bad[:3]})")
-            self.names, self.leaves, self.treedef = names, leaves, treedef
-            self.hashes = [want[n] if n in want else leaf_hash(words(x)) for n, x in zip(names, leaves)]
-            self.version = int(meta["version"])
-            return {n: None for n in names}
-        return self._apply_delta(path, meta)
+        if meta.get("kind") == DELTA:
+            changes = self.read_delta(path, meta)
+            if any(x is None for x, (i, _) in zip(self.leaves, changes) if i.size):
+                raise DeltaError(f"{path}: this store released the words of a changed leaf (the engine holds them)")
+            self.swap_in(path, meta, [(k, words(self.leaves[k]), i, i, v) for k, (i, v) in enumerate(changes)], _swap)
+            return {n: i for n, (i, _) in zip(self.names, changes) if i.size}
+        _, params = ex.load_export(path)
+        names, leaves, treedef = leaf_names(params)
+        leaves = [np.array(x, copy=True) for x in leaves]
+        want = {n: d["hash"] for n, d in meta.get("leaves", {}).items()}
+        if want:
+            got = {n: leaf_hash(words(x)) for n, x in zip(names, leaves)}
+            bad = sorted(n for n in got if got[n] != want.get(n))
+            if bad or set(want) != set(got):
+                raise ex.ExportError(f"{path}: full version fails its hash check (leaves {bad[:3]})")
+        self.names, self.leaves, self.treedef = names, leaves, treedef
+        self.shapes, self.word = [x.shape for x in leaves], words(leaves[0]).dtype if leaves else None
+        self.hashes = [want[n] if n in want else leaf_hash(words(x)) for n, x in zip(names, leaves)]
+        self.version = int(meta["version"])
+        return {n: None for n in names}
 
-    def _apply_delta(self, path: str, meta: dict) -> dict:
+    def release(self, keep=()) -> None:
+        """Drop the words of every leaf not named in `keep` (the engine holds them); names, shapes and hashes stay."""
+        self.leaves = [x if n in keep else None for n, x in zip(self.names, self.leaves)]
+
+    def read_delta(self, path: str, meta: dict) -> list:
+        """[(changed flat positions uint32, new words)] per leaf of delta version `path`, checked against this
+        store (base version, leaves, payload size, positions within each shape, word type); DeltaError if not."""
         base = int(meta["base_version"])
         if self.version != base:
             raise DeltaError(f"{path}: delta against version {base}, but this sampler holds {self.version}")
@@ -275,32 +368,43 @@ class WeightStore:
             raise DeltaError(
                 f"{path}: payload holds {idx.size} positions / {val.size} words; meta says {sum(counts)} (+1 pad)"
             )
-        # Check everything before writing anything: a refused delta leaves the served weights untouched.
-        plans, off = [], 0
-        for n, leaf, c in zip(self.names, self.leaves, counts):
+        out, off = [], 0
+        for n, shape, c in zip(self.names, self.shapes, counts):
             i, v = idx[off : off + c], val[off : off + c]
             off += c
-            w = words(leaf)
-            if c and (int(i.max()) >= w.size or v.dtype != w.dtype):
-                raise DeltaError(f"{path}: leaf {n}: positions or word type do not fit shape {leaf.shape}")
-            plans.append((w, i, v))
-        # the hash change and, once every leaf passed, the writes: in _CHUNK ranges over the thread pool
-        ranges = [(w, i[s : s + _CHUNK], v[s : s + _CHUNK]) for w, i, v in plans for s in range(0, i.size, _CHUNK)]
-        owner = [k for k, (_, i, _) in enumerate(plans) for _ in range(0, i.size, _CHUNK)]
-        new_hashes = list(self.hashes)
-        for k, d in zip(owner, _POOL.map(lambda r: _change(r[1], r[0][r[1]], r[2]), ranges)):
-            new_hashes[k] = (new_hashes[k] + d) & _M64
-        for n, new_h in zip(self.names, new_hashes):
-            if new_h != int(spec[n]["hash"]):
-                raise DeltaError(f"{path}: leaf {n}: the result fails its hash check (corrupt delta or wrong base)")
-        changed, self.delta_words = {}, {}
-        list(_POOL.map(lambda r: r[0].__setitem__(r[1], r[2]), ranges))
-        for k, ((w, i, v), new_h) in enumerate(zip(plans, new_hashes)):
-            self.hashes[k] = new_h
-            if i.size:
-                changed[self.names[k]], self.delta_words[self.names[k]] = i, v
-        self.version = int(meta["version"])
-        return changed
+            if c and (int(i.max()) >= int(np.prod(shape)) or v.dtype != self.word):
+                raise DeltaError(f"{path}: leaf {n}: positions or word type do not fit shape {tuple(shape)}")
+            out.append((i, v))
+        return out
+
+    def swap_in(self, path: str, meta: dict, writes: list, swap) -> None:
+        """Write a delta's words: `writes` = [(leaf index, target, positions in the target, the same words'
+        positions in the leaf, new words)], each written by `swap(target, positions, words)`, which returns the
+        words it replaced (host arrays, engine tensors). The replaced words give every leaf's new hash; if one
+        differs from the version's, every word is written back and DeltaError raised: a refused delta leaves the
+        served weights as they were. Writes run in _CHUNK ranges over the thread pool (memory-bound gathers and
+        scatters that release the GIL)."""
+        ranges = [
+            (k, t, p[s : s + _CHUNK], i[s : s + _CHUNK], v[s : s + _CHUNK])
+            for k, t, p, i, v in writes
+            for s in range(0, len(p), _CHUNK)
+        ]
+
+        def one(r):
+            k, t, p, i, v = r
+            o = swap(t, p, v)
+            return o, _change(i, o, v)
+
+        done = list(_POOL.map(one, ranges))
+        new = list(self.hashes)
+        for (k, *_), (_, d) in zip(ranges, done):
+            new[k] = (new[k] + d) & _M64
+        bad = [n for n, h in zip(self.names, new) if h != int(meta["leaves"][n]["hash"])]
+        if bad:  # in reverse order, one at a time: right even if a (corrupt) payload wrote a position twice
+            for (_, t, p, _, _), (o, _) in reversed(list(zip(ranges, done))):
+                swap(t, p, o)
+            raise DeltaError(f"{path}: leaf {bad[0]}: the result fails its hash check (corrupt delta or wrong base)")
+        self.hashes, self.version = new, int(meta["version"])
 
 
 def rebuild(export_root: str, version: int):
