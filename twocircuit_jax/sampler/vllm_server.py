@@ -322,7 +322,10 @@ class Engine:
         ):
             if not idx.size:
                 continue
-            if held is not None:  # a tied engine reads its head from the embedding: the head's words stay here
+            if self.tied and leaf == "lm_head":  # a tied engine reads its head from the embedding: the words of
+                # the served head stay on the host (store.release kept them), checked by its hash like the rest
+                if held is None:
+                    raise ExportError(f"{path}: leaf lm_head changed, but this sampler kept no copy of it")
                 writes.append((k, words(held).reshape(-1), idx.astype(np.int64), idx, vals))
                 continue
             want = engine_layout.engine_shape(cfg, leaf, shape)
