@@ -268,6 +268,10 @@ def test_head_from_embed_publishes_what_an_explicit_transposed_head_does(tmp_pat
         key, k = jax.random.split(key)
         params = _step(params, k, frac=0.2)
     assert _same([ws.words(x) for x in derived.published()], [ws.words(x) for x in explicit.published()])
+    # switching between a given and a derived head leaves nothing to diff the head against: a full version
+    assert derived.publish({**params, "lm_head": params["embed"].T}, 7).kind == "full"
+    assert derived.publish(params, 8, head_from_embed=True).kind == "full"
+    assert derived.publish(params, 9, head_from_embed=True).kind == "delta"
 
 
 def test_bench_export_runs_and_a_delta_writes_less(tmp_path, capsys):

@@ -233,6 +233,8 @@ class WeightPublisher:
         srcs = dict(zip(real, _host_leaves([leaves[k] for k in real], self.dt)))
         t1 = time.perf_counter()
         full = not self.delta or self.host is None or names != self.names or self.since_full + 1 >= self.full_every
+        # a head that was given before and is derived now (or the reverse) has no host copy to diff against
+        full = full or (head >= 0) != any(x is None for x in self.host)
         if full:
             # a new copy in the sampler dtype (never a view of the trainer's buffers, which the next step donates)
             self.host = [None if k == head else _cast_copy(srcs[k], self.dt) for k in range(len(names))]
