@@ -12,7 +12,6 @@ from twocircuit_jax.config.run import load_config
 from twocircuit_jax.fast import bytes as fbytes
 from twocircuit_jax.fast.boundaries import boundary_layers
 from twocircuit_jax.fast.circuit import DENSE, OLD, REF, TRAIN, FastCircuit
-from twocircuit_jax.fast.codecs import lowrank
 from twocircuit_jax.model.qwen2 import default_positions, init_params
 from twocircuit_jax.parallel.mesh import make_mesh
 
@@ -146,18 +145,12 @@ def test_lowrank_basis_never_changes_mid_step(mesh):
     staged = c.stage_basis(st, {b: -q for b, q in st.Q.items()})
     with pytest.raises(RuntimeError, match="only after the step's last mini-batch"):
         c.activate_basis(staged)
-    before = st
     st, m = c.end_step(st, 1)
     assert m["codec/q_updates"] == 1 and m["codec/q_activations"] == 1 and m["codec/steps"] == 1
     assert not all(np.array_equal(np.asarray(st.Q[b]), Q0[b]) for b in layers)
     assert m["codec/basis_cond"] == pytest.approx(1.0, abs=1e-4) and "codec/basis_cond/1" in m
-    # the jitted end-of-step update is the op-by-op refresh and activation
-    ref = lowrank.activate_staged(lowrank.refresh_basis(before, c.codec.cfg))
-    for b in layers:
-        np.testing.assert_allclose(np.asarray(st.Q[b]), np.asarray(ref.Q[b]), atol=1e-5)
     st, m = c.end_step(st, 2)  # a step without sketches stages nothing: counters advance once per step at most
     assert m["codec/q_updates"] == 1 and m["codec/q_activations"] == 1 and m["codec/steps"] == 2
-    assert c.codec._update_jits[True]._cache_size() == 1  # one compilation for every refreshing step
 
 
 @pytest.mark.parametrize(

@@ -273,7 +273,6 @@ class LowRankCodec(ActivationCodec):
         if not cfg.rank < self.hidden:
             raise ValueError(f"fast.codec.rank: got {cfg.rank}; must be below the hidden size {self.hidden}")
         self._absorb_jit = self._bootstrap_jit = None
-        self._update_jits = {}  # refresh due (bool) -> the jitted end-of-step update
 
     def init(self):
         return init_lowrank(self.cfg, self.hidden, self.boundaries)
@@ -302,26 +301,15 @@ class LowRankCodec(ActivationCodec):
         return accumulate_sketch(state, aux_by_layer) if self.owns_basis else state
 
     def update(self, state, gs):
-        """After the step's last tick: refresh a fast-owned basis when due, activate a staged one, report health.
-        One jitted program per `due` value and one host sync for its metrics (run op by op, the orthonormalisation,
-        the SVDs and the metrics' host reads cost ~10% of a tiny model's step)."""
-        due = bool(self.owns_basis and refresh_due(self.cfg, gs))
-        if due not in self._update_jits:
-            cfg, boundaries = self.cfg, self.boundaries
-
-            def update(state):
-                if due:
-                    # The sketch already is the sum over dp (contracted over the global batch inside jit, or psum-ed
-                    # in the PowerSGD shard_map), so no axis_name here.
-                    state = refresh_basis(state, cfg, axis_name=None)
-                state = activate_staged(state)
-                metrics = lowrank_metrics(state)
-                metrics.update({f"codec/basis_cond/{b}": basis_cond(state.Q[b]) for b in boundaries})
-                return state, metrics
-
-            self._update_jits[due] = dispatch.jit(update)
-        state, metrics = self._update_jits[due](state)
-        return state, {k: float(v) for k, v in jax.device_get(metrics).items()}  # a host sync
+        """After the step's last tick: refresh a fast-owned basis when due, activate a staged one, report health."""
+        if self.owns_basis and refresh_due(self.cfg, gs):
+            # The sketch already is the sum over dp (contracted over the global batch inside jit, or psum-ed in the
+            # PowerSGD shard_map), so no axis_name here.
+            state = refresh_basis(state, self.cfg, axis_name=None)
+        state = activate_staged(state)
+        metrics = {k: float(v) for k, v in lowrank_metrics(state).items()}
+        metrics.update({f"codec/basis_cond/{b}": float(basis_cond(state.Q[b])) for b in self.boundaries})
+        return state, metrics
 
     def sketcher(self, state, attention_mask):
         """(hook, layers) for a dense pass that only sketches: activations pass unchanged, the aux carries the sketch
