@@ -7,10 +7,11 @@ Protocol (JSON over HTTP on loopback by default; one engine, requests serialised
                     "min_version"} -> {"rows": [{"tokens", "logprobs", "finish_reason": "stop"|"length"}],
                     "version"}; rows are prompt-major (prompt i -> rows i*n .. i*n+n-1). 409 if version < min_version.
     POST /load     {"version": v} -> {"version": v}. Applies export_root/v{v:08d} (a full version, or a delta against
-                    the served one: sampler/weight_sync.py) to a host copy, then to the engine without a restart:
-                    a full version reloads every tensor by its Hugging Face name; a delta writes its changed words
-                    into the engine's tensors at their positions (sampler/engine_layout.py; --weight-update
-                    reload: reloads the touched modules whole instead). Then it clears the prefix cache.
+                    the served one: sampler/weight_sync.py) to the engine without a restart: a full version
+                    passes through a host copy and reloads every tensor by its Hugging Face name; a delta swaps its
+                    changed words into the engine's tensors at their positions (sampler/engine_layout.py) and checks
+                    the result's hashes from the words it replaced (--weight-update reload: applies it to a host
+                    copy and reloads the touched modules whole instead). Then it clears the prefix cache.
                     A missing/corrupt/mismatched export answers 422 and the old version keeps serving; a delta that
                     does not fit (other base, failed hash check) answers 422 with "need_full": true.
 

@@ -19,7 +19,9 @@ A full version is written every `full_every` versions, and whenever the receiver
 it refused): `WeightPublisher.publish_full()` rewrites the newest version whole from the publisher's host copy.
 
 `WeightPublisher` is the trainer's side (keeps one host copy of the last published words: the parameters' size in
-the sampler dtype); `WeightStore` is the sampler's side (keeps the served words and applies deltas to them).
+the sampler dtype); `WeightStore` is the sampler's side: it applies deltas to a host copy of the served words, or,
+once `release`d (an engine that holds the words), only checks a delta and swaps its words into the engine's
+tensors (`read_delta`, `swap_in`: the hashes come from the words replaced, which are written back on a mismatch).
 """
 
 from __future__ import annotations
