@@ -67,9 +67,11 @@ def _attention(cfg: ModelConfig, lp, x, cos, sin, bias, kv=None, slot=None):
     dt = dtype_of(cfg.compute_dtype)
     B, T, _ = x.shape
     nq, nkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = _linear(x, lp["q_proj"], dt).reshape(B, T, nq, D)
-    k = _linear(x, lp["k_proj"], dt).reshape(B, T, nkv, D)
-    v = _linear(x, lp["v_proj"], dt).reshape(B, T, nkv, D)
+    if "qkv_proj" in lp:  # decode (split_layers): one dot for the three projections
+        q, k, v = jnp.split(_linear(x, lp["qkv_proj"], dt), [nq * D, (nq + nkv) * D], axis=-1)
+    else:
+        q, k, v = (_linear(x, lp[f"{n}_proj"], dt) for n in "qkv")
+    q, k, v = q.reshape(B, T, nq, D), k.reshape(B, T, nkv, D), v.reshape(B, T, nkv, D)
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
@@ -94,7 +96,11 @@ def _attention(cfg: ModelConfig, lp, x, cos, sin, bias, kv=None, slot=None):
 
 def _mlp(cfg, lp, x):
     dt = dtype_of(cfg.compute_dtype)
-    return _linear(jax.nn.silu(_linear(x, lp["gate_proj"], dt)) * _linear(x, lp["up_proj"], dt), lp["down_proj"], dt)
+    if "gate_up_proj" in lp:  # decode (split_layers): one dot for both
+        gate, up = jnp.split(_linear(x, lp["gate_up_proj"], dt), 2, axis=-1)
+    else:
+        gate, up = _linear(x, lp["gate_proj"], dt), _linear(x, lp["up_proj"], dt)
+    return _linear(jax.nn.silu(gate) * up, lp["down_proj"], dt)
 
 
 def _layer(cfg, lp, x, cos, sin, bias, kv=None, slot=None):
@@ -179,7 +185,20 @@ def split_layers(params) -> list:
     """The per-layer parameter dicts of the stacked `params["layers"]`: slice once, outside a decode loop, so each
     step does not copy its weights out of the stack again (XLA:CPU does not hoist those slices)."""
     n = jax.tree.leaves(params["layers"])[0].shape[0]
-    return [layer_params(params, i) for i in range(n)]
+    return [_fuse(layer_params(params, i)) for i in range(n)]
+
+
+def _fuse(lp):
+    """A layer's q/k/v and gate/up kernels (and biases) concatenated along their outputs: one dot each per decoded
+    token instead of three and two (a tiny model's decode step is dominated by the count of dots)."""
+
+    def cat(names):
+        parts = [lp[n] for n in names]
+        return {key: jnp.concatenate([p[key] for p in parts], axis=-1) for key in parts[0]}
+
+    if not all(set(lp[n]) == set(lp["q_proj"]) for n in ("k_proj", "v_proj")):
+        return lp
+    return {**lp, "qkv_proj": cat(("q_proj", "k_proj", "v_proj")), "gate_up_proj": cat(("gate_proj", "up_proj"))}
 
 
 def decode_step(cfg: ModelConfig, params, cache: KVCache, tokens, token_mask, layers=None):
