@@ -67,17 +67,20 @@ def test_one_prefill_per_prompt_samples_what_a_prefill_per_row_does(sampler):
     assert other.tokens[:4] != shared.tokens[:4]
 
 
-@pytest.mark.parametrize("upfront", [True, False])
-def test_sampled_tokens_follow_the_model_distribution(sampler, monkeypatch, upfront):
-    """Sampling is argmax(log-probs + Gumbel noise), the noise drawn before the decode loop when small (upfront)
-    or per token: either way the first token's frequencies over 4096 samples match the model's probabilities."""
+def test_sampled_tokens_follow_the_model_distribution(sampler, monkeypatch):
+    """Sampling is argmax(log-probs + Gumbel noise), the noise drawn before the decode loop when small or per token
+    inside it, the same noise either way: the two give the same tokens, and the first token's frequencies over 4096
+    samples match the model's probabilities."""
     import twocircuit_jax.sampler.jax_sampler as js
 
     s, params = sampler
-    monkeypatch.setattr(js, "_NOISE_BYTES", js._NOISE_BYTES if upfront else 0)
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=2)
+    out = s.generate([[5, 6, 7]], n=4096, sampling=cfg, seed=11)
+    monkeypatch.setattr(js, "_NOISE_BYTES", 0)
     js.generate_tokens.clear_cache()  # the choice is made while tracing: retrace under the patched size
-    out = s.generate([[5, 6, 7]], n=4096, sampling=SamplingConfig(temperature=1.0, max_new_tokens=1), seed=11)
+    per_token = s.generate([[5, 6, 7]], n=4096, sampling=cfg, seed=11)
     js.generate_tokens.clear_cache()
+    assert per_token.tokens == out.tokens
     freq = np.bincount([t[0] for t in out.tokens], minlength=CFG.vocab_size) / 4096
     probs = np.exp(np.asarray(_FORWARD(params, jnp.asarray([[5, 6, 7]]))[0, -1]))
     assert 0.5 * np.abs(freq - probs).sum() < 0.04  # total variation; ~0.02 expected from 4096 draws over 40 ids
@@ -85,7 +88,7 @@ def test_sampled_tokens_follow_the_model_distribution(sampler, monkeypatch, upfr
 
 def test_eos_and_truncation_flags(sampler):
     s, _ = sampler
-    out = s.generate([[5, 6], [7, 8, 9]], n=4, sampling=SamplingConfig(max_new_tokens=8), seed=7)
+    out = s.generate([[5, 6], [7, 8, 9]], n=4, sampling=SamplingConfig(max_new_tokens=8), seed=1)
     assert any(out.truncated) and not all(out.truncated)  # both cases are exercised
     for toks, tr in zip(out.tokens, out.truncated):
         if tr:
@@ -93,7 +96,7 @@ def test_eos_and_truncation_flags(sampler):
         else:
             assert toks[-1] == 2 and 2 not in toks[:-1]
     # samples of one prompt differ (different keys per row), and seeds reproduce
-    again = s.generate([[5, 6], [7, 8, 9]], n=4, sampling=SamplingConfig(max_new_tokens=8), seed=7)
+    again = s.generate([[5, 6], [7, 8, 9]], n=4, sampling=SamplingConfig(max_new_tokens=8), seed=1)
     assert again.tokens == out.tokens
     assert len({tuple(t) for t in out.tokens[:4]}) > 1
 

@@ -73,15 +73,17 @@ def generate_tokens(
         return tok.astype(jnp.int32), jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
 
     V = logits.shape[-1]
-    # Gumbel noise (sampling = argmax(log-probs + noise)): for every token in one draw before the loop when it is
-    # small, one RNG program instead of one a token (a tiny model's generation: 0.107 -> 0.092 s); per token else
+    # Sampling is argmax(log-probs + Gumbel noise), as jax.random.categorical does it, with the noise of token t
+    # from fold_in(key, t): drawn for every token in one program before the loop when it is small (one RNG
+    # program instead of one a token: a tiny model's generation 0.107 -> 0.092 s), per token else; same noise.
+    noise_at = lambda t: jax.random.gumbel(jax.random.fold_in(key, t), (B, V))  # noqa: E731
     upfront = max_new_tokens * B * V * 4 <= _NOISE_BYTES
-    noise = jax.random.gumbel(key, (max_new_tokens, B, V)) if upfront else None
+    noise = jax.vmap(noise_at)(jnp.arange(max_new_tokens)) if upfront else None
 
     def body(carry, xs):
         cache, last_logits, done = carry
         t, g = xs
-        g = g if upfront else jax.random.gumbel(jax.random.fold_in(key, t), (B, V))
+        g = g if upfront else noise_at(t)
         tok, lp = pick(last_logits, g)
         tok = jnp.where(done, cfg.pad_token_id, tok)
         lp = jnp.where(done, 0.0, lp)
