@@ -222,13 +222,14 @@ def test_bfloat16_dtype_and_metric_weighting():
         ((20, 1536), 77, 2**21, 2**32),  # Qwen2.5-1.5B width, p = 0.95
     ],
 )
-def test_counting_threshold_equals_the_sorted_reference(shape, k, hi_range, lo_range):
+@pytest.mark.parametrize("method", ["kth_by_count", "kth_by_selection"])
+def test_exact_k_thresholds_equal_the_sorted_reference(shape, k, hi_range, lo_range, method):
     rng = np.random.default_rng(k * 7 + shape[-1])
     u = prf.U64(
         jnp.asarray(rng.integers(0, hi_range, shape, dtype=np.uint64).astype(np.uint32)),
         jnp.asarray(rng.integers(0, lo_range, shape, dtype=np.uint64).astype(np.uint32)),
     )
-    (thr, thr_j), (ref, ref_j) = mask.exact_k_threshold(u, k), mask.exact_k_threshold_sort(u, k)
+    (thr, thr_j), (ref, ref_j) = getattr(mask, method)(u, k), mask.exact_k_threshold_sort(u, k)
     np.testing.assert_array_equal(thr.hi, ref.hi)
     np.testing.assert_array_equal(thr.lo, ref.lo)
     np.testing.assert_array_equal(thr_j, ref_j)
