@@ -53,8 +53,7 @@ def generate_tokens(
 ):
     """prompt [Bp, P] left-padded; `n` samples per prompt, rows prompt-major (row i is prompt i // n). Returns
     tokens [B, N], logps [B, N], lengths [B], truncated [B] with B = Bp * n. Each prompt is prefilled once and its
-    KV cache repeated n times: the prefill is 1/n of the FLOPs of prefilling every row (GRPO's n = 8: the prefill was
-    about half of a generation's work when prompts are as long as completions)."""
+    KV cache repeated n times: 1/n of the prefill FLOPs of a prefill per row."""
     Bp, P = prompt.shape
     B = Bp * n
     cache = init_cache(cfg, Bp, P + max_new_tokens)
