@@ -11,7 +11,7 @@ once (default: two, or one on a one-core machine; env TWOCIRCUIT_TEST_JOBS overr
 printed whole when it ends, never interleaved with another's. A group that fails (or runs no test) stops the run:
 no further group starts, the running ones finish and are printed, and the exit code is that of the first group to
 fail. Extra arguments are passed to every pytest call. All groups share one JAX persistent compilation cache, a
-fresh folder per run (see cache_env).
+fresh folder per run (see cache_env), and compile at XLA's LLVM optimisation level 0 (see xla_env).
 """
 
 from __future__ import annotations
@@ -154,10 +154,29 @@ def cache_env(tmp: str) -> dict:
     }
 
 
+# XLA's CPU backend flag for the LLVM optimisation level of the code it generates (HLO passes are not affected)
+OPT_FLAG = "--xla_backend_optimization_level"
+
+
+def xla_env(flags: str) -> dict:
+    """XLA_FLAGS for the test processes: 8 simulated CPU devices (tests/conftest.py sets the same when run alone)
+    and LLVM optimisation level 0, unless `flags` (the caller's XLA_FLAGS) sets either already. The suite is
+    dominated by compiles of small programs that run a few times: at level 0 a fresh-clone `make test` here took
+    929 s of pytest against 1183-1192 s at the default level, every test passing at both (the same HLO, so the same
+    programs; only LLVM's machine-code optimisation differs). Benchmarks, demos and runs keep XLA's default."""
+    extra = []
+    if "--xla_force_host_platform_device_count" not in flags:
+        extra.append("--xla_force_host_platform_device_count=8")
+    if OPT_FLAG not in flags:
+        extra.append(f"{OPT_FLAG}=0")
+    return {"XLA_FLAGS": " ".join([flags, *extra]).strip()}
+
+
 def _run_group(argv, group, root, here, trace):
     env = {
         **os.environ,
         **cache_env(os.path.dirname(trace)),
+        **xla_env(os.environ.get("XLA_FLAGS", "")),
         "TWOCIRCUIT_TEST_TRACE": trace,
         "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])),
     }

@@ -106,3 +106,26 @@ def test_test_fast_plans_with_the_weights_outside_slow():
         ["tests/test_a.py", "tests/test_b.py"],
         ["tests/test_c.py"],
     ]
+
+
+def test_groups_compile_at_level_0_on_8_devices_unless_the_caller_says_otherwise():
+    env = _runner().xla_env
+    assert env("") == {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"}
+    # the caller's own flags are kept, and a level or device count it sets wins
+    got = env("--xla_backend_optimization_level=2 --xla_dump_to=/tmp/x")["XLA_FLAGS"].split()
+    assert got == [
+        "--xla_backend_optimization_level=2",
+        "--xla_dump_to=/tmp/x",
+        "--xla_force_host_platform_device_count=8",
+    ]
+    got = env("--xla_force_host_platform_device_count=4")["XLA_FLAGS"].split()
+    assert got == ["--xla_force_host_platform_device_count=4", "--xla_backend_optimization_level=0"]
+
+
+def test_a_group_sees_the_flags(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    root = _project(
+        tmp_path, "import os\n\ndef test_flags():\n    assert 'optimization_level=0' in os.environ['XLA_FLAGS']\n"
+    )
+    assert _runner().main([], root=root) == 0
+    assert "2 passed, 0 failed" in capsys.readouterr().out
