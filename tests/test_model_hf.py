@@ -119,3 +119,24 @@ def test_missing_and_malformed_checkpoints(tmp_path, hf_pair):
     (bad / "config.json").write_text(json.dumps(cfgd))
     with pytest.raises(CheckpointError, match="hidden_size"):
         load_hf(str(bad))
+
+
+def test_train_program_takes_each_rope_transcendental_once():
+    """The rotary tables are one cos and one sin pass in the compiled forward+backward, whatever the layer count:
+    XLA used to fuse them into every q and k rotation of every layer, forward and backward (40 passes a step for
+    the peers' 4-layer model). Values are checked against transformers above; this guards the cost."""
+    from twocircuit_jax.config.sections import ModelConfig
+    from twocircuit_jax.model import init_params
+
+    cfg = ModelConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=2, num_kv_heads=1, head_dim=32
+    )
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    mask = jnp.ones((2, 8), jnp.int32).at[0, :3].set(0)
+
+    def loss(p):
+        return jnp.mean(jax.nn.log_softmax(forward(cfg, p, tokens, mask))[..., 0])
+
+    hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+    assert hlo.count(" sine(") == 1 and hlo.count(" cosine(") == 1, (hlo.count(" sine("), hlo.count(" cosine("))
