@@ -35,10 +35,11 @@ def rope_tables(positions, head_dim: int, theta: float):
     """cos/sin [B, T, D] for integer positions [B, T] (non-interleaved halves, as HF Qwen2)."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-    # cos and sin of each angle once, then duplicated (the same words as taking them of [ang, ang]). The barrier
-    # keeps the tables one buffer each: XLA otherwise fused the transcendentals into every consumer and evaluated
-    # them again in each layer's q and k rotation, forward and backward (20 sin and 20 cos passes over [B, T, D]
-    # in the peers' 4-layer train step).
+    # cos and sin of each angle once, then duplicated (the same table words as taking them of [ang, ang]). The
+    # barrier keeps the tables one buffer each: XLA otherwise fused the transcendentals into every consumer and
+    # evaluated them again in each layer's q and k rotation, forward and backward (20 sin and 20 cos passes over
+    # [B, T, D] in the peers' 4-layer train step). The rotations now read the tables from memory, and XLA may then
+    # round their multiply-adds differently in the last bit: a run is not bit-identical to one before this change.
     c, s = jax.lax.optimization_barrier((jnp.cos(ang), jnp.sin(ang)))
     return jnp.concatenate([c, c], axis=-1), jnp.concatenate([s, s], axis=-1)
 
