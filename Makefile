@@ -38,7 +38,7 @@ lint: $(VENV)/.stamp-test
 
 # The suite in 6 pytest processes, 2 at a time (TWOCIRCUIT_TEST_JOBS=N to change); test-fast skips the end-to-end
 # tests (marked slow). Both compile at XLA's LLVM optimisation level 0 (scripts/run_tests.py, xla_env): the suite is
-# dominated by compiles of small programs that run a few times, so compiling faster beats running faster (929 s
+# dominated by compiles of small programs that run a few times, so compiling faster beats running faster (889-929 s
 # against ~1190 s of pytest here). Same HLO, same numerics checks; set XLA_FLAGS=--xla_backend_optimization_level=2
 # (or any level) to test at another.
 test: lint
