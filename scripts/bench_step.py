@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import resource
@@ -233,6 +234,38 @@ def _run_peer(name, python, env) -> dict:
     }
 
 
+def _per_round(results: list[dict]) -> list[str]:
+    """With several rounds, each ratio per round (every arm of a round ran within minutes of the others): on a
+    machine whose speed drifts between rounds these move less than the ratio of medians over all rounds. Lines:
+    `ARM/dense per round: ...`, `ARM/fastest_peer per round: ...`, `ARM first/tunix first per round: ...`."""
+    rounds = sorted({r["round"] for r in results if "round" in r})
+    if len(rounds) < 2:
+        return []
+    at = {(r["arm"], r["round"]): r for r in results if "round" in r}
+    arms = list(dict.fromkeys(r["arm"] for r in results if not r["arm"].startswith("peer:")))
+    peers = list(dict.fromkeys(r["arm"] for r in results if r["arm"].startswith("peer:")))
+
+    def line(label, num, den):
+        got = [(num(rd), den(rd)) for rd in rounds]
+        vals = [a / b for a, b in got if a is not None and b and math.isfinite(a / b)]
+        if not vals:
+            return f"{label} per round: -"
+        return f"{label} per round: {' '.join(f'{v:.2f}' for v in vals)} (median {statistics.median(vals):.2f})"
+
+    out = []
+    step = lambda arm: lambda rd: at[(arm, rd)]["median_step_s"] if (arm, rd) in at else None  # noqa: E731
+    fastest = lambda rd: min((at[(p, rd)]["median_step_s"] for p in peers if (p, rd) in at), default=None)  # noqa: E731
+    for arm in arms:
+        if arm != "dense" and "dense" in arms:
+            out.append(line(f"{arm}/dense", step(arm), step("dense")))
+        if peers:
+            out.append(line(f"{arm}/fastest_peer", step(arm), fastest))
+    if "dense" in arms and "peer:tunix" in peers:
+        first = lambda arm: lambda rd: at[(arm, rd)]["first_step_s"] if (arm, rd) in at else None  # noqa: E731
+        out.append(line("dense first/tunix first", first("dense"), first("peer:tunix")))
+    return out
+
+
 def _table(results: list[dict]) -> str:
     by = {}
     for r in results:
@@ -267,6 +300,7 @@ def _table(results: list[dict]) -> str:
             if peers:
                 ratio += f" {arm}/fastest_peer={m / min(peers):.2f}"
             lines.append(ratio)
+    lines += _per_round(results)
     for sync_arm, async_arm in (("dense", "dense_async"), ("vllm", "vllm_async")):
         if sync_arm in by and async_arm in by:
             sync, ahead = (statistics.median(r["median_step_s"] for r in by[a]) for a in (sync_arm, async_arm))
@@ -318,13 +352,15 @@ def main(argv=None) -> int:
     results = []
     for rnd in range(args.rounds):
         for arm in arms:
-            r = _run_arm(args.setting, arm, args.steps, args.out, warm=args.compile_cache == "warm")
+            r = dict(
+                _run_arm(args.setting, arm, args.steps, args.out, warm=args.compile_cache == "warm"), round=rnd + 1
+            )
             print(
                 f"round {rnd + 1} {arm}: median {r['median_step_s']:.3f} s, first {r['first_step_s']:.2f} s", flush=True
             )
             results.append(r)
         for name, py in peers.items():
-            r = _run_peer(name, py, env)
+            r = dict(_run_peer(name, py, env), round=rnd + 1)
             print(f"round {rnd + 1} peer {name}: median {r['median_step_s']:.3f} s", flush=True)
             results.append(r)
     print(_table(results))

@@ -53,3 +53,35 @@ def test_peer_rows_are_the_peers_draw():
     rows = _bench()._peer_rows(16)
     assert len(rows) == 16 and all(len(r["prompt"]) == 15 for r in rows)
     assert rows == _bench()._peer_rows(16)  # numpy default_rng(1234): the same prompts every run
+
+
+def test_ratios_per_round():
+    b = _bench()
+    arm = lambda name, rnd, m, first=1.0: {  # noqa: E731
+        "arm": name,
+        "round": rnd,
+        "median_step_s": m,
+        "min_step_s": m,
+        "max_step_s": m,
+        "first_step_s": first,
+        "setup_s": 1.0,
+        "peak_rss_mb": 100.0,
+        "phases": {},
+    }
+    # round 2 ran on a machine twice as slow: per round the ratios hold still
+    t = b._table(
+        [
+            arm("dense", 1, 0.2, 8.0),
+            arm("prf_mask", 1, 0.22),
+            arm("peer:tunix", 1, 0.25, 10.0),
+            arm("peer:trl", 1, 0.3, float("nan")),
+            arm("dense", 2, 0.4, 16.0),
+            arm("prf_mask", 2, 0.48),
+            arm("peer:tunix", 2, 0.5, 16.0),
+            arm("peer:trl", 2, 0.45, float("nan")),
+        ]
+    )
+    assert "prf_mask/dense per round: 1.10 1.20 (median 1.15)" in t
+    assert "dense/fastest_peer per round: 0.80 0.89 (median 0.84)" in t  # round 2's fastest peer is TRL
+    assert "dense first/tunix first per round: 0.80 1.00 (median 0.90)" in t
+    assert "per round" not in b._table([arm("dense", 1, 0.2), arm("peer:tunix", 1, 0.25)])  # one round: none
