@@ -23,6 +23,10 @@ Adam-sized step (lr times a random sign, so every weight moves, as under Adam), 
   total     the trainer's update_weights() call end to end (engine rows), else cast + diff + write + apply
   copy      `cp` of the full fp32 weights' bytes on the same file system, measured in the same run
 
+Before it starts, the script removes the work folders (bench_export-<pid>-*) that killed runs left under --dir,
+and exits 2 if --dir is missing or has less room than the run writes there (about 12 bytes a weight with an engine,
+8 without).
+
 The 0.5B model is randomly initialised with Qwen2.5-0.5B shapes (hidden 896, 24 layers, 14/2 heads, MLP 4864,
 vocab 151936, tied embeddings): ~494M parameters.
 """
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -189,6 +194,32 @@ def bench(name, cfg, sync_dtype, engine, reps, lr, work):
     return rows
 
 
+PREFIX = "bench_export-"  # work folders are named bench_export-<pid>-<random>
+
+
+def leftovers(root: str) -> list[str]:
+    """Work folders of earlier runs of this script under `root` whose process is gone. A run that is killed (out
+    of memory, a timeout) cannot remove its exports, and under /dev/shm they keep holding memory: 12 GB of them once
+    made the next run on this machine get killed for memory in turn."""
+    out = []
+    for name in sorted(os.listdir(root)):
+        m = re.match(rf"^{PREFIX}(\d+)-", name)
+        if m and int(m.group(1)) != os.getpid() and not ex._pid_alive(int(m.group(1))):
+            out.append(os.path.join(root, name))
+    return out
+
+
+def need_bytes(sizes: list, engine: str) -> int:
+    """About the most the run keeps under --dir at once: the fp32 export and its `cp` (8 bytes a weight), or, with
+    an engine, its model folder and versions besides the two kept by the publisher (~12 bytes a weight)."""
+    out = 0
+    for name in sizes:
+        shapes = jax.eval_shape(lambda k, c=SIZES[name]: init_params(c, k), jax.random.PRNGKey(0))
+        n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+        out = max(out, n * (12 if engine in ("all", name) else 8))
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="tiny,0.5b")
@@ -207,15 +238,30 @@ def main(argv=None):
         if s not in SIZES:
             print(f"error: --sizes: unknown size {s!r}; allowed {', '.join(SIZES)}", file=sys.stderr)
             return 2
+    root = a.dir or tempfile.gettempdir()
+    if not os.path.isdir(root):
+        print(f"error: --dir {root}: no such folder", file=sys.stderr)
+        return 2
+    for old in leftovers(root):
+        print(f"removing {old}: left by an earlier run whose process is gone", file=sys.stderr)
+        shutil.rmtree(old, ignore_errors=True)
+    need, free = need_bytes(a.sizes.split(","), a.engine), shutil.disk_usage(root).free
+    if free < need:
+        print(
+            f"error: --dir {root}: {free / 2**30:.1f} GiB free, this run writes up to about {need / 2**30:.1f} GiB "
+            "there; free some space or pass another --dir",
+            file=sys.stderr,
+        )
+        return 2
     rows = []
-    with tempfile.TemporaryDirectory(dir=a.dir or None) as work:
+    with tempfile.TemporaryDirectory(dir=root, prefix=f"{PREFIX}{os.getpid()}-") as work:
         for name in a.sizes.split(","):
             cfg = dataclasses.replace(SIZES[name], param_dtype="float32", compute_dtype="float32")
             engine = a.engine == "all" or a.engine == name
             rows += bench(name, cfg, a.dtype, engine, a.reps, a.lr, os.path.join(work, name))
             print(f"done {name}", file=sys.stderr, flush=True)
     head = ("model", "params", "sync", "bytes", "changed", "cast", "diff", "write", "apply", "reload", "total", "copy")
-    print(f"\nsampler dtype {a.dtype}, lr {a.lr:g}, exports under {a.dir or tempfile.gettempdir()}")
+    print(f"\nsampler dtype {a.dtype}, lr {a.lr:g}, exports under {root}")
     print(" ".join(f"{h:>11}" for h in head))
     for r in rows:
         name, n, mode, b, ch, *secs = r

@@ -274,15 +274,20 @@ def test_head_from_embed_publishes_what_an_explicit_transposed_head_does(tmp_pat
     assert derived.publish(params, 9, head_from_embed=True).kind == "delta"
 
 
-def test_bench_export_runs_and_a_delta_writes_less(tmp_path, capsys):
-    """scripts/bench_export.py on the tiny shapes without an engine: one row per sync kind, the delta's payload a
-    small share of the full one's (the timings are a benchmark's, never asserted); a bad size exits 2."""
+def _bench_export():
     import importlib.util
 
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_export.py")
     spec = importlib.util.spec_from_file_location("bench_export", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_export_runs_and_a_delta_writes_less(tmp_path, capsys):
+    """scripts/bench_export.py on the tiny shapes without an engine: one row per sync kind, the delta's payload a
+    small share of the full one's (the timings are a benchmark's, never asserted); a bad size exits 2."""
+    bench = _bench_export()
     assert bench.main(["--sizes", "tiny,huge"]) == 2
     assert "--sizes" in capsys.readouterr().err
     assert bench.main(["--sizes", "tiny", "--engine", "none", "--reps", "1", "--dir", str(tmp_path)]) == 0
@@ -292,6 +297,32 @@ def test_bench_export_runs_and_a_delta_writes_less(tmp_path, capsys):
     changed = {k: float(v[4]) for k, v in rows.items()}
     assert changed["full"] == 1.0 and 0 < changed["delta"] < 0.2
     assert mib["delta"] < 0.5 * mib["full"]
+
+
+def test_bench_export_removes_what_killed_runs_left_and_refuses_a_missing_dir(tmp_path, capsys):
+    """A killed run leaves its work folder behind (under /dev/shm it holds memory): the next run removes the
+    folders of runs whose process is gone, and only those. A --dir that does not exist exits 2, naming it."""
+    import subprocess
+    import sys
+
+    bench = _bench_export()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # its pid now belongs to no process (reaped)
+    dead = tmp_path / f"{bench.PREFIX}{gone.pid}-abc"
+    alive = tmp_path / f"{bench.PREFIX}{os.getppid()}-def"  # a live process's folder
+    other = tmp_path / "bench_export-notapid-x"
+    for d in (dead, alive, other):
+        (d / "v00000001").mkdir(parents=True)
+    assert bench.leftovers(str(tmp_path)) == [str(dead)]
+    assert bench.main(["--sizes", "tiny", "--engine", "none", "--reps", "1", "--dir", str(tmp_path)]) == 0
+    assert f"removing {dead}" in capsys.readouterr().err
+    assert not dead.exists() and alive.exists() and other.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alive.name, other.name])  # its own folder is gone
+    assert bench.main(["--sizes", "tiny", "--dir", str(tmp_path / "nope")]) == 2
+    assert f"--dir {tmp_path / 'nope'}: no such folder" in capsys.readouterr().err
+    # the room it asks for: 8 bytes a weight without an engine (the fp32 export and its copy), 12 with one
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(init_params(bench.SIZES["tiny"], jax.random.PRNGKey(0))))
+    assert bench.need_bytes(["tiny"], "none") == 8 * n and bench.need_bytes(["tiny"], "tiny") == 12 * n
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
