@@ -299,9 +299,11 @@ def test_bench_export_runs_and_a_delta_writes_less(tmp_path, capsys):
     assert mib["delta"] < 0.5 * mib["full"]
 
 
-def test_bench_export_removes_what_killed_runs_left_and_refuses_a_missing_dir(tmp_path, capsys):
+def test_bench_export_removes_what_killed_runs_left_and_refuses_a_missing_dir(tmp_path, capsys, monkeypatch):
     """A killed run leaves its work folder behind (under /dev/shm it holds memory): the next run removes the
-    folders of runs whose process is gone, and only those. A --dir that does not exist exits 2, naming it."""
+    folders of runs whose process is gone, and only those. A --dir that does not exist, or lacks the room the run
+    needs, exits 2, naming it."""
+    import shutil
     import subprocess
     import sys
 
@@ -323,6 +325,13 @@ def test_bench_export_removes_what_killed_runs_left_and_refuses_a_missing_dir(tm
     # the room it asks for: 8 bytes a weight without an engine (the fp32 export and its copy), 12 with one
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(init_params(bench.SIZES["tiny"], jax.random.PRNGKey(0))))
     assert bench.need_bytes(["tiny"], "none") == 8 * n and bench.need_bytes(["tiny"], "tiny") == 12 * n
+    # a --dir with less room than that is refused before anything is written (a run asking for 1 TiB more than the
+    # real free space of tmp_path)
+    monkeypatch.setattr(bench, "need_bytes", lambda sizes, engine: shutil.disk_usage(tmp_path).free + 2**40)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert bench.main(["--sizes", "tiny", "--engine", "none", "--dir", str(tmp_path)]) == 2
+    assert "GiB free, this run writes up to about" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
