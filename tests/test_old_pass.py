@@ -154,3 +154,39 @@ def test_a_second_epoch_keeps_the_separate_old_pass(tmp_path):
         m = tr.step()
     assert m["time/logprob_s"] > 0 and m["tick"] == 2
     assert m["ppo/clip_frac"] >= 0 and "mismatch/kl_k3" in m
+
+
+@pytest.mark.slow
+def test_the_anchor_keeps_the_fused_pass_and_the_same_run(tmp_path, monkeypatch):
+    """The two-circuit run (PRF mask, anchor firing every other tick with the optimizer-state swap, KL on so the
+    fire reads the dense reference ℓ_ref^dense): with the old pass fused into the tick nothing changes, neither the
+    anchor's metrics nor the weights, and the fused run never compiles the ℓ_old forward."""
+    data = {
+        **CFG,
+        "grpo": {**CFG["grpo"], "kl_coef": 0.05},
+        "fast": {**CFG["fast"], "codec": {"type": "prf_mask", "p": 0.5}},
+        "anchor": {"enabled": True, "cadence": 2, "delay": 2, "window": 2, "swap_cadence": 2},
+        "train": {**CFG["train"], "steps": 4},
+    }
+    runs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(loop.GRPOTrainer, "FUSE_OLD_PASS", fused)
+        path = str(tmp_path / str(fused))
+        with loop.GRPOTrainer(load_config(data=data), path, show_progress=False) as tr:
+            assert tr.old_from_train is fused and tr.anchor is not None
+            for _ in range(4):
+                tr.step()
+            old_programs = tr.logp_old._cache_size()
+            params = jax.tree.map(np.asarray, tr.state.params)
+        runs[fused] = [json.loads(line) for line in open(os.path.join(path, "metrics.jsonl"))], params, old_programs
+    (fused, p_fused, n_fused), (apart, p_apart, n_apart) = runs[True], runs[False]
+    assert n_fused == 0 and n_apart == 1
+    assert sum(r.get("anchor/fire", 0) for r in fused) == 2 and fused[-1]["swap/count"] > 0
+    for f, a in zip(fused, apart, strict=True):
+        keys = [k for k in a if k.startswith(("mismatch/", "tis/", "policy/", "ppo/", "grad/", "anchor/", "swap/"))]
+        assert {"mismatch/kl_k3", "policy/entropy", "anchor/fire"} <= set(keys)
+        assert set(keys) <= set(f), set(keys) - set(f)
+        for k in keys:
+            assert f[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (f["step"], k)
+    for x, y in zip(jax.tree.leaves(p_fused), jax.tree.leaves(p_apart)):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)

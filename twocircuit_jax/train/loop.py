@@ -232,14 +232,14 @@ class GRPOTrainer(TrainerCheckpoints):
         # turn, not pipelined: the train forward is the old-log-prob pass (grpo_step.py). Under an activation codec
         # too when ℓ_old takes the codec's view: the train view is the same (the codec keys on the step and the
         # rows, not on the path). Under a gradient codec the loss runs per data replica: the diagnostics gather
-        # their inputs over the batch axes (grpo_step.make_grpo_loss, rows_over).
+        # their inputs over the batch axes (grpo_step.make_grpo_loss, rows_over). With the anchor too: a fire reads
+        # neither ℓ_old nor the live weights and writes no weight, so the tick's forward sees what a pass would.
         one_view = self.codec is None or not self.codec.has_activation_codec or self.codec.applies(OLD)
         self.old_from_train = (
             self.FUSE_OLD_PASS
             and cfg.ticks_per_step == 1
             and cfg.train.ppo_epochs == 1
             and one_view
-            and self.anchor is None
             and pl is None
             and not cfg.train.probe_every
             and not cfg.env.enabled
@@ -322,8 +322,8 @@ class GRPOTrainer(TrainerCheckpoints):
             dev["full_mask"], dev["truncated"] = full_mask, trunc_dev
             if cfg.grpo.kl_coef > 0:
                 with self.timer("logprob"):
-                    dev["ref_logp"] = self.logp_ref(self.ref_params, _logp_rows(dev), self.cs)[0]
-                    jax.block_until_ready(dev["ref_logp"])
+                    self._ref_pass(dev)
+                    jax.block_until_ready((dev["ref_logp"], dev.get("ref_logp_dense")))
         else:
             metrics.update(self._old_pass(gs, dev, full_mask, trunc_dev, col))
         tm = self._ticks(gs, dev)
@@ -365,12 +365,7 @@ class GRPOTrainer(TrainerCheckpoints):
             old_logp, ent, old_aux = self.logp_old(self.state.params, _logp_rows(dev), self.cs)
             dev["old_logp"] = old_logp
             if cfg.grpo.kl_coef > 0:
-                dev["ref_logp"] = self.logp_ref(self.ref_params, _logp_rows(dev), self.cs)[0]
-                if self.anchor:  # the anchor's KL is in the dense view: one more reference forward, codecs off
-                    codec_ref = self.codec is not None and self.codec.applies(REF)
-                    dev["ref_logp_dense"] = (
-                        self.logp_dense(self.ref_params, _logp_rows(dev), self.cs)[0] if codec_ref else dev["ref_logp"]
-                    )
+                self._ref_pass(dev)
             jax.block_until_ready((old_logp, dev.get("ref_logp"), dev.get("ref_logp_dense")))
         w, metrics = self.diagnostics(old_logp, dev["sampler_logp"], dev["response_mask"], full_mask, truncated, ent)
         if w is not None:
@@ -383,6 +378,16 @@ class GRPOTrainer(TrainerCheckpoints):
             with self.timer("logprob"):
                 metrics.update(to_host(self._dense_probe(dev, full_mask, old_logp)))
         return metrics
+
+    def _ref_pass(self, dev) -> None:
+        """ℓ_ref into `dev` (kl_coef > 0), and with the anchor on ℓ_ref^dense: the anchor's KL is in the dense view,
+        one more reference forward with codecs off when the codec applies to the reference pass."""
+        dev["ref_logp"] = self.logp_ref(self.ref_params, _logp_rows(dev), self.cs)[0]
+        if self.anchor:
+            codec_ref = self.codec is not None and self.codec.applies(REF)
+            dev["ref_logp_dense"] = (
+                self.logp_dense(self.ref_params, _logp_rows(dev), self.cs)[0] if codec_ref else dev["ref_logp"]
+            )
 
     def _collect(self, gs: int):
         """Step gs's rollouts, scored and packed (train/collect.py)."""
