@@ -50,7 +50,7 @@ WEIGHTS = {
     "test_config_fields.py": (10, 10),
     "test_vllm_loop.py": (100, 0),
     "test_async_rollouts.py": (35, 0),
-    "test_old_pass.py": (30, 5),
+    "test_old_pass.py": (45, 5),
     "test_fast_e2e.py": (57, 0),
     "test_comm_bytes.py": (80, 0),
     "test_fidelity.py": (42, 10),
