@@ -157,14 +157,16 @@ def test_a_second_epoch_keeps_the_separate_old_pass(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_anchor_keeps_the_fused_pass_and_the_same_run(tmp_path, monkeypatch):
-    """The two-circuit run (PRF mask, anchor firing every other tick with the optimizer-state swap, KL on so the
-    fire reads the dense reference ℓ_ref^dense): with the old pass fused into the tick nothing changes, neither the
+@pytest.mark.parametrize("codec", [{"type": "prf_mask", "p": 0.5}, {"type": "lowrank", "rank": 3}])
+def test_the_anchor_keeps_the_fused_pass_and_the_same_run(tmp_path, monkeypatch, codec):
+    """The two-circuit run (anchor firing every other tick with the optimizer-state swap, KL on so the fire reads
+    the dense reference ℓ_ref^dense; under lowrank the anchor owns the basis, and a fire's sketch, absorbed before
+    the tick, must not change the tick's view): with the old pass fused into the tick nothing changes, neither the
     anchor's metrics nor the weights, and the fused run never compiles the ℓ_old forward."""
     data = {
         **CFG,
         "grpo": {**CFG["grpo"], "kl_coef": 0.05},
-        "fast": {**CFG["fast"], "codec": {"type": "prf_mask", "p": 0.5}},
+        "fast": {**CFG["fast"], "codec": codec},
         "anchor": {"enabled": True, "cadence": 2, "delay": 2, "window": 2, "swap_cadence": 2},
         "train": {**CFG["train"], "steps": 4},
     }
@@ -174,6 +176,7 @@ def test_the_anchor_keeps_the_fused_pass_and_the_same_run(tmp_path, monkeypatch)
         path = str(tmp_path / str(fused))
         with loop.GRPOTrainer(load_config(data=data), path, show_progress=False) as tr:
             assert tr.old_from_train is fused and tr.anchor is not None
+            assert tr.anchor.owns_q is (codec["type"] == "lowrank")
             for _ in range(4):
                 tr.step()
             old_programs = tr.logp_old._cache_size()
