@@ -26,7 +26,8 @@ Arms (fast and anchor sections put over the setting): dense, prf_mask, lowrank, 
 sampler, synchronous and with train.async_rollouts: 1 (peak RSS is the trainer's alone). With `--peers`, the peer harnesses run
 in the same invocation, interleaved with the arms round by round, when their venvs exist under `--peers-dir`
 (default $PEERS: DIR/tunix/bin/python, DIR/trl/bin/python); the table then ends with each arm's median step over
-the faster peer's. Ratios are only meaningful on a quiet machine.
+the faster peer's. Ratios are only meaningful on a quiet machine. Every second round runs its arms and peers in reverse
+order, so a machine drifting within a round favours no run over a pair of rounds.
 """
 
 from __future__ import annotations
@@ -266,6 +267,14 @@ def _per_round(results: list[dict]) -> list[str]:
     return out
 
 
+def round_order(arms: list[str], peers: list[str], rnd: int) -> list[tuple[str, str]]:
+    """The runs of round `rnd` (from 0): the arms then the peers, reversed in every second round, so that a machine
+    that slows or speeds up during a round does not always favour the same runs (over rounds 1 and 2 every run's
+    mean position is the same)."""
+    runs = [("arm", a) for a in arms] + [("peer", p) for p in peers]
+    return runs[::-1] if rnd % 2 else runs
+
+
 def _table(results: list[dict]) -> str:
     by = {}
     for r in results:
@@ -351,17 +360,17 @@ def main(argv=None) -> int:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     results = []
     for rnd in range(args.rounds):
-        for arm in arms:
-            r = dict(
-                _run_arm(args.setting, arm, args.steps, args.out, warm=args.compile_cache == "warm"), round=rnd + 1
-            )
-            print(
-                f"round {rnd + 1} {arm}: median {r['median_step_s']:.3f} s, first {r['first_step_s']:.2f} s", flush=True
-            )
-            results.append(r)
-        for name, py in peers.items():
-            r = dict(_run_peer(name, py, env), round=rnd + 1)
-            print(f"round {rnd + 1} peer {name}: median {r['median_step_s']:.3f} s", flush=True)
+        for kind, name in round_order(arms, list(peers), rnd):
+            if kind == "peer":
+                r = dict(_run_peer(name, peers[name], env), round=rnd + 1)
+                print(f"round {rnd + 1} peer {name}: median {r['median_step_s']:.3f} s", flush=True)
+            else:
+                warm = args.compile_cache == "warm"
+                r = dict(_run_arm(args.setting, name, args.steps, args.out, warm=warm), round=rnd + 1)
+                print(
+                    f"round {rnd + 1} {name}: median {r['median_step_s']:.3f} s, first {r['first_step_s']:.2f} s",
+                    flush=True,
+                )
             results.append(r)
     print(_table(results))
     return 0

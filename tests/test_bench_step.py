@@ -85,3 +85,14 @@ def test_ratios_per_round():
     assert "dense/fastest_peer per round: 0.80 0.89 (median 0.84)" in t  # round 2's fastest peer is TRL
     assert "dense first/tunix first per round: 0.80 1.00 (median 0.90)" in t
     assert "per round" not in b._table([arm("dense", 1, 0.2), arm("peer:tunix", 1, 0.25)])  # one round: none
+
+
+def test_rounds_alternate_the_order_of_the_runs():
+    order = _bench().round_order
+    first = order(["dense", "prf_mask"], ["tunix", "trl"], 0)
+    assert first == [("arm", "dense"), ("arm", "prf_mask"), ("peer", "tunix"), ("peer", "trl")]
+    assert order(["dense", "prf_mask"], ["tunix", "trl"], 1) == first[::-1]
+    assert order(["dense", "prf_mask"], ["tunix", "trl"], 2) == first
+    # over two rounds every run's mean position is the same
+    runs = order(["a", "b", "c"], ["p"], 0)
+    assert len({sum(order(["a", "b", "c"], ["p"], r).index(run) for r in (0, 1)) for run in runs}) == 1
