@@ -11,8 +11,7 @@ Adam-sized step (lr times a random sign, so every weight moves, as under Adam), 
   changed   share of words that differ from the previous version in the sampler dtype
   cast      the parameters to the host: an accelerator casts to the sampler dtype first; on a CPU backend the fp32
             words are read where they lie (no copy) and cast inside the diff (trainer)
-  diff      cast per range, changed words and hashes (trainer; a full version casts and hashes every word; a tied
-            embedding's served head is derived from the embedding's changed words)
+  diff      cast per range, changed words and hashes (trainer; a full version casts and hashes every word)
   write     orbax save + atomic rename (trainer)
   apply     sampler, engine rows: read the version, check it fits the served one, map a delta's changed words to
             their places in the engine's tensors (a full version: host copy, hash check, every Hugging Face tensor);
@@ -123,15 +122,15 @@ def bench(name, cfg, sync_dtype, engine, reps, lr, work):
     copy_s = statistics.median(_copy_s(ref, work) for _ in range(reps))
     shutil.rmtree(os.path.dirname(ref))
     key = jax.random.PRNGKey(1)
-    serve_cfg = dataclasses.replace(cfg, tie_embeddings=False)  # served untied (vllm_client.untie_for_vllm)
+    # served as the trainer holds it: a tied model stays tied in the engine (in-place updates; untie_for_vllm)
+    serve_cfg = cfg
     sampler = None
     if engine:
         from twocircuit_jax.sampler.vllm_client import VLLMSampler
 
         host = jax.device_get(params)
-        served = {**host, "lm_head": host["embed"].T}
-        model_dir = save_hf(dataclasses.replace(serve_cfg, param_dtype=sync_dtype), served, os.path.join(work, "model"))
-        del host, served
+        model_dir = save_hf(dataclasses.replace(serve_cfg, param_dtype=sync_dtype), host, os.path.join(work, "model"))
+        del host
         sampler = VLLMSampler(
             SamplerConfig(startup_timeout_s=900, request_timeout_s=900),
             model_dir,
@@ -154,7 +153,6 @@ def bench(name, cfg, sync_dtype, engine, reps, lr, work):
             version, got = 0, []
             for rep in range(reps + 1):  # the first version is full for both modes: its base
                 version += 1
-                # a tied model is served untied: the publisher derives the head from the embedding, as in a run
                 if sampler is not None:
                     t0 = time.perf_counter()
                     sampler.update_weights(params, 1000 * (mode == "delta") + version)
@@ -162,7 +160,7 @@ def bench(name, cfg, sync_dtype, engine, reps, lr, work):
                     st, load = sampler.last_publish, sampler.last_load
                     apply_s, reload_s = load["restore_s"], load["reload_s"]
                 else:
-                    st = pub.publish(params, version, keep=2, head_from_embed=cfg.tie_embeddings)
+                    st = pub.publish(params, version, keep=2)
                     apply_s = _apply_s(store, serve_cfg, ex.version_dir(root, version))
                     reload_s = None
                     total = st.cast_s + st.diff_s + st.write_s + apply_s

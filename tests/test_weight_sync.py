@@ -274,6 +274,22 @@ def test_head_from_embed_publishes_what_an_explicit_transposed_head_does(tmp_pat
     assert derived.publish(params, 9, head_from_embed=True).kind == "delta"
 
 
+def test_a_tied_model_is_served_untied_only_where_the_engine_reloads_whole_modules():
+    """In place (the default) the engine's head is its embedding tensor, which a delta writes: a tied model is
+    served tied and nothing publishes a transposed copy. `weight_update: reload` gets an explicit, equal head (a
+    reload there leaves a tied head on its start-up words)."""
+    from twocircuit_jax.sampler.vllm_client import untie_for_vllm
+
+    cfg = dataclasses.replace(CFG, tie_embeddings=True)
+    params = jax.tree.map(np.asarray, init_params(cfg, jax.random.PRNGKey(0)))
+    c, p = untie_for_vllm(cfg, params, "inplace")
+    assert c.tie_embeddings and "lm_head" not in p
+    c, p = untie_for_vllm(cfg, params, "reload")
+    assert not c.tie_embeddings and np.array_equal(p["lm_head"], params["embed"].T)
+    untied = dataclasses.replace(CFG, tie_embeddings=False)
+    assert untie_for_vllm(untied, params, "reload") == (untied, params)
+
+
 def _bench_export():
     import importlib.util
 

