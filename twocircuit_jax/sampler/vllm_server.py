@@ -317,9 +317,28 @@ class Engine:
             from twocircuit_jax.sampler.weight_sync import DeltaError
 
             raise DeltaError(f"{path}: a delta, but this sampler has no base version (it serves its start-up weights)")
+        from twocircuit_jax.sampler.weight_sync import _POOL
+
+        changes = self.store.read_delta(path, meta)
+        # each changed word's engine position, leaf by leaf over the pool (numpy's index arithmetic releases the
+        # GIL; 0.08 s on one thread for the 21M changed words of a 0.5B model's step)
+        engine_leaves = [
+            k
+            for k, (leaf, (i, _)) in enumerate(zip(self.store.names, changes))
+            if i.size and not (self.tied and leaf == "lm_head")
+        ]
+        mapped = dict(
+            zip(
+                engine_leaves,
+                _POOL.map(
+                    lambda k: engine_layout.targets(cfg, self.store.names[k], self.store.shapes[k], changes[k][0]),
+                    engine_leaves,
+                ),
+            )
+        )
         writes, views = [], {}
         for k, (leaf, shape, held, (idx, vals)) in enumerate(
-            zip(self.store.names, self.store.shapes, self.store.leaves, self.store.read_delta(path, meta))
+            zip(self.store.names, self.store.shapes, self.store.leaves, changes)
         ):
             if not idx.size:
                 continue
@@ -330,7 +349,7 @@ class Engine:
                 writes.append((k, words(held).reshape(-1), idx.astype(np.int64), idx, vals))
                 continue
             want = engine_layout.engine_shape(cfg, leaf, shape)
-            for t in engine_layout.targets(cfg, leaf, shape, idx):
+            for t in mapped[k]:
                 param = self.params.get(t.name)
                 got = None if param is None else tuple(param.shape)
                 # vLLM pads the vocabulary rows of embed_tokens / lm_head (to a multiple of 64): trailing rows,
