@@ -108,3 +108,32 @@ def test_cpu_scheduler_flag_is_added_once_and_a_users_choice_kept():
     import os
 
     assert CPU_SCHEDULER_FLAG in os.environ["XLA_FLAGS"]
+
+
+def _opts(jitted, *args):
+    return dict(jitted.lower(*args)._lowering._compiler_options_kvs)  # what compile() will pass to XLA
+
+
+def test_cpu_programs_compile_at_llvm_level_1_unless_xla_flags_choose(monkeypatch):
+    """Top-level calls on the CPU backend compile at dispatch.CPU_OPT_LEVEL; a level in XLA_FLAGS (the suite's 0)
+    or the caller's own compiler_options win, and other backends get nothing. The options are chosen at the first
+    call, so the environment is set before the wrapper is used."""
+    level = dispatch.OPT_LEVEL_FLAG
+    assert dispatch.cpu_compiler_options("", "cpu") == {level: dispatch.CPU_OPT_LEVEL}
+    assert dispatch.cpu_compiler_options(f"--foo=1 --{level}=3", "cpu") is None
+    assert dispatch.cpu_compiler_options("", "gpu") is None and dispatch.cpu_compiler_options("", "tpu") is None
+
+    x = jnp.arange(4.0)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    f = dispatch.jit(lambda v: jnp.sin(v) * 2)
+    assert _opts(f, x) == {level: dispatch.CPU_OPT_LEVEL}
+    np.testing.assert_allclose(np.asarray(f(x)), np.sin(np.arange(4.0)) * 2, rtol=1e-6)
+    assert _opts(f.wrapped, x) == {}  # the export path: a plain jit
+    mine = dispatch.jit(lambda v: v + 1, compiler_options={level: 2})
+    assert _opts(mine, x) == {level: 2}
+    # called while another function is traced, the wrapper takes the plain jit: jax refuses compile options there
+    outer = jax.jit(lambda v: f(v) + 1)
+    np.testing.assert_allclose(np.asarray(outer(x)), np.sin(np.arange(4.0)) * 2 + 1, rtol=1e-6)
+
+    monkeypatch.setenv("XLA_FLAGS", f"--{level}=0")
+    assert _opts(dispatch.jit(lambda v: v * 3), x) == {}
