@@ -201,3 +201,22 @@ def test_external_dense_sketch_stages_one_power_iteration(mesh):
         got = np.asarray(new.Q_next[b])
         np.testing.assert_allclose(np.abs(got.T @ want), np.eye(want.shape[1]), atol=1e-4)  # same columns up to sign
     assert bool(new.staged)
+
+
+def test_rel_err_weighs_tokens_and_sums_channels_first():
+    """The codec error metric over real tokens only (padding rows and columns excluded), equal to the one-pass
+    formula it replaces: ‖(h̃ − h) w‖ / ‖h w‖ over [B, T, H]."""
+    from twocircuit_jax.fast.circuit import _rel_err
+    from twocircuit_jax.fast.codecs.base import row_sum
+
+    rng = np.random.default_rng(0)
+    h, out = rng.normal(size=(3, 5, 8)).astype(np.float32), rng.normal(size=(3, 5, 8)).astype(np.float32)
+    mask = np.ones((3, 5), np.int32)
+    mask[0, :2] = 0
+    mask[2, 4] = 0
+    out[0, :2] = 1e6  # padding: must not count
+    w = mask[..., None].astype(np.float64)
+    want = np.sqrt(np.sum((out - h) ** 2 * w) / np.sum(h.astype(np.float64) ** 2 * w))
+    np.testing.assert_allclose(float(_rel_err(jnp.asarray(h), jnp.asarray(out), jnp.asarray(mask))), want, rtol=1e-5)
+    wt = rng.uniform(size=(3, 5)).astype(np.float32)
+    np.testing.assert_allclose(float(row_sum(jnp.asarray(h), jnp.asarray(wt))), np.sum(h * wt[..., None]), rtol=1e-5)

@@ -27,6 +27,7 @@ from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.fast import bytes as fbytes
 from twocircuit_jax.fast.boundaries import boundary_layers
 from twocircuit_jax.fast.codecs import OLD, REF, TRAIN, Path, lowrank, make_activation_codec, make_grad_codec
+from twocircuit_jax.fast.codecs.base import row_sum
 from twocircuit_jax.fast.grad_fn import make_codec_grad_fn
 from twocircuit_jax.parallel.mesh import BATCH_AXES, dp_size
 
@@ -34,11 +35,11 @@ DENSE = "dense"
 
 
 def _rel_err(h, out, attention_mask):
-    """‖h − h̃‖_F / ‖h‖_F over real tokens, fp32, outside the gradient path (metric only)."""
+    """‖h − h̃‖_F / ‖h‖_F over real tokens, fp32, outside the gradient path (metric only; codecs/base.py row_sum)."""
     h32 = jax.lax.stop_gradient(h).astype(jnp.float32)
     d = jax.lax.stop_gradient(out).astype(jnp.float32) - h32
-    w = jnp.asarray(attention_mask, jnp.float32)[..., None]
-    return jnp.sqrt(jnp.sum(d * d * w) / jnp.maximum(jnp.sum(h32 * h32 * w), 1e-30))
+    w = jnp.asarray(attention_mask, jnp.float32)
+    return jnp.sqrt(row_sum(d * d, w) / jnp.maximum(row_sum(h32 * h32, w), 1e-30))
 
 
 class FastCircuit:

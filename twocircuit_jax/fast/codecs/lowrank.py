@@ -27,7 +27,7 @@ from pallas_kernels.lowrank import check_can_run, lowrank_reference, project_rec
 from pallas_kernels.sharding import shard_rows
 from twocircuit_jax.config.base import doc, require
 from twocircuit_jax.config.sections import ActivationCodecConfig
-from twocircuit_jax.fast.codecs.base import TRAIN, ActivationCodec, register_activation, wire_result
+from twocircuit_jax.fast.codecs.base import TRAIN, ActivationCodec, register_activation, row_sum, wire_result
 from twocircuit_jax.fast.orth import orth
 from twocircuit_jax.parallel import dispatch
 
@@ -135,8 +135,9 @@ def make_lowrank_hook(
         M = jax.lax.stop_gradient(h).astype(F32)
         w = jnp.ones((B, T), F32) if attention_mask is None else attention_mask.astype(F32)
         Mw = M * w[..., None]
-        diff = Mw - jax.lax.stop_gradient(Mh).astype(F32) * w[..., None]
-        err = jnp.sqrt(jnp.sum(diff**2)) / jnp.maximum(jnp.sqrt(jnp.sum(Mw**2)), 1e-30)
+        diff = M - jax.lax.stop_gradient(Mh).astype(F32)
+        w2 = w * w  # ‖(M - Mh) w‖ and ‖M w‖, channels first (codecs/base.py row_sum)
+        err = jnp.sqrt(row_sum(diff * diff, w2)) / jnp.maximum(jnp.sqrt(row_sum(M * M, w2)), 1e-30)
         if sketch:
             M2 = Mw.reshape(B * T, H)
             S = M2.T @ (M2 @ jax.lax.stop_gradient(state.Q_start[layer]))

@@ -23,7 +23,7 @@ from pallas_kernels import prf
 from twocircuit_jax.config.base import doc, require
 from twocircuit_jax.config.sections import ActivationCodecConfig
 from twocircuit_jax.fast.codecs import prf_mask as mask_lib
-from twocircuit_jax.fast.codecs.base import ActivationCodec, register_activation, wire_result
+from twocircuit_jax.fast.codecs.base import ActivationCodec, register_activation, row_sum, wire_result
 from twocircuit_jax.fast.wire import Wire, _zeros
 
 ROUNDINGS = ("sr", "rn")
@@ -147,8 +147,8 @@ def make_quant_hook(cfg, boundaries, step, sample_ids, positions, attention_mask
         out = sr_quant(cfg, layer, step, sample_ids, positions, h)
         w = jnp.ones(h.shape[:-1], jnp.float32) if attention_mask is None else jnp.asarray(attention_mask, jnp.float32)
         h32 = jax.lax.stop_gradient(h).astype(jnp.float32)
-        err = jnp.sum(jnp.sum(jnp.square(jax.lax.stop_gradient(out).astype(jnp.float32) - h32), -1) * w)
-        ref = jnp.sum(jnp.sum(jnp.square(h32), -1) * w)
+        err = row_sum(jnp.square(jax.lax.stop_gradient(out).astype(jnp.float32) - h32), w)
+        ref = row_sum(jnp.square(h32), w)
         rel = jnp.sqrt(err / jnp.maximum(ref, 1e-30))
         return out, {"quant_rel_err": rel}
 
