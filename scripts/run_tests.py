@@ -163,7 +163,8 @@ def xla_env(flags: str) -> dict:
     and LLVM optimisation level 0, unless `flags` (the caller's XLA_FLAGS) sets either already. The suite is
     dominated by compiles of small programs that run a few times: on the 2-core machine the suite took 889-929 s of
     pytest at level 0 against 1183-1192 s at the default level, every test passing at both (the same HLO, so the
-    same programs; only LLVM's machine-code optimisation differs). Benchmarks, demos and runs keep XLA's default."""
+    same programs; only LLVM's machine-code optimisation differs). Benchmarks, demos and runs compile their
+    programs at level 1 on CPU (parallel/dispatch.py), unless their XLA_FLAGS set a level."""
     extra = []
     if "--xla_force_host_platform_device_count" not in flags:
         extra.append("--xla_force_host_platform_device_count=8")
