@@ -1,7 +1,7 @@
 """Benchmark (not a test): one GRPO step of this project, arm by arm, and optionally of the peer frameworks.
 
     python scripts/bench_step.py [--setting peers|demo] [--arms dense,prf_mask,...] [--steps 12] [--rounds 1]
-                                 [--compile-cache cold|warm] [--peers] [--peers-dir DIR]
+                                 [--compile-cache cold|warm] [--interleave] [--peers] [--peers-dir DIR]
 
 Each arm runs in a fresh process (its own compiles and peak RSS): a `GRPOTrainer` built from the setting, then
 `--steps` calls of `trainer.step()`, each timed as a whole on the host. Printed per arm: the median, min and max
@@ -10,6 +10,13 @@ per-phase time the trainer logs (`time/<phase>_s`, `time/compile_s` on steps tha
 `--compile-cache cold` (default) gives each arm process an empty persistent compilation cache (train.compile_cache),
 so its first step compiles everything; `warm` runs each arm twice on one cache folder and reports the second run,
 as a user's second run of the same shapes would see it.
+
+`--interleave` builds every arm's trainer in one process instead and steps them in turn (step i of each arm right
+after step i of the others, the order reversed every second step), so a machine whose speed drifts over seconds or
+minutes slows every arm alike; it prints each arm's steps over dense's steps taken next to them (median and
+quartiles over steps 3..N). Separate processes, on this 2-core machine, gave ratios to dense that moved by 0.2-0.4
+from round to round; the arms then share compiled programs and memory, so first step, construction and peak RSS
+are not per arm ("-"). Peers still run in their own processes.
 
 Settings:
   peers  the peer harnesses' tiny setting (../shared/peers/README.md): random Qwen2 with vocab 128, hidden 128,
@@ -164,16 +171,20 @@ def even_share(prompts, completions, **_):
     return out
 
 
-def worker(setting: str, arm: str, steps: int, out_dir: str, cache: str = "") -> dict:
-    """One arm in this process: construction, then `steps` timed steps. Returns the arm's figures."""
-    t0 = time.perf_counter()
+def _trainer(setting: str, arm: str, steps: int, out_dir: str, cache: str):
     from twocircuit_jax.train.loop import GRPOTrainer
 
     cfg = _arm_config(setting, arm, steps, cache)
     kw = {}
     if setting == "peers":
         kw = {"reward_fns": [even_share], "train_dataset": _peer_rows(8 * steps)}
-    trainer = GRPOTrainer(cfg, os.path.join(out_dir, f"{setting}_{arm}"), show_progress=False, **kw)
+    return GRPOTrainer(cfg, os.path.join(out_dir, f"{setting}_{arm}"), show_progress=False, **kw)
+
+
+def worker(setting: str, arm: str, steps: int, out_dir: str, cache: str = "") -> dict:
+    """One arm in this process: construction, then `steps` timed steps. Returns the arm's figures."""
+    t0 = time.perf_counter()
+    trainer = _trainer(setting, arm, steps, out_dir, cache)
     setup_s = time.perf_counter() - t0
     walls, rows = [], []
     for _ in range(steps):
@@ -181,6 +192,35 @@ def worker(setting: str, arm: str, steps: int, out_dir: str, cache: str = "") ->
         rows.append(trainer.step())
         walls.append(time.perf_counter() - t)
     trainer.close()
+    return _figures(arm, walls, rows, setup_s)
+
+
+def worker_interleaved(setting: str, arms: list[str], steps: int, out_dir: str, cache: str = "") -> list[dict]:
+    """Every arm's trainer in this one process, stepped in turn: step i of each arm runs right after step i of the
+    others, in reverse order every second step, so the machine's drift reaches every arm alike. Each arm's figures
+    also carry `step_ratios`: its step i over dense's step i, for i >= 3 (with dense among the arms). First steps,
+    construction and peak RSS are not per arm here (the arms share compiled programs and memory): NaN."""
+    trainers = {a: _trainer(setting, a, steps, out_dir, cache) for a in arms}
+    walls, rows = {a: [] for a in arms}, {a: [] for a in arms}
+    for i in range(steps):
+        for a in arms[::-1] if i % 2 else arms:
+            t = time.perf_counter()
+            rows[a].append(trainers[a].step())
+            walls[a].append(time.perf_counter() - t)
+    for t in trainers.values():
+        t.close()
+    out = []
+    for a in arms:
+        r = _figures(a, walls[a], rows[a], float("nan"))
+        r.update(first_step_s=float("nan"), peak_rss_mb=float("nan"))
+        if "dense" in walls:
+            r["step_ratios"] = [x / d for x, d in zip(walls[a][2:], walls["dense"][2:])]
+        out.append(r)
+    return out
+
+
+def _figures(arm: str, walls: list, rows: list, setup_s: float) -> dict:
+    """An arm's row of the table from its step walls and the trainer's metrics rows (steps 3.. are steady)."""
     steady = walls[2:] or walls
     from twocircuit_jax.train.timing import PHASES
 
@@ -213,6 +253,21 @@ def _run_arm(setting, arm, steps, out_dir, warm: bool = False) -> dict:
             lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
             if p.returncode or not lines:
                 raise RuntimeError(f"arm {arm} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def _run_interleaved(setting, arms, steps, out_dir) -> list[dict]:
+    """worker_interleaved in a fresh process, on a fresh compilation cache folder."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="bench-xla-cache-") as cache:
+        cmd = [sys.executable, __file__, "--worker-interleaved", ",".join(arms), "--setting", setting]
+        cmd += ["--steps", str(steps), "--out", out_dir, "--cache", cache]
+        env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+        lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+        if p.returncode or not lines:
+            raise RuntimeError(f"arms {arms} (interleaved) failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
     return json.loads(lines[-1][len("RESULT ") :])
 
 
@@ -275,6 +330,10 @@ def round_order(arms: list[str], peers: list[str], rnd: int) -> list[tuple[str, 
     return runs[::-1] if rnd % 2 else runs
 
 
+def _num(x: float, digits: int) -> str:
+    return "-" if math.isnan(x) else f"{x:.{digits}f}"
+
+
 def _table(results: list[dict]) -> str:
     by = {}
     for r in results:
@@ -287,10 +346,10 @@ def _table(results: list[dict]) -> str:
         med = statistics.median(r["median_step_s"] for r in rs)
         row = [arm, f"{med:.3f}", f"{min(r['min_step_s'] for r in rs):.3f}", f"{max(r['max_step_s'] for r in rs):.3f}"]
         row += [
-            f"{statistics.median(r['first_step_s'] for r in rs):.2f}",
-            f"{statistics.median(r['setup_s'] for r in rs):.2f}",
+            _num(statistics.median(r["first_step_s"] for r in rs), 2),
+            _num(statistics.median(r["setup_s"] for r in rs), 2),
         ]
-        row += [f"{max(r['peak_rss_mb'] for r in rs):.0f}"]
+        row += [_num(max(r["peak_rss_mb"] for r in rs), 0)]
         # a peer reports no phases: "-", not a zero
         row += [
             f"{statistics.median(r['phases'].get(p, 0.0) for r in rs):.3f}" if rs[0]["phases"] else "-" for p in phases
@@ -310,6 +369,14 @@ def _table(results: list[dict]) -> str:
                 ratio += f" {arm}/fastest_peer={m / min(peers):.2f}"
             lines.append(ratio)
     lines += _per_round(results)
+    for arm, rs in by.items():  # interleaved arms: each step over dense's step run next to it
+        ratios = [x for r in rs for x in r.get("step_ratios", ())]
+        if ratios and arm != "dense":
+            q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+            lines.append(
+                f"{arm}/dense step by step (interleaved): median {statistics.median(ratios):.2f} "
+                f"(quartiles {q[0]:.2f}-{q[2]:.2f}, {len(ratios)} steps)"
+            )
     for sync_arm, async_arm in (("dense", "dense_async"), ("vllm", "vllm_async")):
         if sync_arm in by and async_arm in by:
             sync, ahead = (statistics.median(r["median_step_s"] for r in by[a]) for a in (sync_arm, async_arm))
@@ -332,11 +399,21 @@ def main(argv=None) -> int:
         default="cold",
         help="cold: each arm compiles from scratch; warm: each arm's second process on the first one's cache",
     )
+    ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="all arms in one process, stepped in turn (ratios to dense step by step; no per-arm first step or RSS)",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-interleaved", help=argparse.SUPPRESS)
     ap.add_argument("--cache", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         print("RESULT " + json.dumps(worker(args.setting, args.worker, args.steps, args.out, args.cache)), flush=True)
+        return 0
+    if args.worker_interleaved:
+        arms = args.worker_interleaved.split(",")
+        print("RESULT " + json.dumps(worker_interleaved(args.setting, arms, args.steps, args.out, args.cache)))
         return 0
     arms = [a for a in args.arms.split(",") if a]
     bad = [a for a in arms if a not in ARMS]
@@ -345,6 +422,9 @@ def main(argv=None) -> int:
         return 2
     if args.steps < 3:
         print(f"error: --steps: got {args.steps}; at least 3 (steps 1-2 compile and warm up)", file=sys.stderr)
+        return 2
+    if args.interleave and args.compile_cache == "warm":
+        print("error: --compile-cache warm: not with --interleave (no per-arm first step there)", file=sys.stderr)
         return 2
     peers = {}
     if args.peers:
@@ -360,7 +440,14 @@ def main(argv=None) -> int:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     results = []
     for rnd in range(args.rounds):
-        for kind, name in round_order(arms, list(peers), rnd):
+        runs = round_order(["*"] if args.interleave else arms, list(peers), rnd)
+        for kind, name in runs:
+            if name == "*":  # every arm in one process, stepped in turn
+                rs = [dict(r, round=rnd + 1) for r in _run_interleaved(args.setting, arms, args.steps, args.out)]
+                for r in rs:
+                    print(f"round {rnd + 1} {r['arm']} (interleaved): median {r['median_step_s']:.3f} s", flush=True)
+                results += rs
+                continue
             if kind == "peer":
                 r = dict(_run_peer(name, peers[name], env), round=rnd + 1)
                 print(f"round {rnd + 1} peer {name}: median {r['median_step_s']:.3f} s", flush=True)

@@ -22,6 +22,8 @@ def test_bad_flags_exit_2(capsys, tmp_path):
     assert "--steps" in capsys.readouterr().err
     assert b.main(["--peers", "--peers-dir", str(tmp_path)]) == 2  # no venvs there
     assert "--peers" in capsys.readouterr().err
+    assert b.main(["--interleave", "--compile-cache", "warm"]) == 2
+    assert "--compile-cache" in capsys.readouterr().err
 
 
 def test_table_ratios():
@@ -96,3 +98,24 @@ def test_rounds_alternate_the_order_of_the_runs():
     # over two rounds every run's mean position is the same
     runs = order(["a", "b", "c"], ["p"], 0)
     assert len({sum(order(["a", "b", "c"], ["p"], r).index(run) for r in (0, 1)) for run in runs}) == 1
+
+
+def test_interleaved_arms_print_step_by_step_ratios_and_no_per_arm_first_step():
+    b = _bench()
+    nan = float("nan")
+    arm = lambda name, m, ratios=None: {  # noqa: E731
+        "arm": name,
+        "round": 1,
+        "median_step_s": m,
+        "min_step_s": m,
+        "max_step_s": m,
+        "first_step_s": nan,
+        "setup_s": nan,
+        "peak_rss_mb": nan,
+        "phases": {"time/update_s": m / 2},
+        **({"step_ratios": ratios} if ratios is not None else {}),
+    }
+    t = b._table([arm("dense", 0.2, [1.0] * 5), arm("prf_mask", 0.25, [1.0, 1.1, 1.2, 1.3, 1.4])])
+    assert "prf_mask/dense step by step (interleaved): median 1.20 (quartiles 1.05-1.35, 5 steps)" in t
+    assert "dense/dense step by step" not in t
+    assert "| dense | 0.200 | 0.200 | 0.200 | - | - | - | 0.100 |" in t
