@@ -154,6 +154,32 @@ def test_retention_bound_and_delay_over_many_ticks(tiny):
     assert delays and all(d == 5 and w in (5, 6) for d, w in delays)
 
 
+@pytest.mark.parametrize("projection, kept", [(False, [2, 6]), (True, [2, 4, 6, 8])])
+def test_only_the_kept_ticks_need_the_anchor_fields(tiny, projection, kept):
+    """cadence 4, delay 2: ticks ≡ 2 (mod 4) are retained; with the projection a fire (ticks ≡ 0) also reads its own
+    tick's batch. The loop computes ℓ_ref^dense for those mini-batches only, so the others may lack it; a kept
+    one without it is refused, naming the tick and the field, before anything changes."""
+    _, _, state, _, _, batch, moved = tiny
+    circ = _circuit(_cfg(cadence=4, delay=2, projection=projection, swap_cadence=2), state)
+    assert [t for t in range(1, 9) if circ.keeps(t)] == kept
+
+    def rows(tau):
+        b = dict(batch(tau))
+        return b if circ.keeps(tau) else {k: v for k, v in b.items() if k != "ref_logp_dense"}
+
+    cs = _cs(circ)
+    for tau in range(1, 9):
+        gs = (tau - 1) // 2 + 1
+        cs, _, _ = circ.before_tick(tau, gs, tau % 2 == 1, rows(tau), moved(state, gs), cs)
+    assert circ.fires == 2
+    lacking = {k: v for k, v in batch(10).items() if k != "ref_logp_dense"}
+    cs, _, _ = circ.before_tick(9, 5, True, lacking, moved(state, 5), cs)  # not kept: fine
+    with pytest.raises(ValueError, match=r"tick 10's mini-batch .*ref_logp_dense"):
+        circ.before_tick(10, 5, False, lacking, moved(state, 5), cs)
+    circ.before_tick(10, 5, False, batch(10), moved(state, 5), cs)  # the tick was not recorded: it can come again
+    assert circ.buffer.retained_ticks == [10] and circ.fires == 2
+
+
 def test_nonfinite_forecast_raises_before_state_changes(tiny):
     _, _, state, _, _, batch, moved = tiny
     cfg = _cfg(cadence=2, delay=2, projection=True, swap_cadence=2)

@@ -71,3 +71,49 @@ def test_swap_in_loop_keeps_shardings_and_step_compiles_once(anchor_run):
     got = jax.tree.leaves(jax.tree.map(lambda x: x.sharding, tr.state.opt_state))
     want = jax.tree.leaves(tr.state_sh.opt_state)
     assert len(got) == len(want) and all(g == w for g, w in zip(got, want))
+
+
+def test_dense_reference_only_for_the_rows_the_anchor_keeps(tmp_path):
+    """Under a codec that acts on the reference pass, the anchor's KL needs ℓ_ref^dense: the loop runs that extra
+    forward (codecs off, reference weights) on the mini-batches the anchor keeps only, each kept batch carries the
+    dense reference of its own rows, and the train step's inputs never change (one compile)."""
+    from twocircuit_jax.config import load_config
+    from twocircuit_jax.parallel import dispatch
+    from twocircuit_jax.train import loop
+    from twocircuit_jax.train.grpo_step import DENSE, REF, make_logp_fn
+
+    data = tiny_config(
+        name="ref_dense",
+        grpo={"kl_coef": 0.05},
+        fast={"codec": {"type": "prf_mask", "p": 0.5}},
+        anchor={"enabled": True, "cadence": 4, "delay": 2, "window": 2, "projection": False},
+        train={"steps": 4},
+    )
+    cfg = load_config(data=data)
+    with loop.GRPOTrainer(cfg, str(tmp_path / "run"), show_progress=False) as tr:
+        assert tr.codec.applies(REF)
+        calls, real, seen = [], tr.logp_anchor_ref, {}
+
+        def spy(params, rows, cs):
+            calls.append((int(tr.state.tick) + 1, params is tr.ref_params, int(rows["tokens"].shape[0])))
+            seen["rows"] = rows
+            return real(params, rows, cs)
+
+        tr.logp_anchor_ref = spy
+        rows = []
+        for _ in range(3):
+            rows.append(tr.step())
+        # ticks ≡ 2 (mod 4) are retained (delay 2); without the projection a fire replays them: 2 and 6, 8 rows each
+        assert calls == [(2, True, 8), (6, True, 8)]
+        assert [r["anchor/fire"] for r in rows] == [0, 1, 0]
+        assert all(np.isfinite(r["anchor/kl_loss"]) for r in rows if r["anchor/fire"])
+        assert tr.train_step._cache_size() == 1
+        [(tick, _, kept)] = tr.anchor.buffer._batches
+        assert tick == 6
+        cs, last = tr.cs, seen["rows"]  # tick 6's rows as the loop handed them over (with their sample ids)
+        np.testing.assert_array_equal(np.asarray(last["tokens"]), np.asarray(kept["tokens"]))
+        dense = dispatch.jit(make_logp_fn(tr.model_cfg, None, DENSE))(tr.ref_params, last, cs)[0]
+        codec_view = dispatch.jit(make_logp_fn(tr.model_cfg, tr.codec, REF))(tr.ref_params, last, cs)[0]
+        mask = np.asarray(kept["response_mask"]) > 0
+        np.testing.assert_allclose(np.asarray(kept["ref_logp_dense"])[mask], np.asarray(dense)[mask], rtol=1e-5)
+        assert np.abs(np.asarray(codec_view) - np.asarray(dense))[mask].max() > 0.1  # the views differ here

@@ -112,6 +112,11 @@ class AnchorCircuit:
     def fire_due(self, tau: int) -> bool:
         return tau % self.cfg.cadence == 0
 
+    def keeps(self, tau: int) -> bool:
+        """Whether tick τ's mini-batch is read by the anchor: retained for a later fire, or replayed by this tick's
+        fire (the projection's forecast pairs with the current batch). Only these need the anchor's batch fields."""
+        return self.buffer.due(tau) or (self.fire_due(tau) and self.window is not None)
+
     def merge_due(self, tau: int) -> bool:
         return tau % self.cfg.merger_cadence == 0
 
@@ -154,9 +159,13 @@ class AnchorCircuit:
         """Returns (cs, metrics, sketch): `cs` with the fire's merger and moments and this tick's merger clock;
         `sketch` is the fire's dense sketch against `basis` (an anchor-owned basis, on a fire tick), else None."""
         a = self.cfg
-        batch = {k: minibatch[k] for k in self._batch_keys}
-        rows = int(batch["tokens"].shape[0])
-        self.fast_rows += rows
+        batch = None
+        if self.keeps(tau):
+            missing = [k for k in self._batch_keys if k not in minibatch]
+            if missing:
+                raise ValueError(f"anchor: tick {tau}'s mini-batch is kept for a fire but has no {missing}")
+            batch = {k: minibatch[k] for k in self._batch_keys}
+        self.fast_rows += int(minibatch["tokens"].shape[0])
         if first_tick_of_step:
             self._gen_tick = tau
             if self.window is not None and not self.window.ticks:  # base = first generator snapshot (host copy)

@@ -281,6 +281,8 @@ class GRPOTrainer(TrainerCheckpoints):
         self.logp_dense = dispatch.jit(
             make_logp_fn(self.model_cfg, None, DENSE, pl)
         )  # the probe: codecs off everywhere
+        # The anchor's ℓ_ref^dense: the same forward, its own program (mini-batch rows, not the step's)
+        self.logp_anchor_ref = dispatch.jit(make_logp_fn(self.model_cfg, None, DENSE, pl))
 
     def _shard_batch(self, batch):
         """Host rows (the same on every process) or device rows, split over the batch axes of the mesh."""
@@ -323,7 +325,7 @@ class GRPOTrainer(TrainerCheckpoints):
             if cfg.grpo.kl_coef > 0:
                 with self.timer("logprob"):
                     self._ref_pass(dev)
-                    jax.block_until_ready((dev["ref_logp"], dev.get("ref_logp_dense")))
+                    jax.block_until_ready(dev["ref_logp"])
         else:
             metrics.update(self._old_pass(gs, dev, full_mask, trunc_dev, col))
         tm = self._ticks(gs, dev)
@@ -366,7 +368,7 @@ class GRPOTrainer(TrainerCheckpoints):
             dev["old_logp"] = old_logp
             if cfg.grpo.kl_coef > 0:
                 self._ref_pass(dev)
-            jax.block_until_ready((old_logp, dev.get("ref_logp"), dev.get("ref_logp_dense")))
+            jax.block_until_ready((old_logp, dev.get("ref_logp")))
         w, metrics = self.diagnostics(old_logp, dev["sampler_logp"], dev["response_mask"], full_mask, truncated, ent)
         if w is not None:
             dev["is_weight"] = w
@@ -380,14 +382,19 @@ class GRPOTrainer(TrainerCheckpoints):
         return metrics
 
     def _ref_pass(self, dev) -> None:
-        """ℓ_ref into `dev` (kl_coef > 0), and with the anchor on ℓ_ref^dense: the anchor's KL is in the dense view,
-        one more reference forward with codecs off when the codec applies to the reference pass."""
+        """ℓ_ref into `dev` (kl_coef > 0). The anchor's dense view of it is `_anchor_rows`'s."""
         dev["ref_logp"] = self.logp_ref(self.ref_params, _logp_rows(dev), self.cs)[0]
-        if self.anchor:
-            codec_ref = self.codec is not None and self.codec.applies(REF)
-            dev["ref_logp_dense"] = (
-                self.logp_dense(self.ref_params, _logp_rows(dev), self.cs)[0] if codec_ref else dev["ref_logp"]
-            )
+
+    def _anchor_rows(self, tau, mb):
+        """The mini-batch as the anchor reads it at tick τ: with ℓ_ref^dense (kl_coef > 0) when the anchor keeps
+        these rows (retained for a later fire, or this fire's batch), else as it is. The anchor's KL is in the dense
+        view: when the codec acts on the reference pass, that is one more reference forward with codecs off, over
+        the mini-batches the anchor keeps only (1/cadence of the rows; its program compiles at the first one)."""
+        if self.cfg.grpo.kl_coef <= 0 or not self.anchor.keeps(tau):
+            return mb
+        if self.codec is None or not self.codec.applies(REF):
+            return {**mb, "ref_logp_dense": mb["ref_logp"]}
+        return {**mb, "ref_logp_dense": self.logp_anchor_ref(self.ref_params, _logp_rows(mb), self.cs)[0]}
 
     def _collect(self, gs: int):
         """Step gs's rollouts, scored and packed (train/collect.py)."""
@@ -440,7 +447,8 @@ class GRPOTrainer(TrainerCheckpoints):
                 if self.anchor:
                     with self.timer("anchor"):
                         basis = self.cs.codec if self.anchor.owns_q else None
-                        self.cs, am, sketch = self.anchor.before_tick(tau, gs, first, mb, self.state, self.cs, basis)
+                        amb = self._anchor_rows(tau, mb)
+                        self.cs, am, sketch = self.anchor.before_tick(tau, gs, first, amb, self.state, self.cs, basis)
                         if sketch is not None:  # the anchor's dense sketch refreshes the basis (staged)
                             self.cs = self.cs._replace(codec=self.codec.absorb_sketch(self.cs.codec, sketch))
                         jax.block_until_ready(self.cs)
