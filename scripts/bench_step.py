@@ -1,12 +1,15 @@
 """Benchmark (not a test): one GRPO step of this project, arm by arm, and optionally of the peer frameworks.
 
     python scripts/bench_step.py [--setting peers|demo] [--arms dense,prf_mask,...] [--steps 12] [--rounds 1]
-                                 [--compile-cache cold|warm] [--interleave] [--peers] [--peers-dir DIR]
+                                 [--compile-cache cold|warm] [--interleave] [--set KEY=VALUE ...]
+                                 [--peers] [--peers-dir DIR]
 
 Each arm runs in a fresh process (its own compiles and peak RSS): a `GRPOTrainer` built from the setting, then
 `--steps` calls of `trainer.step()`, each timed as a whole on the host. Printed per arm: the median, min and max
-step over steps 3..N, the first step (it compiles), the trainer's construction, peak RSS, and the median of every
-per-phase time the trainer logs (`time/<phase>_s`, `time/compile_s` on steps that compiled).
+step over steps 3..N, the mean over those of them that compiled nothing (work that comes every few steps, such as
+the anchor's fire, counts there at its share; the median hides it), the first step (it compiles), the trainer's
+construction, peak RSS, and the median of every per-phase time the trainer logs (`time/<phase>_s`,
+`time/compile_s` on steps that compiled).
 `--compile-cache cold` (default) gives each arm process an empty persistent compilation cache (train.compile_cache),
 so its first step compiles everything; `warm` runs each arm twice on one cache folder and reports the second run,
 as a user's second run of the same shapes would see it.
@@ -14,7 +17,7 @@ as a user's second run of the same shapes would see it.
 `--interleave` builds every arm's trainer in one process instead and steps them in turn (step i of each arm right
 after step i of the others, the order reversed every second step), so a machine whose speed drifts over seconds or
 minutes slows every arm alike; it prints each arm's steps over dense's steps taken next to them (median and
-quartiles over steps 3..N). Separate processes, on this 2-core machine, gave ratios to dense that moved by 0.2-0.4
+quartiles over steps 3..N), and its seconds over dense's summed over the steps 3..N where neither compiled. Separate processes, on this 2-core machine, gave ratios to dense that moved by 0.2-0.4
 from round to round; the arms then share compiled programs and memory, so first step, construction and peak RSS
 are not per arm ("-"). Peers still run in their own processes.
 
@@ -115,7 +118,7 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def _arm_config(setting: str, arm: str, steps: int, cache: str = ""):
+def _arm_config(setting: str, arm: str, steps: int, cache: str = "", sets=()):
     import dataclasses
 
     import yaml
@@ -128,19 +131,28 @@ def _arm_config(setting: str, arm: str, steps: int, cache: str = ""):
         over = {"fast": raw["fast"], "anchor": raw["anchor"]}
         over["fast"] = {**NONE, **over["fast"]}
     if setting == "peers":
-        cfg = load_config(data=_merge(_peer_setting(steps), over))
+        cfg = load_config(data=_merge(_peer_setting(steps), over), overrides=list(sets))
         return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile_cache=cache))
     from twocircuit_jax.train.sft import base_once
 
     base_once(os.path.join(ROOT, "configs", "tiny_base.yaml"), os.path.join(ROOT, "artifacts", "tiny_base"), "base")
-    sets = [f"train.steps={steps}", "train.eval_every=0", "train.checkpoint_every=0", "train.final_checkpoint=false"]
-    sets += ["eval.at_start=false", "eval.at_end=false", f"base_model={os.path.join(ROOT, 'artifacts', 'tiny_base')}"]
-    sets += [f"{sec}={json.dumps(over[sec])}" for sec in ("fast", "anchor") if sec in over]
-    sets += [
+    arm_sets = [
+        f"train.steps={steps}",
+        "train.eval_every=0",
+        "train.checkpoint_every=0",
+        "train.final_checkpoint=false",
+    ]
+    arm_sets += [
+        "eval.at_start=false",
+        "eval.at_end=false",
+        f"base_model={os.path.join(ROOT, 'artifacts', 'tiny_base')}",
+    ]
+    arm_sets += [f"{sec}={json.dumps(over[sec])}" for sec in ("fast", "anchor") if sec in over]
+    arm_sets += [
         f"{k}={json.dumps(v)}" for sec, v in over.items() if sec not in ("fast", "anchor") for k, v in _dotted(sec, v)
     ]
-    sets += [f"train.compile_cache={json.dumps(cache)}"]
-    return load_config(os.path.join(ROOT, "configs", "demo.yaml"), sets)
+    arm_sets += [f"train.compile_cache={json.dumps(cache)}"]
+    return load_config(os.path.join(ROOT, "configs", "demo.yaml"), arm_sets + list(sets))  # --set items last
 
 
 def _dotted(prefix: str, d: dict):
@@ -171,20 +183,20 @@ def even_share(prompts, completions, **_):
     return out
 
 
-def _trainer(setting: str, arm: str, steps: int, out_dir: str, cache: str):
+def _trainer(setting: str, arm: str, steps: int, out_dir: str, cache: str, sets=()):
     from twocircuit_jax.train.loop import GRPOTrainer
 
-    cfg = _arm_config(setting, arm, steps, cache)
+    cfg = _arm_config(setting, arm, steps, cache, sets)
     kw = {}
     if setting == "peers":
         kw = {"reward_fns": [even_share], "train_dataset": _peer_rows(8 * steps)}
     return GRPOTrainer(cfg, os.path.join(out_dir, f"{setting}_{arm}"), show_progress=False, **kw)
 
 
-def worker(setting: str, arm: str, steps: int, out_dir: str, cache: str = "") -> dict:
+def worker(setting: str, arm: str, steps: int, out_dir: str, cache: str = "", sets=()) -> dict:
     """One arm in this process: construction, then `steps` timed steps. Returns the arm's figures."""
     t0 = time.perf_counter()
-    trainer = _trainer(setting, arm, steps, out_dir, cache)
+    trainer = _trainer(setting, arm, steps, out_dir, cache, sets)
     setup_s = time.perf_counter() - t0
     walls, rows = [], []
     for _ in range(steps):
@@ -195,12 +207,12 @@ def worker(setting: str, arm: str, steps: int, out_dir: str, cache: str = "") ->
     return _figures(arm, walls, rows, setup_s)
 
 
-def worker_interleaved(setting: str, arms: list[str], steps: int, out_dir: str, cache: str = "") -> list[dict]:
+def worker_interleaved(setting: str, arms: list[str], steps: int, out_dir: str, cache: str = "", sets=()) -> list[dict]:
     """Every arm's trainer in this one process, stepped in turn: step i of each arm runs right after step i of the
     others, in reverse order every second step, so the machine's drift reaches every arm alike. Each arm's figures
     also carry `step_ratios`: its step i over dense's step i, for i >= 3 (with dense among the arms). First steps,
     construction and peak RSS are not per arm here (the arms share compiled programs and memory): NaN."""
-    trainers = {a: _trainer(setting, a, steps, out_dir, cache) for a in arms}
+    trainers = {a: _trainer(setting, a, steps, out_dir, cache, sets) for a in arms}
     walls, rows = {a: [] for a in arms}, {a: [] for a in arms}
     for i in range(steps):
         for a in arms[::-1] if i % 2 else arms:
@@ -215,13 +227,23 @@ def worker_interleaved(setting: str, arms: list[str], steps: int, out_dir: str, 
         r.update(first_step_s=float("nan"), peak_rss_mb=float("nan"))
         if "dense" in walls:
             r["step_ratios"] = [x / d for x, d in zip(walls[a][2:], walls["dense"][2:])]
+            # every step but those that compiled in either arm: periodic work (an anchor fire) counts in full
+            keep = [i for i in range(2, steps) if not _compiled(rows[a][i]) and not _compiled(rows["dense"][i])]
+            r["sum_ratio"] = [sum(walls[a][i] for i in keep), sum(walls["dense"][i] for i in keep), len(keep)]
         out.append(r)
     return out
 
 
+def _compiled(row: dict) -> bool:
+    return row.get("time/compile_s", 0.0) > 0
+
+
 def _figures(arm: str, walls: list, rows: list, setup_s: float) -> dict:
-    """An arm's row of the table from its step walls and the trainer's metrics rows (steps 3.. are steady)."""
+    """An arm's row of the table from its step walls and the trainer's metrics rows (steps 3.. are steady). The
+    median is the typical step; the mean, over steps 3.. that compiled nothing, counts work that comes every few
+    steps (an anchor fire) at its share, which the median hides."""
     steady = walls[2:] or walls
+    warm = [w for w, r in zip(walls[2:], rows[2:]) if not _compiled(r)]
     from twocircuit_jax.train.timing import PHASES
 
     names = {f"time/{p}_s" for p in PHASES + ("compile",)}
@@ -229,6 +251,7 @@ def _figures(arm: str, walls: list, rows: list, setup_s: float) -> dict:
     return {
         "arm": arm,
         "median_step_s": statistics.median(steady),
+        "mean_step_s": statistics.fmean(warm) if warm else float("nan"),
         "min_step_s": min(steady),
         "max_step_s": max(steady),
         "first_step_s": walls[0],
@@ -240,13 +263,13 @@ def _figures(arm: str, walls: list, rows: list, setup_s: float) -> dict:
     }
 
 
-def _run_arm(setting, arm, steps, out_dir, warm: bool = False) -> dict:
+def _run_arm(setting, arm, steps, out_dir, warm: bool = False, sets=()) -> dict:
     """The arm in a fresh process, on a fresh compilation cache folder (run twice on it when `warm`)."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="bench-xla-cache-") as cache:
         cmd = [sys.executable, __file__, "--worker", arm, "--setting", setting, "--steps", str(steps)]
-        cmd += ["--out", out_dir, "--cache", cache]
+        cmd += ["--out", out_dir, "--cache", cache] + [f"--set={x}" for x in sets]
         env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}  # the arm's own cache
         for _ in range(1 + warm):
             p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
@@ -256,13 +279,13 @@ def _run_arm(setting, arm, steps, out_dir, warm: bool = False) -> dict:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-def _run_interleaved(setting, arms, steps, out_dir) -> list[dict]:
+def _run_interleaved(setting, arms, steps, out_dir, sets=()) -> list[dict]:
     """worker_interleaved in a fresh process, on a fresh compilation cache folder."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="bench-xla-cache-") as cache:
         cmd = [sys.executable, __file__, "--worker-interleaved", ",".join(arms), "--setting", setting]
-        cmd += ["--steps", str(steps), "--out", out_dir, "--cache", cache]
+        cmd += ["--steps", str(steps), "--out", out_dir, "--cache", cache] + [f"--set={x}" for x in sets]
         env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
         p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
         lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
@@ -281,6 +304,7 @@ def _run_peer(name, python, env) -> dict:
     return {
         "arm": f"peer:{name}",
         "median_step_s": float(m.group(1)),
+        "mean_step_s": float("nan"),  # the harnesses print medians only
         "min_step_s": float(m.group(2)),
         "max_step_s": float(m.group(3)),
         "first_step_s": float(first.group(1)) if first else float("nan"),
@@ -339,12 +363,14 @@ def _table(results: list[dict]) -> str:
     for r in results:
         by.setdefault(r["arm"], []).append(r)
     phases = sorted({p for r in results for p in r["phases"]})
-    head = ["arm", "median step s", "min", "max", "first step s", "setup s", "peak RSS MB"]
+    head = ["arm", "median step s", "mean", "min", "max", "first step s", "setup s", "peak RSS MB"]
     head += [p[len("time/") : -2] for p in phases]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm, rs in by.items():  # several rounds: the median of the rounds' medians, the range of all
         med = statistics.median(r["median_step_s"] for r in rs)
-        row = [arm, f"{med:.3f}", f"{min(r['min_step_s'] for r in rs):.3f}", f"{max(r['max_step_s'] for r in rs):.3f}"]
+        mean = statistics.median(r.get("mean_step_s", float("nan")) for r in rs)
+        row = [arm, f"{med:.3f}", _num(mean, 3)]
+        row += [f"{min(r['min_step_s'] for r in rs):.3f}", f"{max(r['max_step_s'] for r in rs):.3f}"]
         row += [
             _num(statistics.median(r["first_step_s"] for r in rs), 2),
             _num(statistics.median(r["setup_s"] for r in rs), 2),
@@ -377,6 +403,12 @@ def _table(results: list[dict]) -> str:
                 f"{arm}/dense step by step (interleaved): median {statistics.median(ratios):.2f} "
                 f"(quartiles {q[0]:.2f}-{q[2]:.2f}, {len(ratios)} steps)"
             )
+        sums = [r["sum_ratio"] for r in rs if "sum_ratio" in r and r["sum_ratio"][1] > 0]
+        if sums and arm != "dense":
+            lines.append(
+                f"{arm}/dense over all steps (interleaved): {sum(a for a, _, _ in sums) / sum(d for _, d, _ in sums):.2f} "
+                f"(its seconds over dense's, {sum(n for _, _, n in sums)} steps that compiled nothing)"
+            )
     for sync_arm, async_arm in (("dense", "dense_async"), ("vllm", "vllm_async")):
         if sync_arm in by and async_arm in by:
             sync, ahead = (statistics.median(r["median_step_s"] for r in by[a]) for a in (sync_arm, async_arm))
@@ -404,16 +436,26 @@ def main(argv=None) -> int:
         action="store_true",
         help="all arms in one process, stepped in turn (ratios to dense step by step; no per-arm first step or RSS)",
     )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override put over every arm, after the arm's own (as `twocircuit train --set`); repeatable",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--worker-interleaved", help=argparse.SUPPRESS)
     ap.add_argument("--cache", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        print("RESULT " + json.dumps(worker(args.setting, args.worker, args.steps, args.out, args.cache)), flush=True)
+        r = worker(args.setting, args.worker, args.steps, args.out, args.cache, args.set)
+        print("RESULT " + json.dumps(r), flush=True)
         return 0
     if args.worker_interleaved:
         arms = args.worker_interleaved.split(",")
-        print("RESULT " + json.dumps(worker_interleaved(args.setting, arms, args.steps, args.out, args.cache)))
+        print(
+            "RESULT " + json.dumps(worker_interleaved(args.setting, arms, args.steps, args.out, args.cache, args.set))
+        )
         return 0
     arms = [a for a in args.arms.split(",") if a]
     bad = [a for a in arms if a not in ARMS]
@@ -423,6 +465,15 @@ def main(argv=None) -> int:
     if args.steps < 3:
         print(f"error: --steps: got {args.steps}; at least 3 (steps 1-2 compile and warm up)", file=sys.stderr)
         return 2
+    if args.set:  # a bad override: one line naming it, before any arm starts
+        from twocircuit_jax.config.base import ConfigError
+
+        try:
+            for arm in arms:
+                _arm_config(args.setting, arm, args.steps, "", args.set)
+        except ConfigError as e:
+            print(f"error: --set: {e}", file=sys.stderr)
+            return 2
     if args.interleave and args.compile_cache == "warm":
         print("error: --compile-cache warm: not with --interleave (no per-arm first step there)", file=sys.stderr)
         return 2
@@ -443,7 +494,8 @@ def main(argv=None) -> int:
         runs = round_order(["*"] if args.interleave else arms, list(peers), rnd)
         for kind, name in runs:
             if name == "*":  # every arm in one process, stepped in turn
-                rs = [dict(r, round=rnd + 1) for r in _run_interleaved(args.setting, arms, args.steps, args.out)]
+                rs = _run_interleaved(args.setting, arms, args.steps, args.out, args.set)
+                rs = [dict(r, round=rnd + 1) for r in rs]
                 for r in rs:
                     print(f"round {rnd + 1} {r['arm']} (interleaved): median {r['median_step_s']:.3f} s", flush=True)
                 results += rs
@@ -453,7 +505,7 @@ def main(argv=None) -> int:
                 print(f"round {rnd + 1} peer {name}: median {r['median_step_s']:.3f} s", flush=True)
             else:
                 warm = args.compile_cache == "warm"
-                r = dict(_run_arm(args.setting, name, args.steps, args.out, warm=warm), round=rnd + 1)
+                r = dict(_run_arm(args.setting, name, args.steps, args.out, warm, args.set), round=rnd + 1)
                 print(
                     f"round {rnd + 1} {name}: median {r['median_step_s']:.3f} s, first {r['first_step_s']:.2f} s",
                     flush=True,

@@ -48,7 +48,7 @@ def test_table_ratios():
     )
     assert "dense/dense=1.00 dense/fastest_peer=2.00" in t
     assert "prf_mask/dense=1.20 prf_mask/fastest_peer=2.40" in t
-    assert "| peer:trl | 0.400 | 0.400 | 0.400 | 1.00 | 1.00 | 100 | - |" in t
+    assert "| peer:trl | 0.400 | - | 0.400 | 0.400 | 1.00 | 1.00 | 100 | - |" in t  # a peer prints no mean
 
 
 def test_peer_rows_are_the_peers_draw():
@@ -118,4 +118,34 @@ def test_interleaved_arms_print_step_by_step_ratios_and_no_per_arm_first_step():
     t = b._table([arm("dense", 0.2, [1.0] * 5), arm("prf_mask", 0.25, [1.0, 1.1, 1.2, 1.3, 1.4])])
     assert "prf_mask/dense step by step (interleaved): median 1.20 (quartiles 1.05-1.35, 5 steps)" in t
     assert "dense/dense step by step" not in t
-    assert "| dense | 0.200 | 0.200 | 0.200 | - | - | - | 0.100 |" in t
+    assert "| prf_mask | 0.250 | - | 0.250 | 0.250 | - | - | - |" in t
+    assert "| dense | 0.200 | - | 0.200 | 0.200 | - | - | - | 0.100 |" in t
+    # summed seconds: a step that fires now and then counts at its share (two rounds add up before dividing)
+    two = [
+        dict(arm("dense", 0.2), sum_ratio=[1.0, 1.0, 5]),
+        dict(arm("two_circuit", 0.2, [1.0] * 5), sum_ratio=[1.5, 1.0, 5]),
+        dict(arm("two_circuit", 0.2), round=2, sum_ratio=[2.5, 2.0, 6]),
+    ]
+    assert "two_circuit/dense over all steps (interleaved): 1.33 (its seconds over dense's, 11 steps" in b._table(two)
+
+
+def test_figures_mean_counts_periodic_steps_and_leaves_out_compiling_ones():
+    """Steps 1-2 warm up; of the rest, a step that compiled (time/compile_s) is left out of the mean, a fire step
+    (here every fourth) is in it at its share, and the median does not see it."""
+    b = _bench()
+    walls = [5.0, 0.3, 0.1, 0.1, 0.1, 0.5, 3.0, 0.1, 0.1, 0.5]
+    rows = [{"time/compile_s": 4.0}, {}, {}, {}, {}, {}, {"time/compile_s": 2.9}, {}, {}, {}]
+    f = b._figures("two_circuit", walls, rows, 1.0)
+    assert f["median_step_s"] == 0.1 and f["max_step_s"] == 3.0
+    assert abs(f["mean_step_s"] - 1.5 / 7) < 1e-12
+
+
+def test_set_goes_over_every_arm_and_a_bad_one_exits_2(capsys):
+    b = _bench()
+    cfg = b._arm_config("peers", "two_circuit", 12, "", ["anchor.cadence=20", "anchor.delay=20"])
+    assert (cfg.anchor.cadence, cfg.anchor.delay) == (20, 20)  # over the recipe's 4 and 4
+    assert cfg.fast.codec_type == "lowrank" and cfg.anchor.enabled  # the rest of the arm stays
+    assert b._arm_config("peers", "two_circuit", 12).anchor.cadence == 4
+    assert b.main(["--arms", "dense", "--set", "anchor.cadense=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --set:") and "cadense" in err
