@@ -6,8 +6,8 @@ loss (`grpo.loss_agg`, this batch's token count, `norm_len` = the response limit
 is ever installed, so the anchor sees the exact policy of the weights it is handed.
 
 Every term is in the dense view, since the anchor is a dense participant: ℓ_ref is the reference policy's
-log-prob with codecs off (`ref_logp_dense`, which the loop computes once per step from the reference weights when
-the anchor is on; the codec-view ℓ_ref of the fast circuit would make the KL term KL(dense ‖ codec-view reference),
+log-prob with codecs off (`ref_logp_dense`, which the loop computes from the reference weights for the mini-batches
+the anchor keeps; the codec-view ℓ_ref of the fast circuit would make the KL term KL(dense ‖ codec-view reference),
 several nats); w_IS compares this pass's own log-probs with the sampler's, min(exp(ℓ_anchor − ℓ_s), C), about 1 in
 a healthy run, never the fast circuit's codec ratio. A fire is one forward and one backward; nothing is
 re-sampled or re-scored.
