@@ -129,7 +129,7 @@ def _embed(cfg, params, tokens):
     return jnp.take(params["embed"], tokens, axis=0).astype(dtype_of(cfg.compute_dtype))
 
 
-def forward_with_aux(
+def decoder_with_aux(
     cfg: ModelConfig,
     params,
     tokens,
@@ -139,7 +139,9 @@ def forward_with_aux(
     hook: Optional[Hook] = None,
     hook_layers: Sequence[int] = (),
 ):
-    """Logits [B, T, V] (fp32) and {layer: aux} from `hook` applied to the hidden state leaving `hook_layers`."""
+    """The hidden state leaving the last layer [B, T, H] (compute dtype, before the final norm) and {layer: aux}
+    from `hook` applied to the hidden state leaving `hook_layers`. The LM head is the caller's: `_head` for whole
+    logits, or a chunked head that never holds [B, T, V] (the train passes)."""
     B, T = tokens.shape
     if attention_mask is None:
         attention_mask = jnp.ones((B, T), jnp.int32)
@@ -155,6 +157,23 @@ def forward_with_aux(
         x, _ = _layer(cfg, layer_params(params, i), x, cos, sin, bias)
         if hook is not None and i in hooked:
             x, aux[i] = hook(i, x)
+    return x, aux
+
+
+def forward_with_aux(
+    cfg: ModelConfig,
+    params,
+    tokens,
+    attention_mask=None,
+    *,
+    positions=None,
+    hook: Optional[Hook] = None,
+    hook_layers: Sequence[int] = (),
+):
+    """Logits [B, T, V] (fp32) and {layer: aux} from `hook` applied to the hidden state leaving `hook_layers`."""
+    x, aux = decoder_with_aux(
+        cfg, params, tokens, attention_mask, positions=positions, hook=hook, hook_layers=hook_layers
+    )
     return _head(cfg, params, x), aux
 
 
