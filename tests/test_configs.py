@@ -44,3 +44,30 @@ def test_overrides_and_errors(tmp_path):
         load_config(str(bad))
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(str(tmp_path / "none.yaml"))
+
+
+# Total and non-embedding parameter counts from the model cards (Qwen2.5-1.5B: 1.54B / 1.31B; Qwen3-4B: 4.0B / 3.6B;
+# Qwen3-8B: 8.2B / 6.95B), to the precision they are published: a shape config with a wrong width, head count or
+# tying would miss them.
+PUBLISHED = {
+    "qwen2p5_1p5b.yaml": (1.54, 1.31, 0.005),
+    "qwen3_4b.yaml": (4.0, 3.6, 0.05),
+    "qwen3_8b.yaml": (8.2, 6.95, 0.05),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_shape_configs_have_the_published_parameter_counts(name):
+    import math
+
+    import jax
+
+    from twocircuit_jax.model.qwen2 import init_params
+
+    cfg = load_config(os.path.join(ROOT, "configs", "shapes", name)).model
+    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)) / 1e9
+    heads = [k for k in ("embed", "lm_head") if k in shapes]
+    non_embedding = total - sum(math.prod(shapes[k].shape) for k in heads) / 1e9
+    want_total, want_non_embedding, tol = PUBLISHED[name]
+    assert abs(total - want_total) <= tol and abs(non_embedding - want_non_embedding) <= tol, (total, non_embedding)
