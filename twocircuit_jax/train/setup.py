@@ -146,7 +146,7 @@ def make_sampler(run_cfg, model_cfg, params, tokenizer, run_dir: str):
     # after that arrives as an orbax export under `export_dir` and is reloaded in place.
     sc = run_cfg.sampler
     model_cfg, params = untie_for_vllm(model_cfg, jax.device_get(params), sc.weight_update)
-    model_dir = save_hf(model_cfg, params, os.path.join(run_dir, "sampler", "model"))
+    model_dir = save_hf(model_cfg, params, os.path.join(run_dir, "sampler", "model"), overwrite=True)  # the run's own
     shm = sc.export_dir == "shm"
     if shm and not os.access("/dev/shm", os.W_OK):
         raise ConfigError("sampler.export_dir", "'shm' needs a writable /dev/shm on this host; set a folder instead")
