@@ -100,16 +100,16 @@ def _folder(shm, name, owner):
 def test_shm_exports_of_dead_runs_are_removed_on_the_next_start(tmp_path):
     shm = str(tmp_path)
     host, dead = socket.gethostname(), _dead_pid()
-    stale = _folder(shm, "twocircuit-exports-aaa", {"pid": dead, "host": host})
-    alive = _folder(shm, "twocircuit-exports-bbb", {"pid": os.getppid(), "host": host})
-    other_host = _folder(shm, "twocircuit-exports-ccc", {"pid": dead, "host": host + "-elsewhere"})
+    stale = _folder(shm, "twocircuit-exports-aaa", {"pid": dead, "machine": host})
+    alive = _folder(shm, "twocircuit-exports-bbb", {"pid": os.getppid(), "machine": host})
+    other_host = _folder(shm, "twocircuit-exports-ccc", {"pid": dead, "machine": host + "-elsewhere"})
     no_owner = _folder(shm, "twocircuit-exports-ddd", None)  # an older release's folder: owner unknown
-    not_ours = _folder(shm, "someone-exports-eee", {"pid": dead, "host": host})
+    not_ours = _folder(shm, "someone-exports-eee", {"pid": dead, "machine": host})
     mine = ex.make_shm_root(shm)
     assert not os.path.exists(stale)
     for path in (alive, other_host, no_owner, not_ours, mine):
         assert os.path.isdir(path), path
-    assert json.load(open(os.path.join(mine, ex.OWNER))) == {"pid": os.getpid(), "host": host}
+    assert json.load(open(os.path.join(mine, ex.OWNER))) == {"pid": os.getpid(), "machine": host}
     assert os.path.basename(mine).startswith(ex.SHM_PREFIX)
     # the owner's own folder is never removed by itself, and a second start of this process keeps it
     assert ex.remove_dead_shm_roots(shm) == []

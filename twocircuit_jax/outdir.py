@@ -63,8 +63,8 @@ def install(tmp: str, path: str, kind: str, overwrite: bool = False) -> str:
     """Move the entries of the finished folder `tmp` into `path` and remove `tmp`. A new `path` is `tmp` renamed
     (one atomic step). Into an existing one, each entry replaces its namesake (a file by one os.replace); entries
     an earlier marker listed that this write lacks (an earlier export's extra shards) are removed; everything else
-    stays. CheckpointError when `path` is someone else's non-empty folder and not `overwrite`."""
-    from twocircuit_jax.model.hf_io import CheckpointError
+    stays. ConfigError when `path` is someone else's non-empty folder and not `overwrite`."""
+    from twocircuit_jax.config.base import ConfigError
 
     names = sorted(os.listdir(tmp))
     if not os.path.exists(path):
@@ -73,7 +73,9 @@ def install(tmp: str, path: str, kind: str, overwrite: bool = False) -> str:
         return path
     if foreign(path) and not overwrite:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"{path}: not empty and not written by twocircuit; pass --overwrite to write into it")
+        raise ConfigError(
+            "--out", f"{path}: not empty and not written by twocircuit; pass --overwrite to write into it"
+        )
     stale = set((marker(path) or {}).get("files", [])) - set(names) - {MARKER}
     for name in names:
         src, dst = os.path.join(tmp, name), os.path.join(path, name)

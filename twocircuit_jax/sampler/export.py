@@ -139,7 +139,7 @@ def make_shm_root(shm: str = "/dev/shm") -> str:
 
     root = tempfile.mkdtemp(prefix=SHM_PREFIX, dir=shm)
     with open(os.path.join(root, OWNER), "w") as fh:
-        json.dump({"pid": os.getpid(), "host": socket.gethostname()}, fh)
+        json.dump({"pid": os.getpid(), "machine": socket.gethostname()}, fh)
     return root
 
 
@@ -161,10 +161,10 @@ def remove_dead_shm_roots(shm: str = "/dev/shm") -> list[str]:
         try:
             with open(os.path.join(path, OWNER)) as fh:
                 owner = json.load(fh)
-            pid, host = int(owner["pid"]), str(owner["host"])
+            pid, machine = int(owner["pid"]), str(owner["machine"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if host == socket.gethostname() and pid != os.getpid() and not _pid_alive(pid):
+        if machine == socket.gethostname() and pid != os.getpid() and not _pid_alive(pid):
             shutil.rmtree(path, ignore_errors=True)
             gone.append(path)
     return gone

@@ -64,7 +64,7 @@ def dumps(tree) -> bytes:
             a = np.asarray(x)
             if a.dtype.hasobject:
                 raise TypeError(f"{path}: object array cannot be stored without pickle")
-            name = a.dtype.name
+            name = str(a.dtype)
             _dtype(name)  # refuses structured/void dtypes now, not at load
             if a.dtype.kind == "V" or hasattr(ml_dtypes, name):  # ml_dtypes: store the raw words
                 a = a.view(f"u{a.dtype.itemsize}")
