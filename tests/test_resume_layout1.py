@@ -4,6 +4,8 @@ with this code and repeats, step for step, what the old code logged without the 
 tests/data/layout1_run/ was made by the code of 051645e: `twocircuit train --config run.yaml` (lowrank codec with
 an anchor-owned basis, PowerSGD past its warm-up, the anchor with merger and swap), stopped after step 3's
 checkpoint (step_00000003 and metrics.jsonl kept); uninterrupted_metrics.jsonl is the same run left to finish.
+Its anchor buffers were pickled then (anchor_buffers.pkl); checkpoints never hold pickles now, so that file was
+converted once, array for array, to the data-only anchor_buffers.npz (train/safe_blob.py).
 """
 
 import json

@@ -53,7 +53,8 @@ def test_sweep_in_parts_parallel_and_resumed_adds_up(tmp_path, capsys):
     out = tmp_path / "s"
     common = ["sweep", "--config", str(tmp_path / "sweep.yaml"), "--out", str(out), "--set", "train.steps=1"]
     assert main(common + ["--arms", "tis"]) == 0
-    assert sorted(os.listdir(out)) == ["summary.json", "tis"] and (out / "tis" / "sweep_done.json").is_file()
+    assert sorted(os.listdir(out)) == [".twocircuit.json", "summary.json", "tis"]  # .twocircuit.json: outdir.py
+    assert (out / "tis" / "sweep_done.json").is_file()
     first = (out / "tis" / "metrics.jsonl").read_text()
     assert main(common + ["--arms", "dense"]) == 0
     assert main(common + ["--arms", "tis"]) == 2  # a finished arm's folder is not overwritten without --resume

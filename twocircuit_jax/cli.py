@@ -9,6 +9,10 @@ import shutil
 import sys
 
 BAD_INPUT = 2
+_OVERWRITE_HELP = (
+    "write into a non-empty --out folder twocircuit did not create; only the files twocircuit writes are replaced, "
+    "everything else in it is kept"
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,11 +34,17 @@ def _parser() -> argparse.ArgumentParser:
     with_config(t, "run folder, e.g. runs/NAME")
     t.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in --out")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in a non-empty --out: a previous run's own files there are replaced, other files kept",
+    )
     from twocircuit_jax.parallel.distributed import add_flags
 
     add_flags(t)
     s = sub.add_parser("sft", help="supervised training of a base model (the tiny embedded default)")
     with_config(s, "output folder (a Hugging Face checkpoint directory)")
+    s.add_argument("--overwrite", action="store_true", help=_OVERWRITE_HELP)
     e = sub.add_parser("eval", help="held-out evaluation on the config's task, or on a benchmark suite (--suite)")
     e.add_argument(
         "--checkpoint",
@@ -52,10 +62,12 @@ def _parser() -> argparse.ArgumentParser:
     i = sub.add_parser("import-hf", help="Hugging Face checkpoint -> native (orbax) checkpoint")
     i.add_argument("--hf-dir", required=True)
     i.add_argument("--out", required=True)
+    i.add_argument("--overwrite", action="store_true", help=_OVERWRITE_HELP)
     x = sub.add_parser("export-hf", help="native or run checkpoint -> Hugging Face checkpoint")
     x.add_argument("--checkpoint", required=True)
     x.add_argument("--out", required=True)
     x.add_argument("--tokenizer", default="", help="tokenizer to save beside the weights ('char' or a local dir)")
+    x.add_argument("--overwrite", action="store_true", help=_OVERWRITE_HELP)
     v = sub.add_parser("serve-sampler", help="the dense vLLM sampler process")
     v.add_argument("--config", required=True)
     v.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -68,6 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--arms", default="", metavar="A,B", help="run only these arms (default: all)")
     w.add_argument("--jobs", type=int, default=1, help="arms run at once, each in its own process (default 1)")
     w.add_argument("--resume", action="store_true", help="skip finished arms, resume interrupted ones")
+    w.add_argument("--overwrite", action="store_true", help=_OVERWRITE_HELP)
     g = sub.add_parser("plot", help="figures + one HTML page comparing runs (PNGs, index.html, fidelity map)")
     g.add_argument("runs", nargs="+", metavar="RUN", help="run folder, or sweep folder (expanded into its arms)")
     g.add_argument("--out", required=True, help="output folder for the PNGs, map.json/map.md and index.html")
@@ -99,6 +112,10 @@ def main(argv=None) -> int:
     if args.cmd in ("train", "sft", "sweep") and out and not os.path.exists(out):
         created = out  # removed again if the run ends on bad input: nothing half-written under runs/
     try:
+        if args.cmd in ("sft", "import-hf", "export-hf", "sweep") and not getattr(args, "resume", False):
+            from twocircuit_jax.outdir import check_out
+
+            check_out(out, args.overwrite)  # someone else's folder: refused before any work
         return _dispatch(args)
     except _bad_input_types() as e:
         if created and os.path.isdir(created) and not getattr(args, "resume", False):
@@ -121,7 +138,7 @@ def _dispatch(args) -> int:
     if args.cmd == "sft":
         from twocircuit_jax.train.sft import run_sft
 
-        res = run_sft(load_config(args.config, args.set), args.out)
+        res = run_sft(load_config(args.config, args.set), args.out, overwrite=args.overwrite)
         print(json.dumps({"out": res["out"], "eval/accuracy": res["eval/accuracy"]}))
         return 0
     if args.cmd == "eval":
@@ -131,7 +148,7 @@ def _dispatch(args) -> int:
         from twocircuit_jax.train.policy_io import save_native
 
         cfg, params = load_hf(args.hf_dir)
-        print(save_native(cfg, params, args.out))
+        print(save_native(cfg, params, args.out, overwrite=args.overwrite))
         return 0
     if args.cmd == "export-hf":
         from twocircuit_jax.model.hf_io import save_hf
@@ -140,7 +157,7 @@ def _dispatch(args) -> int:
 
         cfg, params = load_policy(args.checkpoint)
         tok = load_tokenizer(args.tokenizer) if args.tokenizer else None
-        print(save_hf(cfg, params, args.out, tokenizer=tok))
+        print(save_hf(cfg, params, args.out, tokenizer=tok, overwrite=args.overwrite))
         return 0
     if args.cmd == "serve-sampler":
         from twocircuit_jax.sampler.vllm_server import serve_from_config
@@ -152,7 +169,9 @@ def _dispatch(args) -> int:
         from twocircuit_jax.train.sweep import run_sweep
 
         names = [a.strip() for a in args.arms.split(",") if a.strip()] or None
-        run_sweep(args.config, args.out, args.set, arms=names, jobs=args.jobs, resume=args.resume)
+        run_sweep(
+            args.config, args.out, args.set, arms=names, jobs=args.jobs, resume=args.resume, overwrite=args.overwrite
+        )
         return 0
     if args.cmd == "health":
         return _health(args)
@@ -167,7 +186,6 @@ def _dispatch(args) -> int:
 
 def _train(args) -> int:
     from twocircuit_jax.config import load_config
-    from twocircuit_jax.config.base import ConfigError
     from twocircuit_jax.parallel import distributed
 
     launch = distributed.resolve(args)  # flags and environment checked before anything starts
@@ -175,8 +193,8 @@ def _train(args) -> int:
     distributed.initialize(launch)  # before the first JAX computation (the model init in the trainer)
     from twocircuit_jax.train.loop import GRPOTrainer
 
-    if not args.resume and os.path.isdir(args.out) and os.listdir(args.out):
-        raise ConfigError("--out", f"{args.out} exists and is not empty; use --resume or a new folder")
+    if not args.resume:
+        _claim_run_folder(args.out, args.overwrite, distributed.is_primary())
     if launch.source != "single":
         from jax.experimental import multihost_utils
 
@@ -186,6 +204,25 @@ def _train(args) -> int:
     if distributed.is_primary():
         print(json.dumps(summary))
     return 0
+
+
+def _claim_run_folder(out: str, overwrite: bool, primary: bool) -> None:
+    """A fresh run's --out: empty or new; someone else's non-empty folder only with --overwrite, and then none of
+    the names a run writes may be there (they would be mixed with this run's); a previous run's folder only with
+    --overwrite, which removes that run's own files (outdir.RUN_FILES) and keeps everything else."""
+    from twocircuit_jax import outdir
+    from twocircuit_jax.config.base import ConfigError
+
+    outdir.check_out(out, overwrite)
+    present = outdir.run_files(out)
+    if present and outdir.marker(out) is None:
+        raise ConfigError("--out", f"{out} holds {present[0]}, which twocircuit did not write; choose a new folder")
+    if present and not overwrite:
+        raise ConfigError("--out", f"{out} holds a run; use --resume, --overwrite (replaces that run) or a new folder")
+    if primary:
+        outdir.remove_run_files(out)
+        os.makedirs(out, exist_ok=True)
+        outdir.write_marker(out, "run", outdir.RUN_FILES)
 
 
 def _eval(args) -> int:

@@ -10,7 +10,8 @@ rewards_recomputed}` are structurally 0.
 Device state lives in the circuit state the loop threads through (train/circuit_state.py): `cs.merger` (replicated,
 one fixed sharding so the step compiles once) and `cs.moments` (swap only; sharded like the parameters). This
 object keeps configuration, host counters and the host replay buffers. Resume: counters go in the checkpoint's
-meta; the retained batches, host snapshots and projection window go beside it as a pickled blob (`dump_buffers`),
+meta; the retained batches, host snapshots and projection window go beside it as plain data (`dump_buffers`; the
+trainer stores it without pickle, train/safe_blob.py),
 so a resumed run fires on the same pairs as an uninterrupted one.
 """
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import pickle
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from twocircuit_jax.anchor.loss import anchor_batch_keys, make_anchor_grad
 from twocircuit_jax.anchor.merger import init_merger, merge, path_str, update_ema
 from twocircuit_jax.anchor.projection import SnapshotWindow
-from twocircuit_jax.anchor.retention import ReplayBuffer, host_snapshot
+from twocircuit_jax.anchor.retention import ReplayBuffer, _Snapshot, host_snapshot
 from twocircuit_jax.anchor.swap import init_anchor_moments, swap_optimizer_moments, update_anchor_moments
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.parallel import dispatch
@@ -262,27 +262,27 @@ class AnchorCircuit:
         self._step = {"fire_ticks": [], "rhos": [], "replays": []}
         return out
 
-    def dump_buffers(self) -> bytes:
+    def dump_buffers(self) -> dict:
         """Host buffers for an exact resume: retained batches (brought to host), snapshots with their canaries,
-        the projection window, the generator tick. Pickled numpy; params-sized per held snapshot."""
+        the projection window, the generator tick. Plain data (dicts, tuples, numpy arrays, bytes): no object that
+        needs pickle; params-sized per held snapshot."""
         b = self.buffer
-        return pickle.dumps(
-            {
-                "snapshots": dict(b._snapshots),
-                "batches": [(t, s, to_host(x)) for t, s, x in b._batches],  # every process: may gather
-                "tau": b._tau,
-                "step": b._step,
-                "step_ticks": dict(b._step_ticks),
-                "gen_tick": self._gen_tick,
-                "window": None if self.window is None else (list(self.window._ticks), list(self.window._snaps)),
-            },
-            protocol=5,
-        )
+        return {
+            "snapshots": {k: tuple(v) for k, v in b._snapshots.items()},
+            "batches": [(t, s, to_host(x)) for t, s, x in b._batches],  # every process: may gather
+            "tau": b._tau,
+            "step": b._step,
+            "step_ticks": dict(b._step_ticks),
+            "gen_tick": self._gen_tick,
+            "window": None if self.window is None else (list(self.window._ticks), list(self.window._snaps)),
+        }
 
-    def load_buffers(self, blob: bytes) -> None:
-        d = pickle.loads(blob)  # written by dump_buffers of this run's own checkpoint
+    def load_buffers(self, d: dict) -> None:
         b = self.buffer
-        b._snapshots, b._tau, b._step, b._step_ticks = d["snapshots"], d["tau"], d["step"], d["step_ticks"]
+        b._snapshots = {k: _Snapshot(*v) for k, v in d["snapshots"].items()}
+        for snap in b._snapshots.values():  # stored read-only (retention.py); the file gives writable arrays
+            jax.tree_util.tree_map(lambda a: a.setflags(write=False), snap.params)
+        b._tau, b._step, b._step_ticks = d["tau"], d["step"], d["step_ticks"]
         b._batches = [(t, s, x) for t, s, x in d["batches"]]
         self._gen_tick = d["gen_tick"]
         if self.window is not None and d["window"] is not None:
@@ -298,7 +298,7 @@ class AnchorCircuit:
             "fast_rows": self.fast_rows,
         }
 
-    def load(self, host_state, buffers: bytes | None = None):
+    def load(self, host_state, buffers: dict | None = None):
         """Resume: the host counters and the host buffers (the device state comes back in the circuit state)."""
         if buffers is not None:
             self.load_buffers(buffers)

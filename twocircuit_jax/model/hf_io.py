@@ -227,10 +227,17 @@ def load_hf(path: str):
     return cfg, params
 
 
-def save_hf(cfg: ModelConfig, params, path: str, tokenizer=None, shard_bytes: int = 0) -> str:
-    """Write config.json + safetensors (sharded with an index when `shard_bytes` > 0); atomic via a temp dir."""
+def save_hf(cfg: ModelConfig, params, path: str, tokenizer=None, shard_bytes: int = 0, overwrite: bool = False) -> str:
+    """Write config.json + safetensors (sharded with an index when `shard_bytes` > 0), built in a temp sibling and
+    moved in by outdir.install: a new folder appears whole; into an existing one only the files written here
+    replace their namesakes (and an earlier export's leftover shards go), a user's other files stay. A non-empty
+    folder twocircuit did not write is refused (CheckpointError) unless `overwrite`."""
     from safetensors.flax import save_file
 
+    from twocircuit_jax import outdir
+
+    if outdir.foreign(path) and not overwrite:  # before any work; install checks again
+        raise CheckpointError(f"{path}: not empty and not written by twocircuit; pass --overwrite to write into it")
     parent = os.path.dirname(os.path.abspath(path)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-hf-", dir=parent)
@@ -259,9 +266,7 @@ def save_hf(cfg: ModelConfig, params, path: str, tokenizer=None, shard_bytes: in
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
         if tokenizer is not None:
             tokenizer.save(tmp)
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        os.rename(tmp, path)
+        outdir.install(tmp, path, "hf", overwrite=overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -88,24 +88,86 @@ def export_weights(params, config, export_root: str, version: int, keep: int = 3
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    prune(export_root, keep)
+    prune(export_root, keep, written=version)
     return final
 
 
-def prune(export_root: str, keep: int) -> None:
-    """Delete all but the newest `keep` versions (and stale temporary folders of dead writers). A kept delta keeps
-    the versions back to its newest full base, so every kept version can still be rebuilt from disk."""
+def prune(export_root: str, keep: int, written: int | None = None) -> None:
+    """Delete all but the newest `keep` versions (and stale temporary folders of dead writers). `written`, the
+    version just written, is always kept, even when newer numbers are on disk. A kept delta keeps the versions back
+    to its newest full base (the chain `weight_sync.rebuild` walks), so every kept version can be rebuilt from disk."""
     keep = max(1, int(keep))
     versions = list_versions(export_root)
-    cut = len(versions) - keep
-    while cut > 0 and _kind(version_dir(export_root, versions[cut])) == "delta":
-        cut -= 1
-    for v in versions[: max(0, cut)]:
-        shutil.rmtree(version_dir(export_root, v), ignore_errors=True)
+    kept = set(versions[-keep:])
+    if written is not None and int(written) in versions:
+        kept.add(int(written))
+    for v in sorted(kept):
+        i = versions.index(v)
+        while i > 0 and _kind(version_dir(export_root, versions[i])) == "delta":
+            i -= 1
+            kept.add(versions[i])
+    for v in versions:
+        if v not in kept:
+            shutil.rmtree(version_dir(export_root, v), ignore_errors=True)
     for name in os.listdir(export_root):
         m = re.match(r"^\.tmp-v\d{8}-(\d+)", name)
         if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
             shutil.rmtree(os.path.join(export_root, name), ignore_errors=True)
+
+
+def discard_newer(export_root: str, version: int) -> list[int]:
+    """Delete the versions numbered above `version`; returns them. A resumed (or rolled-back) run publishes its
+    checkpoint's step again: versions above it were written by the history it discards (a dead run's newest full
+    base and its deltas), and would otherwise outrank the new ones in `prune` and in a restarted server's view."""
+    gone = [v for v in list_versions(export_root) if v > int(version)]
+    for v in gone:
+        shutil.rmtree(version_dir(export_root, v), ignore_errors=True)
+    return gone
+
+
+SHM_PREFIX = "twocircuit-exports-"
+OWNER = "owner.json"
+
+
+def make_shm_root(shm: str = "/dev/shm") -> str:
+    """A fresh export folder in `shm` (host memory) owned by this process, after removing the folders of dead
+    owners (see remove_dead_shm_roots): a run killed with SIGKILL never reaches its close(), and its exports would
+    hold host memory until a reboot."""
+    remove_dead_shm_roots(shm)
+    import socket
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix=SHM_PREFIX, dir=shm)
+    with open(os.path.join(root, OWNER), "w") as fh:
+        json.dump({"pid": os.getpid(), "machine": socket.gethostname()}, fh)
+    return root
+
+
+def remove_dead_shm_roots(shm: str = "/dev/shm") -> list[str]:
+    """Delete the export folders under `shm` that this project made (name prefix `twocircuit-exports-`, an
+    owner.json) whose owner process, on this host, is gone; returns them. A folder without a readable owner file, of
+    another host (a /dev/shm shared between containers) or of a live pid is left alone."""
+    import socket
+
+    gone = []
+    try:
+        names = os.listdir(shm)
+    except OSError:
+        return gone
+    for name in names:
+        path = os.path.join(shm, name)
+        if not name.startswith(SHM_PREFIX) or not os.path.isdir(path):
+            continue
+        try:
+            with open(os.path.join(path, OWNER)) as fh:
+                owner = json.load(fh)
+            pid, machine = int(owner["pid"]), str(owner["machine"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if machine == socket.gethostname() and pid != os.getpid() and not _pid_alive(pid):
+            shutil.rmtree(path, ignore_errors=True)
+            gone.append(path)
+    return gone
 
 
 def _pid_alive(pid: int) -> bool:

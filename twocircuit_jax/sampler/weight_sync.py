@@ -274,6 +274,12 @@ class WeightPublisher:
         if self.dt == np.dtype("bfloat16") and any(x.dtype == np.float32 for x in srcs.values()):
             _torch_ready()
         t1 = time.perf_counter()
+        if self.version is None or int(version) <= self.version:
+            # A fresh publisher (a start, a resume, a new sampler) or a step back (a guard rollback): versions on
+            # disk above this one belong to a discarded history (a killed run's newer full base and deltas). They
+            # go, and this version is written whole: no delta may name a base from that history.
+            ex.discard_newer(self.root, version)
+            self.host = None
         full = not self.delta or self.host is None or names != self.names or self.since_full + 1 >= self.full_every
         # a head that was given before and is derived now (or the reverse) has no host copy to diff against
         full = full or (head >= 0) != any(x is None for x in self.host)

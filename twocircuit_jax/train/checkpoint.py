@@ -2,7 +2,7 @@
 
 Layout under `root`:
 
-    step_00000040/   state/ (orbax PyTree)   meta.json   COMMITTED
+    step_00000040/   state/ (orbax PyTree)   meta.json   COMMITTED   blobs/*.npz (train/safe_blob.py)
     step_00000050/   ...                                   periodic, the last `keep_last` are kept
     best/            state/   meta.json   COMMITTED        best held-out score so far (higher is better)
     .tmp-*           a save in progress, or the debris of a crashed one
@@ -33,9 +33,15 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from twocircuit_jax.model.hf_io import CheckpointError
+from twocircuit_jax.train import safe_blob
+
 _MARKER = "COMMITTED"
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 _BEST = "best"
+# Parts older releases pickled (anchor_buffers.pkl, rollouts_ahead.pkl): unpickling runs code the file names, so a
+# checkpoint holding one is refused, never read.
+_PICKLED = (".pkl", ".pickle")
 
 
 def _step_dir(step: int) -> str:
@@ -119,6 +125,7 @@ class CheckpointManager:
         d = self.root / (_BEST if step == _BEST else _step_dir(int(step)))
         if not (d / _MARKER).is_file():
             raise FileNotFoundError(f"no committed checkpoint {step!r} under {self.root} (have {self.steps()})")
+        self._refuse_pickles(d)
         abstract = jax.tree_util.tree_map(_abstract, target_like)
         state = self._ckptr.restore(d / "state", args=ocp.args.StandardRestore(abstract))
         meta = json.loads((d / "meta.json").read_text())
@@ -134,7 +141,27 @@ class CheckpointManager:
     def read_blob(self, step, name: str) -> bytes | None:
         """A host-side extra saved with checkpoint `step` (or "best"); None if that checkpoint has none."""
         f = self.root / (_BEST if step == _BEST else _step_dir(int(step))) / "blobs" / name
+        if f.suffix in _PICKLED:
+            self._refuse_pickles(f.parent.parent)
         return f.read_bytes() if f.is_file() else None
+
+    def read_part(self, step, name: str):
+        """A blob written with `safe_blob.dumps`, decoded (data only: never unpickled); None if absent. BlobError
+        (a CheckpointError) naming the file when it is anything else."""
+        data = self.read_blob(step, name)
+        where = self.root / (_BEST if step == _BEST else _step_dir(int(step))) / "blobs" / name
+        return None if data is None else safe_blob.loads(data, str(where))
+
+    @staticmethod
+    def _refuse_pickles(d: Path) -> None:
+        blobs = d / "blobs"
+        for f in sorted(blobs.iterdir()) if blobs.is_dir() else ():
+            if f.suffix in _PICKLED:
+                raise CheckpointError(
+                    f"{f}: a pickled checkpoint part (an older twocircuit_jax wrote it); reading a pickle runs the "
+                    "code it names, so this checkpoint is not loaded. Resume it with the release that wrote it, or "
+                    "start a new run"
+                )
 
     def restore_best(self, target_like):
         return self.restore(_BEST, target_like)

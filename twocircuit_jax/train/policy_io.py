@@ -60,24 +60,24 @@ def _from_run_checkpoint(path: str):
     return mcfg, jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), params)
 
 
-def save_native(cfg: ModelConfig, params, out_dir: str) -> str:
-    """`import-hf` output: the same layout as a sampler weight export (version 0)."""
+def save_native(cfg: ModelConfig, params, out_dir: str, overwrite: bool = False) -> str:
+    """`import-hf` output: the same layout as a sampler weight export (version 0). Someone else's non-empty folder
+    is refused unless `overwrite`; only the files written here replace their namesakes (outdir.install)."""
     import shutil
     import tempfile
 
+    from twocircuit_jax import outdir
     from twocircuit_jax.sampler.export import export_weights, version_dir
 
     out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir) and os.listdir(out_dir):
-        raise CheckpointError(f"{out_dir}: exists and is not empty; choose a new --out")
+    if outdir.foreign(out_dir) and not overwrite:
+        raise CheckpointError(f"{out_dir}: not empty and not written by twocircuit; choose a new --out or --overwrite")
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-import-", dir=parent)
     try:
         export_weights(params, cfg, tmp, 0)
-        if os.path.isdir(out_dir):
-            os.rmdir(out_dir)
-        os.rename(version_dir(tmp, 0), out_dir)
+        outdir.install(version_dir(tmp, 0), out_dir, "native", overwrite=overwrite)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir

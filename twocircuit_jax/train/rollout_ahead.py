@@ -23,7 +23,6 @@ be in flight beside the trainer's, so there `threaded=False` runs it at `start`:
 from __future__ import annotations
 
 import concurrent.futures as cf
-import pickle
 import time
 from typing import Callable, Optional
 
@@ -87,14 +86,14 @@ class RolloutAhead:
             return None
         return self._gs, f.result()
 
-    def dump(self) -> Optional[bytes]:
-        """The finished rollouts with their step, for a checkpoint (None when nothing finished is held)."""
+    def dump(self) -> Optional[dict]:
+        """The finished rollouts with their step, for a checkpoint (None when nothing finished is held): plain
+        data (dicts, lists, numbers, numpy arrays) that train/safe_blob.py stores without pickle."""
         held = self.held()
-        return None if held is None else pickle.dumps({"step": held[0], "collected": tuple(held[1])})
+        return None if held is None else {"step": held[0], "collected": tuple(held[1])}
 
-    def load(self, blob: bytes) -> int:
+    def load(self, d: dict) -> int:
         """Hold rollouts from `dump` (a resume); returns their step."""
-        d = pickle.loads(blob)
         self.drop()
         self._gs, self._future = int(d["step"]), cf.Future()
         self._future.set_result(Collected(*d["collected"]))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -140,18 +139,19 @@ def make_sampler(run_cfg, model_cfg, params, tokenizer, run_dir: str):
             "(use sampler.backend: jax, the embedded sampler, on many hosts)",
         )
     from twocircuit_jax.model.hf_io import save_hf
+    from twocircuit_jax.sampler.export import make_shm_root
     from twocircuit_jax.sampler.vllm_client import VLLMSampler, untie_for_vllm
 
     # The engine starts from a Hugging Face folder of the run's own initial weights (version 0); every update
     # after that arrives as an orbax export under `export_dir` and is reloaded in place.
     sc = run_cfg.sampler
     model_cfg, params = untie_for_vllm(model_cfg, jax.device_get(params), sc.weight_update)
-    model_dir = save_hf(model_cfg, params, os.path.join(run_dir, "sampler", "model"))
+    model_dir = save_hf(model_cfg, params, os.path.join(run_dir, "sampler", "model"), overwrite=True)  # the run's own
     shm = sc.export_dir == "shm"
     if shm and not os.access("/dev/shm", os.W_OK):
         raise ConfigError("sampler.export_dir", "'shm' needs a writable /dev/shm on this host; set a folder instead")
     export_root = (
-        tempfile.mkdtemp(prefix="twocircuit-exports-", dir="/dev/shm")
+        make_shm_root("/dev/shm")  # removes the exports dead runs left there
         if shm
         else sc.export_dir or os.path.join(run_dir, "sampler", "exports")
     )

@@ -45,7 +45,12 @@ def sft_examples(task, tokenizer, problems, max_len: int):
     return {"tokens": tok, "attention_mask": attn, "loss_mask": lm}
 
 
-def run_sft(cfg, out_dir: str, log=print) -> dict:
+def run_sft(cfg, out_dir: str, log=print, overwrite: bool = False) -> dict:
+    """Train, then write the model to `out_dir` (model/hf_io.py save_hf: someone else's non-empty folder is refused
+    before any training unless `overwrite`, and even then only the files written here are replaced)."""
+    from twocircuit_jax.outdir import check_out
+
+    check_out(out_dir, overwrite)
     s = cfg.sft
     tokenizer = load_run_tokenizer(cfg)
     model_cfg, params = load_model(cfg, cfg.train.seed)
@@ -93,7 +98,7 @@ def run_sft(cfg, out_dir: str, log=print) -> dict:
                 f"sft step {i}/{s.steps}  loss {rec['loss']:.3f}  token acc {rec['token_acc']:.3f}  "
                 f"held-out acc {rec['eval/accuracy']:.3f}  ({rec['time_s']}s)"
             )
-    save_hf(model_cfg, jax.device_get(state.params), out_dir, tokenizer=tokenizer)
+    save_hf(model_cfg, jax.device_get(state.params), out_dir, tokenizer=tokenizer, overwrite=overwrite)
     return {"out": out_dir, "history": history, "eval/accuracy": history[-1]["eval/accuracy"] if history else None}
 
 

@@ -136,13 +136,22 @@ def run_sweep(
     jobs: int = 1,
     resume: bool = False,
     show_progress: bool = False,
+    overwrite: bool = False,
 ) -> list[dict]:
+    """Runs the arms into `out_dir`/ARM. Someone else's non-empty `out_dir` is refused unless `overwrite` or `resume`
+    (the sweep's own folder, marked by outdir.py, takes more arms; an arm's folder still needs --resume)."""
+    from twocircuit_jax import outdir
+
     if jobs < 1:
         raise ConfigError("--jobs", f"must be >= 1, got {jobs}")
+    if not resume:
+        outdir.check_out(out_dir, overwrite)
     _, all_arms = load_sweep(sweep_yaml, overrides)
     todo = select_arms(all_arms, arms, sweep_yaml)
     plans = {arm: _arm_plan(os.path.join(out_dir, arm), resume) for arm, _ in todo}  # every folder checked first
     os.makedirs(out_dir, exist_ok=True)
+    if outdir.marker(out_dir) is None:
+        outdir.write_marker(out_dir, "sweep")
     rows = {}
     for arm, cfg in todo:
         run_dir = os.path.join(out_dir, arm)

@@ -4,7 +4,8 @@ and how it loads them back (a resume, a guard rollback).
 A checkpoint is the train state and the circuit state as one orbax tree {"train", "circuit"} (train/checkpoint.py
 writes it atomically), a meta.json of host state (step, history, anchor and codec counters, health, the environment
 RNG, the guard, the step's metrics line) and blobs: the anchor's replay buffers and, with `train.async_rollouts`,
-the next step's finished rollouts. `TrainerCheckpoints` is a mixin of `GRPOTrainer` (train/loop.py): it reads and
+the next step's finished rollouts, each a data-only .npz (train/safe_blob.py: nothing in a checkpoint runs code
+when it is loaded). `TrainerCheckpoints` is a mixin of `GRPOTrainer` (train/loop.py): it reads and
 writes the trainer's fields and nothing else.
 """
 
@@ -15,10 +16,11 @@ import json
 import jax.numpy as jnp
 
 from twocircuit_jax.config.base import ConfigError, to_dict
+from twocircuit_jax.train import safe_blob
 from twocircuit_jax.train.circuit_state import CircuitState, Clock, place
 
-ANCHOR_BLOB = "anchor_buffers.pkl"
-AHEAD_BLOB = "rollouts_ahead.pkl"  # train.async_rollouts: the next step's finished rollouts, for an exact resume
+ANCHOR_BLOB = "anchor_buffers.npz"
+AHEAD_BLOB = "rollouts_ahead.npz"  # train.async_rollouts: the next step's finished rollouts, for an exact resume
 # The checkpoint tree {"train", "circuit"}; layout 1 (no "state_layout" in meta) held {"train", "ctx", "anchor"}.
 STATE_LAYOUT = 2
 
@@ -59,7 +61,7 @@ class TrainerCheckpoints:
         meta = self._load(step)
         self.start_step = int(meta["step"])
         self._resume_row = meta.get("metrics")
-        self._ahead_blob = self.ckpt.read_blob(step, AHEAD_BLOB)  # the finished rollouts of step `step` + 1
+        self._ahead_blob = self.ckpt.read_part(step, AHEAD_BLOB)  # the finished rollouts of step `step` + 1
         self.health.load_state_dict(meta.get("health"))
         self.collector.load_state_dict(meta.get("collector"))
         if self.guard:
@@ -92,7 +94,7 @@ class TrainerCheckpoints:
                 f"twocircuit_jax; this one reads layouts 1 and {STATE_LAYOUT}",
             )
         if self.anchor:
-            self.anchor.load(meta.get("anchor"), self.ckpt.read_blob(step, ANCHOR_BLOB))
+            self.anchor.load(meta.get("anchor"), self.ckpt.read_part(step, ANCHOR_BLOB))
         self.history = meta["history"]
         if self.codec:
             self.codec.applications.update(meta.get("codec_applications", {}))
@@ -146,8 +148,8 @@ class TrainerCheckpoints:
             self.ckpt.save(gs, self._ckpt_state(), self._meta(gs, metrics), self._blobs())
 
     def _blobs(self):
-        blobs = {ANCHOR_BLOB: self.anchor.dump_buffers()} if self.anchor else {}
+        blobs = {ANCHOR_BLOB: safe_blob.dumps(self.anchor.dump_buffers())} if self.anchor else {}
         ahead = self.ahead.dump() if self.ahead is not None else None
         if ahead is not None:
-            blobs[AHEAD_BLOB] = ahead
+            blobs[AHEAD_BLOB] = safe_blob.dumps(ahead)
         return blobs or None
