@@ -181,6 +181,29 @@ def test_grpo_loss_gradient_through_pipe_forward_chunked_equals_whole():
             assert _rel(x, y) < 1e-5, name
 
 
+def test_anchor_loss_chunked_equals_whole():
+    """The anchor's dense pass (anchor/loss.py, through parallel/pipeline.forward) with an entropy bonus: loss and
+    gradient chunked equal the whole logits'."""
+    from twocircuit_jax.anchor.loss import anchor_loss
+
+    batch, _ = narrow_batch()
+    cfg = _grpo_cfg({"data": 8}, 0)
+    params = qwen2.init_params(cfg.model, jax.random.key(0), std=0.3)
+
+    def value_grad(chunk):
+        model = dataclasses.replace(cfg.model, logits_chunk=chunk)
+        f = jax.value_and_grad(lambda p: anchor_loss(model, cfg.grpo, 6, p, batch), has_aux=True)
+        (v, (m, _)), g = jax.jit(f)(params)
+        return v, m, g
+
+    v0, m0, g0 = value_grad(0)
+    v1, m1, g1 = value_grad(4)
+    np.testing.assert_allclose(float(v1), float(v0), rtol=1e-5)
+    np.testing.assert_allclose(float(m1["anchor/entropy"]), float(m0["anchor/entropy"]), rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+        assert _rel(x, y) < 1e-5
+
+
 def test_logits_chunk_config(tmp_path):
     """Whole logits at 0 and when one chunk covers the predicting positions (the default 512 at every tiny config);
     a negative chunk is refused naming the field; beside a base_model the run's chunk applies."""
