@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from twocircuit_jax.fast.boundaries import boundary_layers
 from twocircuit_jax.fast.wire import DenseWire
 from twocircuit_jax.model import qwen2
-from twocircuit_jax.model.head import TokenStats, head_stats  # TokenStats: read from here by the passes
+from twocircuit_jax.model.head import TokenStats, chunks_logits, head_stats  # TokenStats: read from here by the passes
 from twocircuit_jax.model.qwen2 import dtype_of
 
 AXIS = "stage"
@@ -156,12 +156,27 @@ class Pipeline:
                     h, _ = qwen2._layer(cfg, qwen2.layer_params({"layers": layers}, j), h, cos, sin, bias)
                 return h
 
-            # The last stage: the logits reduced at once to two scalars per token, `model.logits_chunk` positions
-            # at a time (model/head.py).
-            def head(y, tok):
-                return head_stats(cfg, ends, y, tok, entropy_grad)
-
             stats_zero = TokenStats(*(jnp.zeros((mb_rows, T), jnp.float32) for _ in range(2)))
+
+            # The last stage: the logits reduced at once to two scalars per token, `model.logits_chunk` positions
+            # at a time (model/head.py), on the ticks where a microbatch leaves it.
+            def head(done, y, tok):
+                def run(y, tok):
+                    return jax.lax.cond(
+                        done,
+                        lambda y, tok: head_stats(cfg, ends, y, tok, entropy_grad),
+                        lambda y, tok: stats_zero,
+                        y,
+                        tok,
+                    )
+
+                if not chunks_logits(cfg, T):
+                    return run(y, tok)
+                # A checkpointed chunk inside a `cond` inside the tick scan makes autodiff stack the head weight as a
+                # residual of every tick ([M + S - 1, V, H]: 11 x 0.93 GB at Qwen2.5-1.5B, stage 8, 4 microbatches);
+                # checkpointing the cond keeps only y and the tokens per tick (the weight stays loop-invariant). The
+                # backward's re-run of the cond is pruned to what the chunks' own recomputation needs.
+                return jax.checkpoint(run, prevent_cse=False)(y, tok)
 
             def tick(carry, i):
                 state, outs, auxes = carry
@@ -190,7 +205,7 @@ class Pipeline:
                         )
                 m_last = i - (S - 1)
                 done = (s == S - 1) & (m_last >= 0)
-                st = jax.lax.cond(done, lambda y: head(y, pick(rows_mb["tokens"], m_last)), lambda y: stats_zero, y)
+                st = head(done, y, pick(rows_mb["tokens"], m_last))
                 outs = jax.tree.map(
                     lambda buf, v: jnp.where(
                         done, jax.lax.dynamic_update_index_in_dim(buf, v, jnp.clip(m_last, 0, M - 1), 0), buf
