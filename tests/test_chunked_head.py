@@ -282,13 +282,14 @@ def test_chunked_head_temporaries_do_not_grow_with_the_sequence(entropy_grad):
     assert chunked < whole - WHOLE_F32
 
 
-def test_chunked_head_temporaries_on_tpu():
+def test_chunked_head_temporaries_on_tpu(monkeypatch):
     """The TPU compiler (a compile-only v5p chip, libtpu), Qwen2.5-1.5B's head at T = 4,096: the whole path holds
     more than one [T, V] fp32 array of temporaries, the chunked one (512) less than the bf16 copy of the weight and
     4 chunks of fp32 logits."""
     from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes on this box may hold libtpu's lock
     devices = topologies.get_topology_desc(
         platform="tpu", topology_name="v5p:2x2x1", chips_per_host_bounds=(2, 2, 1), num_slices=1
     ).devices
