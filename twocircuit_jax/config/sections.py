@@ -42,6 +42,14 @@ class ModelConfig:
     bos_token_id: Optional[int] = field(default=None, metadata=doc("BOS id written to the HF config.json; None = none"))
     eos_token_id: int = field(default=2, metadata=doc("id that ends a generation; must equal the tokenizer's"))
     pad_token_id: int = field(default=0, metadata=doc("id the sampler pads prompts and completions with"))
+    logits_chunk: int = field(
+        default=512,
+        metadata=doc(
+            "positions per chunk of the train passes' LM head (model/head.py): log-probs and entropies without the "
+            "whole [B, T, V] logits, the backward recomputing one chunk's logits at a time (one more head matmul); "
+            "0, or a chunk covering the sequence (T <= 513 at the default: every tiny config) = whole logits"
+        ),
+    )
 
     def check(self):
         for name in (
@@ -60,6 +68,7 @@ class ModelConfig:
             f"got {self.num_kv_heads}; must divide num_heads={self.num_heads}",
         )
         require(self.rope_theta > 0, "rope_theta", f"got {self.rope_theta}; must be > 0")
+        require(self.logits_chunk >= 0, "logits_chunk", f"got {self.logits_chunk}; must be >= 0 (0 = whole logits)")
 
 
 @dataclass(frozen=True)

@@ -24,16 +24,14 @@ first stage reads the embedding, and their gradients are summed over `stage` onc
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from twocircuit_jax.fast.boundaries import boundary_layers
 from twocircuit_jax.fast.wire import DenseWire
-from twocircuit_jax.grpo.loss import token_entropy, token_logprobs
 from twocircuit_jax.model import qwen2
+from twocircuit_jax.model.head import TokenStats, chunks_logits, head_stats  # TokenStats: read from here by the passes
 from twocircuit_jax.model.qwen2 import dtype_of
 
 AXIS = "stage"
@@ -41,19 +39,6 @@ DATA = "data"  # the replica axis the pipeline handles by hand (parallel/mesh.py
 # Named scopes of the pipeline's collectives, read back from the compiled program by fast/bytes.py (a backward
 # message is the transpose of a forward one: its op name carries "transpose(").
 BOUNDARY, STAGE_EXIT = "stage_boundary", "stage_exit"
-
-
-class TokenStats(NamedTuple):
-    """What every pass of the trainer reads from the logits, reduced where the logits are made."""
-
-    logp: jax.Array  # [B, T] fp32: log π(tokens[:, t] | tokens[:, :t]); column 0 is 0 (grpo/loss.py)
-    entropy: jax.Array  # [B, T] fp32: entropy of the distribution that predicts tokens[:, t]; column 0 is 0
-
-
-def token_stats(logits, tokens, entropy_grad: bool = False) -> TokenStats:
-    """logits [B, T, V] -> TokenStats; the entropy is a constant to autodiff unless `entropy_grad`."""
-    ent = token_entropy(logits if entropy_grad else jax.lax.stop_gradient(logits))
-    return TokenStats(token_logprobs(logits, tokens), ent)
 
 
 class Link:
@@ -171,10 +156,27 @@ class Pipeline:
                     h, _ = qwen2._layer(cfg, qwen2.layer_params({"layers": layers}, j), h, cos, sin, bias)
                 return h
 
-            def head(y, tok):  # the last stage: logits [mb, T, V] reduced at once to two scalars per token
-                return token_stats(qwen2._head(cfg, ends, y), tok, entropy_grad)
-
             stats_zero = TokenStats(*(jnp.zeros((mb_rows, T), jnp.float32) for _ in range(2)))
+
+            # The last stage: the logits reduced at once to two scalars per token, `model.logits_chunk` positions
+            # at a time (model/head.py), on the ticks where a microbatch leaves it.
+            def head(done, y, tok):
+                def run(y, tok):
+                    return jax.lax.cond(
+                        done,
+                        lambda y, tok: head_stats(cfg, ends, y, tok, entropy_grad),
+                        lambda y, tok: stats_zero,
+                        y,
+                        tok,
+                    )
+
+                if not chunks_logits(cfg, T):
+                    return run(y, tok)
+                # A checkpointed chunk inside a `cond` inside the tick scan makes autodiff stack the head weight as a
+                # residual of every tick ([M + S - 1, V, H]: 11 x 0.93 GB at Qwen2.5-1.5B, stage 8, 4 microbatches);
+                # checkpointing the cond keeps only y and the tokens per tick (the weight stays loop-invariant). The
+                # backward's re-run of the cond is pruned to what the chunks' own recomputation needs.
+                return jax.checkpoint(run, prevent_cse=False)(y, tok)
 
             def tick(carry, i):
                 state, outs, auxes = carry
@@ -203,7 +205,7 @@ class Pipeline:
                         )
                 m_last = i - (S - 1)
                 done = (s == S - 1) & (m_last >= 0)
-                st = jax.lax.cond(done, lambda y: head(y, pick(rows_mb["tokens"], m_last)), lambda y: stats_zero, y)
+                st = head(done, y, pick(rows_mb["tokens"], m_last))
                 outs = jax.tree.map(
                     lambda buf, v: jnp.where(
                         done, jax.lax.dynamic_update_index_in_dim(buf, v, jnp.clip(m_last, 0, M - 1), 0), buf
@@ -276,16 +278,16 @@ def forward(
 ):
     """The policy forward every pass of the trainer uses: (TokenStats [B, T] each, {boundary layer: aux}).
 
-    Without a pipeline (mesh.stage = 1) this is `qwen2.forward_with_aux` with the hook `boundary_fn` builds for the
-    whole batch (a codec acts in place: the emulated path), and the stats of its logits. With one, the staged
-    forward above; aux is reduced over microbatches (`reduce=False`: kept per microbatch, [M, ...], rows in
-    `split_rows` order). `entropy_grad`: whether the entropy carries a gradient (an entropy bonus); without it the
+    Without a pipeline (mesh.stage = 1) this is `qwen2.decoder_with_aux` with the hook `boundary_fn` builds for the
+    whole batch (a codec acts in place: the emulated path), and the stats of its logits (model/head.py, chunked
+    over the sequence by `model.logits_chunk`). With one, the staged forward above; aux is reduced over
+    microbatches (`reduce=False`: kept per microbatch, [M, ...], rows in `split_rows` order). `entropy_grad`: whether the entropy carries a gradient (an entropy bonus); without it the
     backward skips the entropy's share of the head."""
     if pipeline is None:
         mb = dict(rows or {}, tokens=tokens, attention_mask=attention_mask)
         mb["positions"] = qwen2.default_positions(attention_mask)
         hook, layers, _ = boundary_fn(mb) if boundary_fn is not None else (None, (), {})
-        logits, aux = qwen2.forward_with_aux(model_cfg, params, tokens, attention_mask, hook=hook, hook_layers=layers)
-        return token_stats(logits, tokens, entropy_grad), aux
+        h, aux = qwen2.decoder_with_aux(model_cfg, params, tokens, attention_mask, hook=hook, hook_layers=layers)
+        return head_stats(model_cfg, params, h, tokens, entropy_grad), aux
     stats, aux = pipeline.forward(params, tokens, attention_mask, rows, boundary_fn, entropy_grad, row_aux=not reduce)
     return stats, (reduce_aux(aux) if reduce else aux)

@@ -43,14 +43,15 @@ def load_model(run_cfg, seed: int):
         cfg = from_dict(ModelConfig, mcfg)
         params = jax.tree.map(jnp.asarray, params)
     _check_model_section(run_cfg.model, cfg, path)
-    # the run's dtypes win over the checkpoint's
-    cfg = dataclasses.replace(cfg, param_dtype=run_cfg.model.param_dtype, compute_dtype=run_cfg.model.compute_dtype)
+    # the run's dtypes (and head chunk) win over the checkpoint's
+    cfg = dataclasses.replace(cfg, **{k: getattr(run_cfg.model, k) for k in _RUN_OWNED})
     params = jax.tree.map(lambda a: a.astype(dtype_of(cfg.param_dtype)), params)
     return cfg, params
 
 
-# What `model:` may still say when `base_model` gives the weights: the dtypes the run computes in.
-_RUN_OWNED = ("param_dtype", "compute_dtype")
+# What `model:` may still say when `base_model` gives the weights: the dtypes the run computes in, and how its
+# train passes chunk the LM head.
+_RUN_OWNED = ("param_dtype", "compute_dtype", "logits_chunk")
 
 
 def _check_model_section(section, loaded, path: str) -> None:
@@ -64,8 +65,8 @@ def _check_model_section(section, loaded, path: str) -> None:
         raise ConfigError(
             f"model.{f.name}",
             f"got {mine!r}; the checkpoint base_model={path} has {getattr(loaded, f.name)!r}. With base_model the "
-            f"checkpoint gives the model (only model.param_dtype and model.compute_dtype apply): leave model."
-            f"{f.name} out or set it to the checkpoint's value",
+            f"checkpoint gives the model (only model.param_dtype, model.compute_dtype and model.logits_chunk "
+            f"apply): leave model.{f.name} out or set it to the checkpoint's value",
         )
 
 
