@@ -1,0 +1,148 @@
+"""Everything sharded that can be (fsdp > 1): hierarchical PowerSGD (manual over `data` only, fsdp with XLA's
+partitioner) against the data-only path on the same data replicas, and the per-device bytes of the train state."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from twocircuit_jax.config.sections import MeshConfig
+from twocircuit_jax.fast.grad_fn import make_codec_grad_fn
+from twocircuit_jax.fast.powersgd import PowerSGDCodec, PowerSGDConfig, powersgd_reference
+from twocircuit_jax.parallel import dispatch, mesh as pmesh
+from twocircuit_jax.train.circuit_state import CircuitState, init_clock
+
+L, H, F, V, B, T = 2, 16, 24, 40, 16, 3
+# Parameter paths the mesh rules (parallel/mesh.py) shard over fsdp: q_proj on its rows, o_proj on its columns,
+# embed on its columns, lm_head on its rows; the per-layer norm and the final norm stay replicated.
+SHAPES = {
+    "embed": (V, H),
+    "final_norm": (H,),
+    "layers": {"norm": {"scale": (L, H)}, "o_proj": {"kernel": (L, F, H)}, "q_proj": {"kernel": (L, H, F)}},
+    "lm_head": (H, V),
+}
+
+
+def _params(seed=0):
+    leaves, tree = jax.tree.flatten(SHAPES, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    return jax.tree.unflatten(tree, [0.3 * jax.random.normal(k, s) for k, s in zip(keys, leaves)])
+
+
+def _batch(seed=1):
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    mask = (jax.random.uniform(k2, (B, T)) > 0.3).astype(jnp.float32)  # unequal token counts per replica
+    return {"x": jax.random.normal(k1, (B, H)), "response_mask": mask}
+
+
+def loss_fn(params, batch, cs):
+    """A small network that reads every parameter; the loss is a global-token mean (grad_fn's normalisers)."""
+    x = batch["x"]
+    for layer in range(L):
+        h = jnp.tanh(x @ params["layers"]["q_proj"]["kernel"][layer]) @ params["layers"]["o_proj"]["kernel"][layer]
+        x = x + h * params["layers"]["norm"]["scale"][layer]
+    logits = (x * params["final_norm"]) @ params["lm_head"] + 0.1 * (x @ params["embed"].T)
+    per_row = jnp.sum(jnp.tanh(logits) ** 2, -1) * jnp.sum(batch["response_mask"], -1)
+    return jnp.sum(per_row) / batch["token_count"], {"logit_mean": jnp.mean(logits)}
+
+
+def _mesh(data, fsdp, tensor=1):
+    return pmesh.make_mesh(MeshConfig(data=data, fsdp=fsdp, tensor=tensor), jax.devices()[: data * fsdp * tensor])
+
+
+def _step_fn(mesh, cfg):
+    """jit(grad_fn) on `mesh` with the loop's shardings: params by the mesh rules, batch over data x fsdp, the codec
+    state by its global specs. Returns (run(params, batch, grad_state) -> (mean, loss, metrics, grad_state), codec,
+    param shardings, grad state shardings)."""
+    codec = PowerSGDCodec(cfg, mesh=mesh)
+    codec.check_mesh(mesh)
+    params = _params()
+    p_sh = pmesh.param_shardings(params, mesh)
+    R = mesh.shape["data"] * (1 if codec.hierarchical else mesh.shape["fsdp"])
+    st = codec.init(params, R)
+    g_sh = jax.tree.map(
+        lambda s: NamedSharding(mesh, s),
+        codec.global_specs(st, pmesh.BATCH_AXES),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    fn = make_codec_grad_fn(codec, mesh)(loss_fn)
+    b_sh = pmesh.batch_shardings(_batch(), mesh)
+
+    def step(params, batch, grad):
+        cs = CircuitState(init_clock(), None, grad, None, None)
+        mean, loss, metrics, cs = fn(params, batch, cs)
+        return mean, loss, metrics, cs.grad
+
+    jitted = dispatch.jit(step, in_shardings=(p_sh, b_sh, g_sh), out_shardings=(p_sh, None, None, g_sh))
+    return jitted, codec, p_sh, g_sh, st
+
+
+def _close(a, b, tol=2e-5):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("data,fsdp,compress_embeddings", [(2, 4, False), (4, 2, True)])
+def test_hierarchical_powersgd_matches_data_only(data, fsdp, compress_embeddings):
+    """Two ticks of the hierarchical step (data x fsdp) equal the data-only step (fsdp = 1) on the same data
+    replicas' rows: mean gradient, loss, Q and each replica's error memory, to fp32 round-off; the state and the
+    mean come back sharded over fsdp like the parameters, and e per replica too."""
+    cfg = PowerSGDConfig(rank=2, start_after=1, min_compression_rate=1.0, compress_embeddings=compress_embeddings)
+    hier, codec, p_sh, g_sh, st_h = _step_fn(_mesh(data, fsdp), cfg)
+    ref, codec_r, _, _, st_r = _step_fn(_mesh(data, 1), cfg)
+    assert codec.hierarchical and not codec_r.hierarchical and codec.replica_axes == ("data",)
+    params, batch = _params(), _batch()
+    for tick in range(3):  # tick 0: the plain-mean warm-up; ticks 1, 2: compressed (Q warm-started from tick 1)
+        mh, lh, met_h, st_h = hier(params, batch, st_h)
+        mr, lr, met_r, st_r = ref(params, batch, st_r)
+        _close(mh, mr)
+        _close(st_h.e, st_r.e)
+        _close(st_h.Q, st_r.Q)
+        np.testing.assert_allclose(float(lh), float(lr), rtol=1e-5)
+        assert float(met_h["powersgd/compressed"]) == float(tick >= 1)
+        for k in ("powersgd/bytes_compressed", "powersgd/bytes_dense"):  # per data replica, the same logical bytes
+            assert float(met_h[k]) == float(met_r[k])
+        np.testing.assert_allclose(float(met_h["powersgd/error_norm"]), float(met_r["powersgd/error_norm"]), 1e-5)
+        params = jax.tree.map(lambda p, g: np.asarray(p) - 0.1 * np.asarray(g), params, mr)  # a new gradient
+    assert float(jnp.sum(jnp.abs(st_h.e["layers/q_proj/kernel"]))) > 0  # the error memory is live
+    # Shardings: the mean like the params, e split over data then like its parameter.
+    for (path, x), sh in zip(jax.tree_util.tree_leaves_with_path(mh), jax.tree.leaves(p_sh)):
+        assert x.sharding.is_equivalent_to(sh, x.ndim), path
+    e = st_h.e["layers/q_proj/kernel"]  # [data·L, H, F]: H over fsdp
+    assert e.sharding.shard_shape(e.shape) == (L, H // fsdp, F)
+    e = st_h.e["layers/o_proj/kernel"]  # [data·L, F, H]: H over fsdp
+    assert e.sharding.shard_shape(e.shape) == (L, F, H // fsdp)
+
+
+def test_reference_math_single_device():
+    """The hierarchical step equals `powersgd_reference` (a Python loop over the replicas, one device) fed with each
+    data replica's own gradient of its rows: the same PowerSGD math, not just the same as the other mesh."""
+    data, fsdp = 2, 4
+    cfg = PowerSGDConfig(rank=2, start_after=0, min_compression_rate=1.0)
+    hier, codec, _, _, st = _step_fn(_mesh(data, fsdp), cfg)
+    params, batch = _params(), _batch()
+    rows = B // data
+    glob = {"token_count": jnp.sum(batch["response_mask"]) / data}
+    grads = [
+        jax.grad(
+            lambda p: loss_fn(p, dict(jax.tree.map(lambda x: x[i * rows : (i + 1) * rows], batch), **glob), None)[0]
+        )(params)
+        for i in range(data)
+    ]
+    want, want_st, want_m = powersgd_reference(grads, st, cfg)
+    mean, _, met, got_st = hier(params, batch, st)
+    _close(mean, want, 2e-5)
+    _close(got_st.e, want_st.e, 2e-5)
+    _close(got_st.Q, want_st.Q, 2e-5)
+    np.testing.assert_allclose(float(met["powersgd/error_norm"]), want_m["powersgd/error_norm"], atol=1e-6)
+
+
+def test_data_one_with_fsdp_is_refused():
+    """data = 1 leaves PowerSGD nothing to compress: a clear error naming the mesh sizes and the alternative."""
+    codec = PowerSGDCodec(PowerSGDConfig(), mesh=_mesh(1, 8))
+    with pytest.raises(ValueError, match="data=1 and fsdp=8.*grad_codec.type=none"):
+        codec.check_mesh(codec.mesh)
+    codec = PowerSGDCodec(PowerSGDConfig(use_kernel=True), mesh=_mesh(2, 4))
+    with pytest.raises(ValueError, match="use_kernel=true needs mesh.fsdp=1"):
+        codec.check_mesh(codec.mesh)
