@@ -146,3 +146,94 @@ def test_data_one_with_fsdp_is_refused():
     codec = PowerSGDCodec(PowerSGDConfig(use_kernel=True), mesh=_mesh(2, 4))
     with pytest.raises(ValueError, match="use_kernel=true needs mesh.fsdp=1"):
         codec.check_mesh(codec.mesh)
+
+
+# ------------------------------------------------------------------------------ the compiled train step's state
+def _run_cfg(data, fsdp, **anchor):
+    from tiny_run import tiny_config
+
+    from twocircuit_jax.config.run import load_config
+
+    fast = {"pp_size": 2, "grad_codec": {"type": "powersgd", "rank": 2, "start_after": 0}}
+    raw = tiny_config(mesh={"data": data, "fsdp": fsdp}, fast=fast, anchor={"enabled": bool(anchor), **anchor})
+    return load_config(data=raw)
+
+
+def _shard_bytes(tree, shardings) -> int:
+    return sum(
+        int(np.prod(s.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
+        for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings))
+    )
+
+
+def _check_split(tree, shardings, fsdp, *, lead=1):
+    """Every weight matrix's shard is the full leaf divided by `fsdp` along exactly one dim (by `lead` x fsdp on
+    axis 0 when the leaf stacks `lead` replicas there, PowerSGD's e); returns the number of leaves checked."""
+    n = 0
+    for (path, x), s in zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(shardings)):
+        name = jax.tree_util.keystr(path)
+        if x.ndim < 2 or "norm" in name or "bias" in name:  # per-layer norms [L, H], biases: not fsdp-split
+            continue
+        full, shard = tuple(x.shape), s.shard_shape(x.shape)
+        ratio = [f // d for f, d in zip(full, shard)]
+        want = sorted([fsdp] + [1] * (x.ndim - 1)) if lead == 1 else None
+        if lead == 1:
+            assert sorted(ratio) == want, (name, full, shard)
+        else:  # axis 0: the replica split times (maybe) fsdp; the rest: at most one fsdp split in all
+            assert ratio[0] in (lead, lead * fsdp) and int(np.prod(ratio)) == lead * fsdp, (name, full, shard)
+        n += 1
+    return n
+
+
+def test_train_step_state_bytes_fall_by_fsdp():
+    """The compiled train step (shapes only, 8 fake CPU devices), data 2 x fsdp 4 against data 8: each param,
+    Adam moment and PowerSGD error-memory matrix is split 4 ways over fsdp, and the per-device bytes of that
+    state, and the step's argument bytes, fall ~4x."""
+    from twocircuit_jax.train.abstract_step import abstract_train_step
+
+    out = {}
+    for data, fsdp in ((8, 1), (2, 4)):
+        step = abstract_train_step(_run_cfg(data, fsdp), jax.devices())
+        compiled = step.jitted.wrapped.lower(*step.args).compile()
+        (state_sh, cs_sh, _), _ = compiled.input_shardings
+        state, cs, _ = step.args
+        assert step.circuit.grad_codec.hierarchical == (fsdp > 1)
+        n_p = _check_split(state.params, state_sh.params, fsdp)
+        n_o = _check_split(state.opt_state, state_sh.opt_state, fsdp)
+        n_e = _check_split(cs.grad.e, cs_sh.grad.e, fsdp, lead=data)
+        assert n_p >= 8 and n_o >= 2 * n_p and n_e >= 7  # 7 stacked kernels + embed; Adam mu, nu; e: kernels
+        out[fsdp] = {
+            "params": _shard_bytes(state.params, state_sh.params),
+            "adam": _shard_bytes(state.opt_state, state_sh.opt_state),
+            "error": _shard_bytes(cs.grad.e, cs_sh.grad.e),
+            "args": compiled.memory_analysis().argument_size_in_bytes,
+        }
+    for k in ("params", "adam", "error"):  # the norms (replicated, [H] or [L, H]) keep the ratio a little under 4
+        assert 3.6 < out[1][k] / out[4][k] <= 4.0, (k, out)
+    assert out[1]["args"] / out[4]["args"] > 3.3, out  # the batch and Q are per-device the same on both meshes
+
+
+def test_anchor_state_sharded_like_params():
+    """With the anchor on (merger and swap) on data 2 x fsdp 4: the merger's M, the anchor moments and the
+    reference parameters are placed like the parameters (each matrix split 4 ways), in the circuit and in the
+    arrays the circuit builds."""
+    from twocircuit_jax.anchor.circuit import AnchorCircuit
+    from twocircuit_jax.model.qwen2 import init_params
+    from twocircuit_jax.parallel.host import to_global
+
+    cfg = _run_cfg(2, 4, merger="delayed_ef", swap_cadence=2)
+    mesh = pmesh.make_mesh(cfg.mesh, jax.devices())
+    host = jax.tree.map(np.asarray, init_params(cfg.model, jax.random.key(0)))
+    p_sh = pmesh.param_shardings(host, mesh)
+    params = to_global(host, p_sh)
+    anchor = AnchorCircuit(cfg, cfg.model, params)
+    merger, moments = anchor.init_merger_state(), anchor.init_moments()
+    n_leaves = len(jax.tree.leaves(params))  # target_scope 'all': every leaf, norms and biases included
+    assert set(merger.m) == set(moments.m) == set(merger.delta) and len(merger.m) == n_leaves
+    for tree in (merger.m, merger.delta, moments.m, moments.v):  # 7 stacked kernels + embed split 4 ways
+        assert _check_split(tree, jax.tree.map(lambda x: x.sharding, tree), 4) == 8
+    for tree, sh in ((merger, anchor.merger_sh), (moments, anchor.mom_sh)):
+        for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(sh)):
+            assert x.sharding.is_equivalent_to(s, x.ndim)
+    ref = jax.tree.map(jnp.copy, to_global(host, p_sh))  # the loop's reference parameters (loop.py ref_params)
+    assert _check_split(ref, jax.tree.map(lambda x: x.sharding, ref), 4) == _check_split(params, p_sh, 4)
