@@ -237,3 +237,72 @@ def test_anchor_state_sharded_like_params():
             assert x.sharding.is_equivalent_to(s, x.ndim)
     ref = jax.tree.map(jnp.copy, to_global(host, p_sh))  # the loop's reference parameters (loop.py ref_params)
     assert _check_split(ref, jax.tree.map(lambda x: x.sharding, ref), 4) == _check_split(params, p_sh, 4)
+
+
+# ----------------------------------------------------------------------------------- host buffers, counted
+def test_rollout_ahead_held_compactly_and_counted():
+    """The step-ahead rollouts are held with their 0/1 masks as uint8 and handed back bit-identical in their own
+    dtypes; `host_bytes` equals the bytes actually held (hand count: 10 B per token, 13 B per row)."""
+    from tiny_run import tiny_config
+
+    from twocircuit_jax.config.run import load_config
+    from twocircuit_jax.train.rollout import Collected, pack_rows
+    from twocircuit_jax.train.rollout_ahead import RolloutAhead, host_bytes
+
+    cfg = load_config(data=tiny_config(train={"async_rollouts": 1}))
+    rows, Tp, Tn = cfg.train.train_batch * cfg.sampler.n, cfg.train.max_prompt_len, cfg.sampler.sampling.max_new_tokens
+    rng = np.random.default_rng(0)
+    resp = [list(rng.integers(3, 50, rng.integers(1, Tn + 1))) for _ in range(rows)]
+    batch = pack_rows([[5, 6, 7]] * rows, resp, [list(-rng.random(len(r))) for r in resp], [False] * rows, Tp, Tn, 0)
+    batch.update(advantages=rng.standard_normal(rows).astype(np.float32), loss_mask=np.ones(rows, np.float32))
+    col = Collected(batch, {}, [len(r) for r in resp], [False] * rows, 0, 0.0)
+    ahead = RolloutAhead(threaded=False)
+    ahead.start(3, lambda: col)
+    held, dtypes = ahead._future.result()
+    assert {k: held.batch[k].dtype for k in ("attention_mask", "response_mask")} == {
+        "attention_mask": np.uint8,
+        "response_mask": np.uint8,
+    }
+    assert sum(v.nbytes for v in held.batch.values()) == host_bytes(cfg)["rollout_ahead/bytes"]
+    assert host_bytes(cfg)["rollout_ahead/bytes"] == rows * (Tp + Tn) * 10 + rows * 13
+    blob = ahead.dump()
+    got = ahead.take(3)
+    for k, v in batch.items():
+        assert got.batch[k].dtype == v.dtype and np.array_equal(got.batch[k], v), k
+    ahead.load(blob)  # a resume's copy is held compactly too and comes back the same
+    assert ahead._future.result()[0].batch["response_mask"].dtype == np.uint8
+    back = ahead.take(3).batch
+    assert all(back[k].dtype == v.dtype and np.array_equal(back[k], v) for k, v in batch.items())
+    ahead.close()
+    assert host_bytes(load_config(data=tiny_config()))["rollout_ahead/bytes"] == 0
+
+
+@pytest.mark.parametrize("cadence,delay,tps", [(4, 4, 2), (2, 8, 1), (3, 7, 4), (5, 20, 3)])
+def test_anchor_snapshot_bound_is_tight_and_bytes_counted(cadence, delay, tps):
+    """The replay buffer never holds more snapshots than `max_snapshots`, reaches it, and `host_bytes` counts each
+    snapshot as the bytes `host_snapshot` actually stores (bf16 floats, int leaves as they are)."""
+    from tiny_run import tiny_config
+
+    from twocircuit_jax.anchor.retention import ReplayBuffer, host_bytes, host_snapshot, max_snapshots
+    from twocircuit_jax.config.run import load_config
+    from twocircuit_jax.model.qwen2 import init_params
+
+    buf = ReplayBuffer(cadence, delay, "bfloat16", ticks_per_step=tps)
+    params = {"w": np.ones((3, 4), np.float32), "n": np.arange(5, dtype=np.int32)}
+    most = 0
+    for tau in range(1, 12 * (delay + cadence)):
+        buf.on_tick(tau, (tau - 1) // tps + 1, {"t": tau}, params=params)
+        most = max(most, buf.num_snapshots)
+        if tau % cadence == 0:
+            buf.replay_for_fire(tau)
+    assert most == max_snapshots(cadence, delay, tps) <= min(delay // cadence, delay // tps) + 2
+
+    raw = tiny_config(model={"param_dtype": "bfloat16"}, anchor={"enabled": True, "cadence": cadence, "delay": delay})
+    cfg = load_config(data=raw)
+    p = init_params(cfg.model, jax.random.key(0))
+    hb = host_bytes(cfg)
+    assert hb["anchor/snapshot_bytes"] == sum(x.nbytes for x in jax.tree.leaves(host_snapshot(p, "bfloat16")))
+    assert (
+        hb["anchor/host_bytes"]
+        == (hb["anchor/snapshots"] + hb["anchor/window_snapshots"]) * hb["anchor/snapshot_bytes"]
+    )

@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from twocircuit_jax.anchor.loss import anchor_batch_keys, make_anchor_grad
 from twocircuit_jax.anchor.merger import init_merger, merge, merger_shardings, path_str, update_ema
 from twocircuit_jax.anchor.projection import SnapshotWindow
-from twocircuit_jax.anchor.retention import ReplayBuffer, host_snapshot
+from twocircuit_jax.anchor.retention import ReplayBuffer
 from twocircuit_jax.anchor.swap import init_anchor_moments, swap_optimizer_moments, update_anchor_moments
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.parallel import dispatch
@@ -170,12 +170,12 @@ class AnchorCircuit:
                 raise ValueError(f"anchor: tick {tau}'s mini-batch is kept for a fire but has no {missing}")
             batch = {k: minibatch[k] for k in self._batch_keys}
         self.fast_rows += int(minibatch["tokens"].shape[0])
-        if first_tick_of_step:
-            self._gen_tick = tau
-            if self.window is not None and not self.window.ticks:  # base = first generator snapshot (host copy)
-                self.window.add_base(tau, host_snapshot(state.params, self.buffer.dtype))
         # Snapshot on the step's first tick (a params-sized device→host copy, host sync), retain if due.
         self.buffer.on_tick(tau, gs, batch, params=lambda: state.params)
+        if first_tick_of_step:
+            self._gen_tick = tau
+            if self.window is not None and not self.window.ticks:  # base = first generator snapshot: the buffer's
+                self.window.add_base(tau, self.buffer.current_snapshot())  # own (read-only), not a second copy
         metrics, sketch = {}, None
         fire = self.fire_due(tau)
         if fire:
