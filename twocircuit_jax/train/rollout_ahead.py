@@ -64,7 +64,7 @@ def host_bytes(cfg) -> dict:
     of train_batch x n rows of max_prompt_len + max_new_tokens tokens, as stored (masks uint8). Single-turn rows;
     0 when async rollouts are off."""
     t, s = cfg.train, cfg.sampler
-    if not getattr(t, "async_rollouts", 0):
+    if not t.async_rollouts:
         return {"rollout_ahead/bytes": 0}
     rows, T = t.train_batch * s.n, t.max_prompt_len + s.sampling.max_new_tokens
     out = {f"rollout_ahead/{k}": rows * T * b for k, b in _TOKEN_BYTES.items()}
