@@ -143,6 +143,12 @@ def test_data_one_with_fsdp_is_refused():
     codec = PowerSGDCodec(PowerSGDConfig(), mesh=_mesh(1, 8))
     with pytest.raises(ValueError, match="data=1 and fsdp=8.*grad_codec.type=none"):
         codec.check_mesh(codec.mesh)
+    from twocircuit_jax.config.base import ConfigError
+    from twocircuit_jax.fast.circuit import FastCircuit
+
+    cfg = _run_cfg(1, 8)
+    with pytest.raises(ConfigError, match="fast.grad_codec.*data=1 and fsdp=8"):
+        FastCircuit(cfg, cfg.model, pmesh.make_mesh(cfg.mesh, jax.devices()))
     codec = PowerSGDCodec(PowerSGDConfig(use_kernel=True), mesh=_mesh(2, 4))
     with pytest.raises(ValueError, match="use_kernel=true needs mesh.fsdp=1"):
         codec.check_mesh(codec.mesh)

@@ -159,7 +159,8 @@ class FastCircuit:
 
     def init_grad_state(self, params_like=None):
         """The gradient codec's state placed by its `global_specs` (PowerSGD: Q replicated, the per-replica error
-        memory split over dp; with real stages, each stage holds its own layers' Q and e), or None."""
+        memory split over dp; with real stages, each stage holds its own layers' Q and e; hierarchical, one e per
+        data replica split like its parameter over fsdp/tensor), or None."""
         if params_like is not None:
             self._params_like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_like)
         if self.grad_codec is None:
