@@ -83,13 +83,13 @@ def _close(a, b, tol=2e-5):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("data,fsdp,compress_embeddings", [(2, 4, False), (4, 2, True)])
-def test_hierarchical_powersgd_matches_data_only(data, fsdp, compress_embeddings):
+@pytest.mark.parametrize("data,fsdp,tensor,compress_embeddings", [(2, 4, 1, False), (4, 2, 1, True), (2, 2, 2, False)])
+def test_hierarchical_powersgd_matches_data_only(data, fsdp, tensor, compress_embeddings):
     """Two ticks of the hierarchical step (data x fsdp) equal the data-only step (fsdp = 1) on the same data
     replicas' rows: mean gradient, loss, Q and each replica's error memory, to fp32 round-off; the state and the
     mean come back sharded over fsdp like the parameters, and e per replica too."""
     cfg = PowerSGDConfig(rank=2, start_after=1, min_compression_rate=1.0, compress_embeddings=compress_embeddings)
-    hier, codec, p_sh, g_sh, st_h = _step_fn(_mesh(data, fsdp), cfg)
+    hier, codec, p_sh, g_sh, st_h = _step_fn(_mesh(data, fsdp, tensor), cfg)
     ref, codec_r, _, _, st_r = _step_fn(_mesh(data, 1), cfg)
     assert codec.hierarchical and not codec_r.hierarchical and codec.replica_axes == ("data",)
     params, batch = _params(), _batch()
@@ -109,10 +109,10 @@ def test_hierarchical_powersgd_matches_data_only(data, fsdp, compress_embeddings
     # Shardings: the mean like the params, e split over data then like its parameter.
     for (path, x), sh in zip(jax.tree_util.tree_leaves_with_path(mh), jax.tree.leaves(p_sh)):
         assert x.sharding.is_equivalent_to(sh, x.ndim), path
-    e = st_h.e["layers/q_proj/kernel"]  # [data·L, H, F]: H over fsdp
-    assert e.sharding.shard_shape(e.shape) == (L, H // fsdp, F)
-    e = st_h.e["layers/o_proj/kernel"]  # [data·L, F, H]: H over fsdp
-    assert e.sharding.shard_shape(e.shape) == (L, F, H // fsdp)
+    e = st_h.e["layers/q_proj/kernel"]  # [data·L, H, F]: H over fsdp, F over tensor
+    assert e.sharding.shard_shape(e.shape) == (L, H // fsdp, F // tensor)
+    e = st_h.e["layers/o_proj/kernel"]  # [data·L, F, H]: F over tensor, H over fsdp
+    assert e.sharding.shard_shape(e.shape) == (L, F // tensor, H // fsdp)
 
 
 def test_reference_math_single_device():
