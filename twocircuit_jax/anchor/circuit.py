@@ -26,9 +26,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from twocircuit_jax.anchor.loss import anchor_batch_keys, make_anchor_grad
-from twocircuit_jax.anchor.merger import init_merger, merge, path_str, update_ema
+from twocircuit_jax.anchor.merger import init_merger, merge, merger_shardings, path_str, update_ema
 from twocircuit_jax.anchor.projection import SnapshotWindow
-from twocircuit_jax.anchor.retention import ReplayBuffer, _Snapshot, host_snapshot
+from twocircuit_jax.anchor.retention import ReplayBuffer, _Snapshot
 from twocircuit_jax.anchor.swap import init_anchor_moments, swap_optimizer_moments, update_anchor_moments
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.parallel import dispatch
@@ -62,7 +62,7 @@ class AnchorCircuit:
         self.window = SnapshotWindow.from_config(a) if a.projection else None
         self.merger_on = a.merger != "none"
         self._batch_keys = anchor_batch_keys(run_cfg.grpo)
-        # Carry of the fire: merger state (replicated) and anchor moments (sharded like params; swap only).
+        # Carry of the fire: merger state and anchor moments (both sharded like params; moments: swap only).
         by_path = {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(self.param_sh)[0]}
         self._params_like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         self.mom_sh = None
@@ -76,7 +76,11 @@ class AnchorCircuit:
             sketcher if self.owns_q else None,
             pipeline=pipeline,
         )
-        carry_sh = {"merger": self.rep, "moments": self.mom_sh}
+        # The merger's M (and δ) sharded like their parameters (fsdp: 1/fsdp per device), scalars replicated.
+        self.merger_sh = None
+        if self.merger_on:
+            self.merger_sh = merger_shardings(jax.eval_shape(lambda: init_merger(params, a)), self.param_sh)
+        carry_sh = {"merger": self.rep if self.merger_sh is None else self.merger_sh, "moments": self.mom_sh}
         # One jitted dense forward/backward (+ EMA and moment updates), compiled once: fixed batch keys/shapes,
         # snapshot params put on the parameter shardings. The carry is donated; the trainer state is not an input.
         # The basis state is a separate, non-donated input (its bases share buffers across fields); the sketch is
@@ -100,7 +104,7 @@ class AnchorCircuit:
         if not self.merger_on:
             return None
         like, a = self._params_like, self.cfg
-        return dispatch.jit(lambda: init_merger(like, a), out_shardings=self.rep)()
+        return dispatch.jit(lambda: init_merger(like, a), out_shardings=self.merger_sh)()
 
     def init_moments(self):
         """cs.moments (the swap's source), or None without the swap."""
@@ -166,12 +170,12 @@ class AnchorCircuit:
                 raise ValueError(f"anchor: tick {tau}'s mini-batch is kept for a fire but has no {missing}")
             batch = {k: minibatch[k] for k in self._batch_keys}
         self.fast_rows += int(minibatch["tokens"].shape[0])
-        if first_tick_of_step:
-            self._gen_tick = tau
-            if self.window is not None and not self.window.ticks:  # base = first generator snapshot (host copy)
-                self.window.add_base(tau, host_snapshot(state.params, self.buffer.dtype))
         # Snapshot on the step's first tick (a params-sized device→host copy, host sync), retain if due.
         self.buffer.on_tick(tau, gs, batch, params=lambda: state.params)
+        if first_tick_of_step:
+            self._gen_tick = tau
+            if self.window is not None and not self.window.ticks:  # base = first generator snapshot: the buffer's
+                self.window.add_base(tau, self.buffer.current_snapshot())  # own (read-only), not a second copy
         metrics, sketch = {}, None
         fire = self.fire_due(tau)
         if fire:

@@ -7,10 +7,16 @@ Ticks are 1-based. On a step's first tick the buffer snapshots θ (exactly the s
 a tick's batch is retained iff τ ≡ −K (mod cadence), so at most ⌊K/cadence⌋+1 batches are ever held; a fire at
 τ replays the batch of tick τ−K with the snapshot of that batch's step (before τ−K exists: the oldest retained).
 Snapshot arrays are stored read-only and the canary is re-checked bitwise on every load.
+
+Host memory (`host_bytes(cfg)`, from shapes): the live snapshots, each the parameters in the sampler dtype, at most
+`max_snapshots` at once (the steps of the retained batches plus the current one, ≤ ⌊K/cadence⌋ + 2), and
+the projection window's, which are the buffer's own snapshot objects (`current_snapshot`, shared, not copied). The
+retained batches are the loop's device arrays (the anchor's fields only), counted apart as device bytes.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import jax
@@ -163,6 +169,11 @@ class ReplayBuffer:
         return out
 
     # ------------------------------------------------------------------------------------------ inspection
+    def current_snapshot(self):
+        """The current step's snapshot (host pytree, read-only): for a holder that needs the same weights (the
+        projection window's base), so they are kept once."""
+        return self._snapshots[self._step].params
+
     @property
     def num_batches(self) -> int:
         return len(self._batches)
@@ -174,3 +185,57 @@ class ReplayBuffer:
     @property
     def retained_ticks(self) -> List[int]:
         return [t for t, _, _ in self._batches]
+
+
+def max_snapshots(cadence: int, delay: int, ticks_per_step: int) -> int:
+    """Most snapshots a ReplayBuffer holds at once (fires every `cadence` ticks): one per step among the retained
+    batches plus the current step's. Walks the schedule (ticks only, periodic in lcm(cadence, ticks_per_step) after
+    the first K ticks); at most min(⌊K/cadence⌋, ⌊K/ticks_per_step⌋) + 2."""
+    held, most = [], 0
+    for tau in range(1, delay + 2 * math.lcm(cadence, ticks_per_step) + 2 * cadence + 1):
+        if (tau + delay) % cadence == 0:
+            held.append(tau)
+        most = max(most, len({(b - 1) // ticks_per_step for b in held} | {(tau - 1) // ticks_per_step}))
+        if tau % cadence == 0:
+            held = [b for b in held if b > tau - delay]
+    return most
+
+
+def host_bytes(cfg, params_like=None) -> dict:
+    """Host bytes the anchor holds at most, from shapes (`cfg` the RunConfig; `params_like` the parameter shapes,
+    built from cfg.model when None): snapshots in the sampler dtype (the replay buffer's bound, plus the projection
+    window's W beyond the buffer's as an upper bound), and the retained batches' bytes (device arrays)."""
+    a = cfg.anchor
+    if not a.enabled:
+        return {"anchor/host_bytes": 0}
+    if params_like is None:
+        from twocircuit_jax.model.qwen2 import init_params  # shapes only
+
+        params_like = jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0)))
+    item = np.dtype(_to_dtype(cfg.model.param_dtype)).itemsize
+    snap = sum(
+        int(np.prod(x.shape)) * (item if _float_dtype(x.dtype) else np.dtype(x.dtype).itemsize)
+        for x in jax.tree.leaves(params_like)
+    )
+    tps = cfg.ticks_per_step * cfg.train.ppo_epochs
+    n_buf = max_snapshots(a.cadence, a.delay, tps)
+    n_win = (a.window if a.window_mode == "sliding_window" else a.max_snapshots) if a.projection else 0
+    from twocircuit_jax.anchor.loss import anchor_batch_keys
+
+    rows, T = cfg.train.mini_batch * cfg.sampler.n, cfg.train.max_prompt_len + cfg.sampler.sampling.max_new_tokens
+    per_row = {"tokens": 4 * T, "attention_mask": 4 * T, "response_mask": 4 * T, "advantages": 4}
+    per_row.update(ref_logp_dense=4 * T, sampler_logp=4 * T)
+    batch = rows * sum(per_row[k] for k in anchor_batch_keys(cfg.grpo))
+    out = {
+        "anchor/snapshot_bytes": snap,
+        "anchor/snapshots": n_buf,
+        "anchor/window_snapshots": n_win,
+        "anchor/retained_batches": a.delay // a.cadence + 1,
+        "anchor/retained_batch_device_bytes": (a.delay // a.cadence + 1) * batch,
+    }
+    out["anchor/host_bytes"] = (n_buf + n_win) * snap
+    return out
+
+
+def _float_dtype(dt) -> bool:
+    return np.issubdtype(np.dtype(dt), np.floating) or np.dtype(dt) == ml_dtypes.bfloat16

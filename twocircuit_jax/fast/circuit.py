@@ -159,14 +159,31 @@ class FastCircuit:
 
     def init_grad_state(self, params_like=None):
         """The gradient codec's state placed by its `global_specs` (PowerSGD: Q replicated, the per-replica error
-        memory split over dp; with real stages, each stage holds its own layers' Q and e), or None."""
+        memory split over dp; with real stages, each stage holds its own layers' Q and e; hierarchical, one e per
+        data replica split like its parameter over fsdp/tensor), or None."""
         if params_like is not None:
             self._params_like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_like)
         if self.grad_codec is None:
             return None
         like = params_like if params_like is not None else self._params_shapes()
-        g = self.grad_codec.init(like, self.dp)
+        g = self.grad_codec.init(like, self.grad_replicas)
         return jax.device_put(g, self.grad_state_shardings(g))
+
+    @property
+    def grad_axes(self) -> tuple:
+        """The mesh axes the gradient codec's shard_map is manual over and reduces across: the batch axes, or
+        `data` alone for a hierarchical codec (PowerSGD with fsdp/tensor > 1, fast/powersgd.py). The loss's
+        diagnostics gather their rows over these (train/grpo_step.py `rows_over`)."""
+        return getattr(self.grad_codec, "replica_axes", None) or BATCH_AXES
+
+    @property
+    def grad_replicas(self) -> int:
+        """Replicas the gradient codec keeps state for (PowerSGD: one error memory each): the product of
+        `grad_axes`' sizes (dp, or mesh.data when hierarchical)."""
+        n = 1
+        for a in self.grad_axes:
+            n *= self.mesh.shape[a]
+        return n
 
     def grad_state_shardings(self, grad_state):
         if grad_state is None:

@@ -10,7 +10,12 @@ Normalisation: each replica's loss is divided by the *global* loss-token count (
 batch axes, times the replica count, so the mean over replicas is the global token mean of the dense step even when
 response lengths differ across replicas (the normal case in GRPO). A mean of per-replica means would weight a
 replica's tokens by 1/its own count and bias the gradient from the first tick on. Cost: two scalar psums.
-Requires fsdp = tensor = 1 (parameters replicated), checked by FastCircuit.
+
+Axes: with fsdp = tensor = 1 the shard_map is manual over every mesh axis (parameters replicated). A codec with
+`replica_axes` (hierarchical PowerSGD, fsdp or tensor > 1) is manual over those alone (`data`): inside, each data
+replica's value_and_grad is XLA's fsdp/tensor-sharded program, and the parameters, gradients and the codec's
+error memory keep their fsdp/tensor shardings (fast/powersgd.py). XLA:CPU aborts on a bf16 all-reduce inside a
+partially manual shard_map, so the codec's collectives there are fp32 (PowerSGD packs fp32).
 """
 
 from __future__ import annotations
@@ -59,6 +64,10 @@ def make_codec_grad_fn(codec, mesh, *, axes=BATCH_AXES):
     """factory(loss_fn) -> fn(params, batch, cs) -> (mean grads, loss, metrics, cs with the next cs.grad); `codec` is
     the registered gradient codec (fast/codecs/base.GradCodec)."""
 
+    hier = getattr(codec, "replica_axes", None)
+    axes = hier or axes
+    part_manual = hier is not None or mesh.shape.get("stage", 1) > 1
+
     def factory(loss_fn):
         def fn(params, batch, cs):
             sspec = codec.state_specs(cs.grad, axes)
@@ -79,13 +88,13 @@ def make_codec_grad_fn(codec, mesh, *, axes=BATCH_AXES):
             # With real stages, manual over the batch axes only: `stage` stays with the partitioner, so the
             # pipeline's own shard_map (manual over `stage`) nests inside this one. Otherwise manual over every axis
             # (XLA:CPU aborts on a bf16 all-reduce inside a partially manual shard_map; a codec may reduce in bf16).
-            staged = mesh.shape.get("stage", 1) > 1
+            # Hierarchical (`hier`): manual over `data` only, fsdp/tensor left to the partitioner.
             mean, loss, metrics, new_state = jax.shard_map(
                 body,
                 mesh=mesh,
                 in_specs=(rep_params, batch_spec, cs_spec),
                 out_specs=out_specs,
-                axis_names=set(axes) if staged else set(mesh.axis_names),
+                axis_names=set(axes) if part_manual else set(mesh.axis_names),
                 check_vma=False,
             )(params, batch, cs)
             return mean, loss, dict(metrics), cs._replace(grad=new_state)

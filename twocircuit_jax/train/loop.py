@@ -220,7 +220,7 @@ class GRPOTrainer(TrainerCheckpoints):
             replicate(self.cs.clock),
             replicate(codec_state),
             self.codec.grad_state_shardings(grad_state) if self.codec else None,
-            replicate(merger),
+            self.anchor.merger_sh if self.anchor else None,  # M, δ sharded like their params (anchor/merger.py)
             self.anchor.mom_sh if self.anchor else None,
         )
 
@@ -244,7 +244,7 @@ class GRPOTrainer(TrainerCheckpoints):
             and not cfg.train.probe_every
             and not cfg.env.enabled
         )
-        rows_over = pmesh.BATCH_AXES if (self.codec and self.codec.grad_codec is not None) else None
+        rows_over = self.codec.grad_axes if (self.codec and self.codec.grad_codec is not None) else None
         loss_fn = make_grpo_loss(
             self.model_cfg, cfg.grpo, self.max_new, codec, pl, diagnose=self.old_from_train, rows_over=rows_over
         )

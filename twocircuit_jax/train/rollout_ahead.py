@@ -15,6 +15,10 @@ schedule, not by timing: a run repeats itself, and a resumed run repeats an unin
 step-ahead batch is saved with each checkpoint (`dump`/`load`). The loop's TIS weights (grpo.tis) compare the
 trainer's log-probs with the sampler's, so they correct the one version of lag like any other mismatch.
 
+Storage: the held batch keeps its 0/1 masks ([R, T] attention_mask int32, response_mask float32) as uint8 and
+gives them back in their own dtype on `take`/`held` (exact: only arrays whose values are all 0 or 1 are packed);
+16 -> 10 bytes per token with tokens int32 and sampler_logp fp32. `host_bytes(cfg)` counts them from shapes.
+
 The work runs in one background thread when the sampler is a separate process (vLLM) or JAX dispatch may run two
 programs at once. On a multi-device XLA:CPU mesh (parallel/dispatch.py) the embedded sampler's program must not
 be in flight beside the trainer's, so there `threaded=False` runs it at `start`: the same batches, no overlap.
@@ -26,7 +30,46 @@ import concurrent.futures as cf
 import time
 from typing import Callable, Optional
 
+import numpy as np
+
 from twocircuit_jax.train.rollout import Collected
+
+PACKED = ("attention_mask", "response_mask")  # [R, T] 0/1 masks held as uint8
+_TOKEN_BYTES = {"tokens": 4, "attention_mask": 1, "response_mask": 1, "sampler_logp": 4}  # as held, per token
+_ROW_BYTES = {"sample_id": 4, "truncated": 1, "advantages": 4, "loss_mask": 4}  # per row
+
+
+def compact(c: Collected) -> tuple:
+    """(Collected with the 0/1 masks as uint8, {field: original dtype}) for the ones packed."""
+    batch, dtypes = dict(c.batch), {}
+    for k in PACKED:
+        a = batch.get(k)
+        if isinstance(a, np.ndarray) and a.dtype != np.uint8:
+            u = a.astype(np.uint8)
+            if np.array_equal(u, a):  # exactly 0/1 (or small non-negative integers): lossless
+                batch[k], dtypes[k] = u, a.dtype
+    return c._replace(batch=batch), dtypes
+
+
+def expand(c: Collected, dtypes: dict) -> Collected:
+    """The Collected `compact` packed, with every field back in its own dtype."""
+    if not dtypes:
+        return c
+    return c._replace(batch={k: (v.astype(dtypes[k]) if k in dtypes else v) for k, v in c.batch.items()})
+
+
+def host_bytes(cfg) -> dict:
+    """Host bytes of the step-ahead rollouts held (`train.async_rollouts: 1`), from shapes: one step's packed batch
+    of train_batch x n rows of max_prompt_len + max_new_tokens tokens, as stored (masks uint8). Single-turn rows;
+    0 when async rollouts are off."""
+    t, s = cfg.train, cfg.sampler
+    if not t.async_rollouts:
+        return {"rollout_ahead/bytes": 0}
+    rows, T = t.train_batch * s.n, t.max_prompt_len + s.sampling.max_new_tokens
+    out = {f"rollout_ahead/{k}": rows * T * b for k, b in _TOKEN_BYTES.items()}
+    out.update({f"rollout_ahead/{k}": rows * b for k, b in _ROW_BYTES.items()})
+    out["rollout_ahead/bytes"] = sum(out.values())
+    return out
 
 
 class RolloutAhead:
@@ -43,12 +86,13 @@ class RolloutAhead:
         if self._future is not None:
             raise RuntimeError(f"rollouts for step {self._gs} are still held; take or drop them first")
         self._gs = gs
+        packed = lambda: compact(fn())  # noqa: E731  (held compactly; `_result` expands)
         if self._pool is not None:
-            self._future = self._pool.submit(fn)
+            self._future = self._pool.submit(packed)
         else:
             self._future = cf.Future()
             try:
-                self._future.set_result(fn())
+                self._future.set_result(packed())
             except BaseException as e:  # raised at join/take, like the threaded path
                 self._future.set_exception(e)
 
@@ -67,7 +111,7 @@ class RolloutAhead:
             return None
         mine = self._gs == gs
         try:
-            return self._future.result() if mine else None
+            return expand(*self._future.result()) if mine else None
         finally:
             if not mine:
                 cf.wait([self._future])  # a thread still generating finishes before the next starts
@@ -84,7 +128,7 @@ class RolloutAhead:
         f = self._future
         if f is None or not f.done() or f.exception() is not None:
             return None
-        return self._gs, f.result()
+        return self._gs, expand(*f.result())
 
     def dump(self) -> Optional[dict]:
         """The finished rollouts with their step, for a checkpoint (None when nothing finished is held): plain
@@ -96,7 +140,7 @@ class RolloutAhead:
         """Hold rollouts from `dump` (a resume); returns their step."""
         self.drop()
         self._gs, self._future = int(d["step"]), cf.Future()
-        self._future.set_result(Collected(*d["collected"]))
+        self._future.set_result(compact(Collected(*d["collected"])))
         return self._gs
 
     def close(self) -> None:
