@@ -1,0 +1,71 @@
+"""The plan as text: one row per program, then the resident state, the peak against the chip, host memory and the
+roofline bounds; when it does not fit, the largest buffers of the program that peaks."""
+
+from __future__ import annotations
+
+
+def size(b) -> str:
+    if b is None:
+        return "-"
+    for unit, k in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(b) >= k:
+            return f"{b / k:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def _sec(s) -> str:
+    return f"{s * 1e3:.3f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def render(plan: dict, k: int = 5) -> str:
+    chip, out = plan["chip"], []
+    mesh = " ".join(f"{a}={v}" for a, v in plan["mesh"].items())
+    out.append(f"plan for {plan['target']}: {plan['devices']} devices ({mesh}); per device, per call")
+    head = ["program", "calls/step", "args", "temp", "out", "alias", "peak", "GFLOP", "HBM bytes", "coll bytes"]
+    if chip:
+        head.append("bound (limit)")
+    table = [head]
+    for name, r in plan["programs"].items():
+        m = r["memory"]
+        row = [name, f"{r['runs_per_step']:g}", size(m["argument"]), size(m["temp"]), size(m["output"])]
+        row += [size(m["alias"]), size(r["peak"]), f"{r['cost']['flops'] / 1e9:.3f}"]
+        row += [size(r["cost"]["bytes_accessed"]), size(r["collective_bytes"])]
+        if chip:
+            row.append(f"{_sec(r['roofline']['bound_s'])} ({r['roofline']['limit']})")
+        table.append(row)
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    out += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in table]
+    res = plan["resident"]
+    out.append("resident: " + ", ".join(f"{n} {size(v)}" for n, v in res.items() if n != "total" and v))
+    out.append(f"  total {size(res['total'])} (+ the program's own arguments, unaliased outputs and temporaries)")
+    p = plan["peak"]
+    if chip:
+        verdict = "fits" if p["fits"] else "DOES NOT FIT"
+        out.append(
+            f"peak {size(p['bytes'])} in {p['program']} against {size(p['hbm_bytes'])} HBM ({chip['name']}): {verdict}"
+        )
+    else:
+        out.append(f"peak {size(p['bytes'])} in {p['program']} (fake CPU devices: no chip memory to fit into)")
+    h = plan["host"]
+    if h["anchor_snapshots"]:
+        out.append(
+            f"host: anchor {h['anchor_snapshots']} weight snapshots {size(h['anchor_snapshot_bytes'])}, "
+            f"{h['anchor_batches']} retained mini-batches (on device, in resident)"
+        )
+    s = plan["step"]
+    out.append(
+        f"step: {s['ticks']} ticks, {s['params'] / 1e6:.2f} M params, model {s['model_flops'] / 1e12:.3f} TFLOP "
+        f"(6N/token trained, 2N/token forward-only), collectives {size(s['collective_bytes'])} per replica"
+    )
+    if chip:
+        out.append(
+            f"roofline lower bound: tick {_sec(s['tick_bound_s'])}, step {_sec(s['step_bound_s'])}; "
+            f"MFU at most {100 * s['mfu_bound']:.1f}%"
+        )
+    notes = [f"{n}: {r['note']}" for n, r in plan["programs"].items() if r["note"]]
+    out += [f"note {x}" for x in notes]
+    if p["fits"] is False:
+        out.append(f"largest buffers of {p['program']} (what to shrink):")
+        for b in plan["programs"][p["program"]]["largest"][:k]:
+            out.append(f"  {size(b['bytes']):>12}  {b['op']} {b['shape']} [{b['space']}] {b['source']}")
+    return "\n".join(out)
