@@ -23,28 +23,43 @@ _NOT_BUFFERS |= {"while", "call", "conditional"}
 _FUSION_CALLEE = re.compile(r"\bcalls=%?([\w.\-]+)")
 
 
-def compile_program(jitted, args, platform: str):
-    """Lower and compile from the ShapeDtypeStruct `args`. For TPU the plain jax.jit (dispatch.Jitted's `wrapped`):
-    the CPU compile options the wrapper adds on a CPU host are no TPU options."""
+def lower_program(jitted, args, platform: str):
+    """Lower from the ShapeDtypeStruct `args`. For TPU the plain jax.jit (dispatch.Jitted's `wrapped`): the CPU
+    compile options the wrapper adds on a CPU host are no TPU options."""
     fn = getattr(jitted, "wrapped", jitted) if platform != "cpu" else jitted
-    return fn.lower(*args).compile()
+    return fn.lower(*args)
 
 
-def tree_bytes(tree, shardings, replicas: int) -> float:
-    """Per-device bytes of a pytree of ShapeDtypeStructs under `shardings` (same structure). A leaf without a
-    sharding is an input the program never reads (jit prunes it) but the caller still holds: it counts as a batch
-    row array, its leading axis split over the `replicas` data-parallel devices (parallel/mesh.py batch_shardings)."""
-    leaves, tree_def = jax.tree.flatten(tree)
-    total = 0
-    for x, s in zip(leaves, tree_def.flatten_up_to(shardings) if leaves else []):
-        n = math.prod(s.shard_shape(x.shape)) if s is not None else math.prod(x.shape) // (replicas if x.ndim else 1)
-        total += n * x.dtype.itemsize
-    return float(total)
+def compile_program(jitted, args, platform: str):
+    return lower_program(jitted, args, platform).compile()
 
 
-def arg_bytes(compiled, args, replicas: int) -> list:
-    """Per-device bytes of each top-level argument, from the compiled program's input shardings."""
-    return [tree_bytes(a, sh, replicas) for a, sh in zip(args, compiled.input_shardings[0])]
+def leaf_bytes(x, sharding, replicas: int) -> float:
+    """Per-device bytes of one ShapeDtypeStruct under `sharding`. No sharding: an input the program never reads (jit
+    prunes it) but the caller still holds; it counts as a batch row array, its leading axis split over the
+    `replicas` data-parallel devices (parallel/mesh.py batch_shardings)."""
+    if sharding is not None:
+        n = math.prod(sharding.shard_shape(x.shape))
+    else:
+        n = math.prod(x.shape) // (replicas if x.ndim else 1)
+    return float(n * x.dtype.itemsize)
+
+
+def arg_leaf_bytes(lowered, args, replicas: int) -> list:
+    """[[per-device bytes of each leaf] for each top-level argument], under the shardings the program was lowered
+    with: known before (and without) a successful compile. Read from the lowering's compile arguments (jax 0.10, a
+    private field; the version is pinned): one sharding per kept flat input, `kept_var_idx` naming them."""
+    ca = lowered._lowering.compile_args
+    flat_args = jax.tree.leaves(args)
+    flat = [None] * len(flat_args)
+    for i, sh in zip(sorted(ca["kept_var_idx"]), ca["in_shardings"]):
+        flat[i] = sh
+    out, at = [], 0
+    for a in args:
+        n = len(jax.tree.leaves(a))
+        out.append([leaf_bytes(x, sh, replicas) for x, sh in zip(flat_args[at : at + n], flat[at : at + n])])
+        at += n
+    return out
 
 
 _ELEMENT = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\](\{[^}]*\})?")
@@ -126,20 +141,60 @@ def collectives(hlo_text: str, replicas: int) -> tuple:
     return parts[1], note
 
 
+_OOM_TOTAL = re.compile(r"required for HLO temporaries \(([\d.]+)([KMGTP]?)\)")
+_OOM_ALLOC = re.compile(r"Allocation \(size=(\d+)\).*?\[shape: (\w+\[[\d,]*\]).*::\s*([\w.\-]+)", re.S)
+_UNIT = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "P": 2**50}
+
+
+def _oom_total(message: str) -> float:
+    """The compiler's total of temporaries in its out-of-memory message (`HLO temporaries (4.69T)`, binary units)."""
+    m = _OOM_TOTAL.search(message)
+    if m is None:
+        raise RuntimeError(f"the compiler failed without a memory total: {message[:500]}")
+    return float(m.group(1)) * _UNIT[m.group(2)]
+
+
+def oom_allocation(lowered) -> list:
+    """For a program the TPU compiler refused: a second compile told not to stop at the first allocation past the
+    limit (`xla_tpu_no_crash_on_oom`) names that allocation (shape and instruction), the buffer to shrink first.
+    [] when its message names none. As slow as the first compile: the plan asks it for the peak program only."""
+    try:
+        lowered.compile(compiler_options={"xla_tpu_no_crash_on_oom": True})
+    except jax.errors.JaxRuntimeError as e:  # expected: the same program, still past the limit
+        a = _OOM_ALLOC.search(str(e))
+        if a:
+            src = "first allocation past the HBM limit (xla_tpu_no_crash_on_oom)"
+            return [{"name": a.group(3), "op": "allocation", "shape": a.group(2), "bytes": float(a.group(1)),
+                     "space": "hbm", "source": src}]  # fmt: skip
+    return []
+
+
 def measure(jitted, args, platform: str, replicas: int) -> dict:
-    """Compile one program and read everything the plan reports about it (per device, per call)."""
-    compiled = compile_program(jitted, args, platform)
+    """Compile one program and read everything the plan reports about it (per device, per call). A TPU program
+    past the chip's HBM does not compile: then memory holds the compiler's required temporaries only, `oom` its
+    message, `lowered` the lowering (for `oom_allocation`), and cost and collectives are None."""
+    lowered = lower_program(jitted, args, platform)
+    leaves = arg_leaf_bytes(lowered, args, replicas)
+    base = {"args": [sum(x) for x in leaves], "arg_leaves": leaves, "oom": ""}
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        mem = {"argument": sum(base["args"]), "output": None, "temp": _oom_total(str(e)), "alias": None}
+        return {**base, "memory": mem, "cost": None, "collectives": None, "collective_bytes": None,
+                "collective_kinds": None, "largest": [], "note": "", "oom": str(e).splitlines()[0],
+                "lowered": lowered}  # fmt: skip
     hlo = compiled.as_text()
     kinds = collective_bytes_from_hlo(hlo)
     coll, note = collectives(hlo, replicas)
     return {
+        **base,
         "memory": memory_bytes(compiled),
         "cost": _cost(compiled),
         "collectives": coll,
         "collective_bytes": float(sum(coll.values())),
         "collective_kinds": {k: kinds[k] for k in COLLECTIVE_KINDS if kinds[k]},
-        "args": arg_bytes(compiled, args, replicas),
-        "input_shardings": compiled.input_shardings[0],  # not in the JSON: the plan reads the resident state with it
         "largest": largest_buffers(hlo),
         "note": note,
     }

@@ -60,7 +60,8 @@ def make_plan(cfg, target, devices) -> dict:
     resident = {
         "train_state": train["args"][0],
         "circuit_state": train["args"][1],
-        "reference_params": pm.tree_bytes(params, train["input_shardings"][0].params, replicas),
+        # TrainState's first field: its first leaves are the params, sharded as the reference copy is
+        "reference_params": sum(train["arg_leaves"][0][: len(jax.tree.leaves(params))]),
         "step_batch": train["args"][2] * cfg.ticks_per_step,
         "anchor_batches": 0.0,
     }
@@ -73,7 +74,8 @@ def make_plan(cfg, target, devices) -> dict:
     for name, m in measured.items():
         mem, u = m["memory"], use[name]
         own = sum(b for i, b in enumerate(m["args"]) if i not in RESIDENT_ARGS.get(name, ()))
-        transient = own + mem["output"] - mem["alias"] + mem["temp"]
+        # a program the compiler refused (m["oom"]): its outputs are unknown, so its transient is a lower bound
+        transient = own + (mem["output"] or 0.0) - (mem["alias"] or 0.0) + mem["temp"]
         r = {
             "runs_per_step": u.runs,
             "rows": u.rows,
@@ -88,18 +90,22 @@ def make_plan(cfg, target, devices) -> dict:
             "model_flops": roofline.model_flops(n_params, u.rows * T, u.backward),
             "largest": m["largest"],
             "note": m["note"],
+            "oom": m["oom"],
         }
-        if chip is not None:
+        if chip is not None and m["cost"] is not None:
             r["roofline"] = roofline.program_bound(
                 m["cost"]["flops"], m["cost"]["bytes_accessed"], m["collective_bytes"], chip
             )
             step_s += u.runs * r["roofline"]["bound_s"]
         flops_step += u.runs * r["model_flops"]
-        coll_step += u.runs * m["collective_bytes"]
+        coll_step += u.runs * (m["collective_bytes"] or 0.0)
         rows[name] = r
     worst = max(rows, key=lambda n: rows[n]["peak"])
+    if rows[worst]["oom"]:  # name what to shrink: the allocation that broke the limit
+        rows[worst]["largest"] = pm.oom_allocation(measured[worst]["lowered"])
     peak = {"bytes": rows[worst]["peak"], "program": worst, "hbm_bytes": chip.hbm_bytes if chip else None}
-    peak["fits"] = None if chip is None else bool(peak["bytes"] <= chip.hbm_bytes)
+    refused = any(r["oom"] for r in rows.values())  # the compiler's own verdict: past the chip's HBM
+    peak["fits"] = None if chip is None else bool(peak["bytes"] <= chip.hbm_bytes and not refused)
     step = {
         "ticks": cfg.ticks_per_step * cfg.train.ppo_epochs,
         "params": n_params,
@@ -107,7 +113,7 @@ def make_plan(cfg, target, devices) -> dict:
         "model_flops": flops_step,
         "collective_bytes": coll_step,
     }
-    if chip is not None:
+    if chip is not None and not refused:
         step["tick_bound_s"] = rows["train_step"]["roofline"]["bound_s"]
         step["step_bound_s"] = step_s
         step["mfu_bound"] = roofline.mfu(flops_step, target.count, chip, step_s)

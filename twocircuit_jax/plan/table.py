@@ -28,10 +28,12 @@ def render(plan: dict, k: int = 5) -> str:
     for name, r in plan["programs"].items():
         m = r["memory"]
         row = [name, f"{r['runs_per_step']:g}", size(m["argument"]), size(m["temp"]), size(m["output"])]
-        row += [size(m["alias"]), size(r["peak"]), f"{r['cost']['flops'] / 1e9:.3f}"]
-        row += [size(r["cost"]["bytes_accessed"]), size(r["collective_bytes"])]
+        c = r["cost"] or {}
+        row += [size(m["alias"]), size(r["peak"]), f"{c['flops'] / 1e9:.3f}" if c else "-"]
+        row += [size(c.get("bytes_accessed")), size(r["collective_bytes"])]
         if chip:
-            row.append(f"{_sec(r['roofline']['bound_s'])} ({r['roofline']['limit']})")
+            rl = r.get("roofline")
+            row.append(f"{_sec(rl['bound_s'])} ({rl['limit']})" if rl else "refused (HBM)")
         table.append(row)
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     out += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in table]
@@ -57,15 +59,16 @@ def render(plan: dict, k: int = 5) -> str:
         f"step: {s['ticks']} ticks, {s['params'] / 1e6:.2f} M params, model {s['model_flops'] / 1e12:.3f} TFLOP "
         f"(6N/token trained, 2N/token forward-only), collectives {size(s['collective_bytes'])} per replica"
     )
-    if chip:
+    if "step_bound_s" in s:
         out.append(
             f"roofline lower bound: tick {_sec(s['tick_bound_s'])}, step {_sec(s['step_bound_s'])}; "
             f"MFU at most {100 * s['mfu_bound']:.1f}%"
         )
     notes = [f"{n}: {r['note']}" for n, r in plan["programs"].items() if r["note"]]
+    notes += [f"{n}: the TPU compiler refused it: {r['oom']}" for n, r in plan["programs"].items() if r["oom"]]
     out += [f"note {x}" for x in notes]
     if p["fits"] is False:
-        out.append(f"largest buffers of {p['program']} (what to shrink):")
+        out.append(f"largest buffers of {p['program']} (what to shrink; temp = the compiler's temporaries):")
         for b in plan["programs"][p["program"]]["largest"][:k]:
             out.append(f"  {size(b['bytes']):>12}  {b['op']} {b['shape']} [{b['space']}] {b['source']}")
     return "\n".join(out)
