@@ -17,6 +17,10 @@ def _sec(s) -> str:
     return f"{s * 1e3:.3f} ms" if s < 1 else f"{s:.2f} s"
 
 
+def _flop(f) -> str:
+    return f"{f / 1e12:.3f} TFLOP" if f >= 1e12 else f"{f / 1e9:.3f} GFLOP"
+
+
 def render(plan: dict, k: int = 5) -> str:
     chip, out = plan["chip"], []
     mesh = " ".join(f"{a}={v}" for a, v in plan["mesh"].items())
@@ -56,7 +60,7 @@ def render(plan: dict, k: int = 5) -> str:
         )
     s = plan["step"]
     out.append(
-        f"step: {s['ticks']} ticks, {s['params'] / 1e6:.2f} M params, model {s['model_flops'] / 1e12:.3f} TFLOP "
+        f"step: {s['ticks']} ticks, {s['params'] / 1e6:.2f} M params, model {_flop(s['model_flops'])} "
         f"(6N/token trained, 2N/token forward-only), collectives {size(s['collective_bytes'])} per replica"
     )
     if "step_bound_s" in s:
