@@ -157,7 +157,8 @@ def _oom_total(message: str) -> float:
 def oom_allocation(lowered) -> list:
     """For a program the TPU compiler refused: a second compile told not to stop at the first allocation past the
     limit (`xla_tpu_no_crash_on_oom`) names that allocation (shape and instruction), the buffer to shrink first.
-    [] when its message names none. As slow as the first compile: the plan asks it for the peak program only."""
+    When its message names none, the message itself (what the compiler said) is the one entry. As slow as the first
+    compile: the plan asks it for the peak program only."""
     try:
         lowered.compile(compiler_options={"xla_tpu_no_crash_on_oom": True})
     except jax.errors.JaxRuntimeError as e:  # expected: the same program, still past the limit
@@ -166,6 +167,8 @@ def oom_allocation(lowered) -> list:
             src = "first allocation past the HBM limit (xla_tpu_no_crash_on_oom)"
             return [{"name": a.group(3), "op": "allocation", "shape": a.group(2), "bytes": float(a.group(1)),
                      "space": "hbm", "source": src}]  # fmt: skip
+        msg = " ".join(str(e).split())[:400]
+        return [{"name": "", "op": "compiler", "shape": "", "bytes": 0.0, "space": "hbm", "source": msg}]
     return []
 
 
