@@ -194,3 +194,13 @@ def test_comm_bytes_memory_is_the_plans_report(capsys):
     ma = step.jitted.lower(*step.args).compile().memory_analysis()
     assert m.group(1) == f"{ma.argument_size_in_bytes / 2**20:.1f}"
     assert m.group(2) == f"{ma.temp_size_in_bytes / 2**20:.1f}"
+
+
+def test_plan_with_the_mask_kernel_compiles_for_tpu(capsys, tmp_path):
+    """The Pallas mask kernel inside the train step and the reference pass (built for TPU, under the circuit's
+    shard_map) goes through the TPU compiler too: the plan fits, and the kernel's program differs from the jnp one."""
+    on = plan(capsys, "tpu:v5e-8", "fast.codec={type: prf_mask, p: 0.95, use_kernel: true}", json_path=tmp_path / "k")
+    off = plan(capsys, "tpu:v5e-8", json_path=tmp_path / "j")
+    assert on[0] == 0 and off[0] == 0, (on[2], off[2])
+    k, j = (json.loads((tmp_path / n).read_text())["programs"]["train_step"] for n in ("k", "j"))
+    assert k["cost"] != j["cost"]
