@@ -18,9 +18,11 @@ With `mesh.stage > 1` the boundaries are real (parallel/pipeline.py) and nothing
 step's collectives are split into boundary_fwd, boundary_bwd (the stage messages and their transposes),
 stage_exit (the last stage's per-token log-probs and entropies summed over `stage`) and grad_reduce (the rest: the data-parallel
 gradient mean and scalar reductions), each counted per data replica times how often its loop runs
-(fast/hlo_bytes.py), against the same mesh with fast.codec=none and no gradient codec. `--memory`
-prints the compiled program's per-device argument, output and temporary bytes (XLA's memory analysis) for the config
-and for its unstaged twin (the stage devices used as data replicas), so one sees whether a model fits a mesh.
+(fast/hlo_bytes.py), against the same mesh with fast.codec=none and no gradient codec. `--memory` is the memory
+report of `twocircuit plan` (twocircuit_jax/plan/) on these fake CPU devices, for the config and for its unstaged twin
+(the stage devices used as data replicas): every program of a step compiled, its per-device argument, output,
+temporary and aliased bytes (XLA's memory analysis), and the peak over the resident state. Whether it fits a chip is
+`twocircuit plan --topology tpu:v5e-8` (the real TPU compiler, against the chip's HBM).
 
 PowerSGD is counted in its steady state, both staged and not: the program is compiled with `start_after: 0`, so it
 holds the compressed reduction only (compiled with a warm-up, the step holds both branches of a `cond` and a count
@@ -147,7 +149,7 @@ def _compiled(cfg, devices):
 def staged_report(cfg, devices, memory: bool) -> int:
     """Boundary bytes from the compiled staged step against its codec-none twin on the same mesh (per data replica,
     per GRPO step), and with --memory the per-device memory of the step against the unstaged twin."""
-    from twocircuit_jax.fast.hlo_bytes import PARTS, memory_bytes, staged_bytes
+    from twocircuit_jax.fast.hlo_bytes import PARTS, staged_bytes
     from twocircuit_jax.parallel import mesh as pmesh
 
     ticks = cfg.ticks_per_step * cfg.train.ppo_epochs
@@ -168,17 +170,24 @@ def staged_report(cfg, devices, memory: bool) -> int:
         g, gc = rows["dense"]["grad_reduce"], rows["config"]["grad_reduce"]
         print(f"grad_reduce_dense_bytes={g:.0f} grad_reduce_bytes={gc:.0f} grad_reduce_ratio={g / gc:.2f}x")
     if memory:
+        from twocircuit_jax.plan.report import make_plan
+        from twocircuit_jax.plan.table import render
+        from twocircuit_jax.plan.targets import Target
+
+        target = Target(f"cpu:{len(devices)}", "cpu", len(devices), None, None)
         flat = dataclasses.replace(
             cfg, mesh=dataclasses.replace(cfg.mesh, data=cfg.mesh.data * cfg.mesh.stage, stage=1)
         )
         for name, c in (("unstaged", flat), ("staged", cfg)):
             if c.mesh.stage == 1 and name == "staged":
                 continue
-            m = memory_bytes(_compiled(c, devices)[0])
+            plan = make_plan(c, target, devices)
+            m = plan["programs"]["train_step"]["memory"]
             print(
                 f"memory {name} (mesh {c.mesh.data}x{c.mesh.stage}x{c.mesh.fsdp}x{c.mesh.tensor}), per device: "
                 + " ".join(f"{k}={v / 2**20:.1f}MiB" for k, v in m.items())
             )
+            print(render(plan))
     return 0
 
 

@@ -88,6 +88,18 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("runs", nargs="+", metavar="RUN", help="run folder, or sweep folder (expanded into its arms)")
     h.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="e.g. health.gap_ratio_alarm=1.3")
     h.add_argument("--out", default="", help="JSON report path (default: print the table only)")
+    n = sub.add_parser(
+        "plan", help="compile a config's step for a target from shapes alone: fits or not (exit 0/1), roofline"
+    )
+    n.add_argument("--config", required=True, help="YAML config file (see configs/)")
+    n.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    n.add_argument(
+        "--topology",
+        required=True,
+        metavar="TARGET",
+        help="tpu:v5e-4, tpu:v5e-8, tpu:v5p-8, tpu:v5p-16, tpu:v6e-4, tpu:v6e-8, or cpu:N (N fake host devices)",
+    )
+    n.add_argument("--json", default="", metavar="FILE", help="also write the plan as JSON")
     return p
 
 
@@ -175,6 +187,13 @@ def _dispatch(args) -> int:
         return 0
     if args.cmd == "health":
         return _health(args)
+    if args.cmd == "plan":
+        from twocircuit_jax.plan import run_plan, targets
+
+        # cpu:N asks XLA for N fake host devices, which works only before jax's CPU backend starts: here, before
+        # any computation
+        targets.prepare_cpu(targets.parse(args.topology))
+        return run_plan(load_config(args.config, args.set), args.topology, args.json)
     if args.cmd == "plot":
         from twocircuit_jax.metrics.plot import expand_runs, plot_runs
 

@@ -1,0 +1,78 @@
+"""The plan as text: one row per program, then the resident state, the peak against the chip, host memory and the
+roofline bounds; when it does not fit, the largest buffers of the program that peaks."""
+
+from __future__ import annotations
+
+
+def size(b) -> str:
+    if b is None:
+        return "-"
+    for unit, k in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(b) >= k:
+            return f"{b / k:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def _sec(s) -> str:
+    return f"{s * 1e3:.3f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def _flop(f) -> str:
+    return f"{f / 1e12:.3f} TFLOP" if f >= 1e12 else f"{f / 1e9:.3f} GFLOP"
+
+
+def render(plan: dict, k: int = 5) -> str:
+    chip, out = plan["chip"], []
+    mesh = " ".join(f"{a}={v}" for a, v in plan["mesh"].items())
+    out.append(f"plan for {plan['target']}: {plan['devices']} devices ({mesh}); per device, per call")
+    head = ["program", "calls/step", "args", "temp", "out", "alias", "peak", "GFLOP", "HBM bytes", "coll bytes"]
+    if chip:
+        head.append("bound (limit)")
+    table = [head]
+    for name, r in plan["programs"].items():
+        m = r["memory"]
+        row = [name, f"{r['runs_per_step']:g}", size(m["argument"]), size(m["temp"]), size(m["output"])]
+        c = r["cost"] or {}
+        row += [size(m["alias"]), size(r["peak"]), f"{c['flops'] / 1e9:.3f}" if c else "-"]
+        row += [size(c.get("bytes_accessed")), size(r["collective_bytes"])]
+        if chip:
+            rl = r.get("roofline")
+            row.append(f"{_sec(rl['bound_s'])} ({rl['limit']})" if rl else "refused (HBM)")
+        table.append(row)
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    out += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in table]
+    res = plan["resident"]
+    out.append("resident: " + ", ".join(f"{n} {size(v)}" for n, v in res.items() if n != "total" and v))
+    out.append(f"  total {size(res['total'])} (+ the program's own arguments, unaliased outputs and temporaries)")
+    p = plan["peak"]
+    if chip:
+        verdict = "fits" if p["fits"] else "DOES NOT FIT"
+        out.append(
+            f"peak {size(p['bytes'])} in {p['program']} against {size(p['hbm_bytes'])} HBM ({chip['name']}): {verdict}"
+        )
+    else:
+        out.append(f"peak {size(p['bytes'])} in {p['program']} (fake CPU devices: no chip memory to fit into)")
+    h = plan["host"]
+    if h["anchor_snapshots"]:
+        out.append(
+            f"host: anchor {h['anchor_snapshots']} weight snapshots {size(h['anchor_snapshot_bytes'])}, "
+            f"{h['anchor_batches']} retained mini-batches (on device, in resident)"
+        )
+    s = plan["step"]
+    out.append(
+        f"step: {s['ticks']} ticks, {s['params'] / 1e6:.2f} M params, model {_flop(s['model_flops'])} "
+        f"(6N/token trained, 2N/token forward-only), collectives {size(s['collective_bytes'])} per replica"
+    )
+    if "step_bound_s" in s:
+        out.append(
+            f"roofline lower bound: tick {_sec(s['tick_bound_s'])}, step {_sec(s['step_bound_s'])}; "
+            f"MFU at most {100 * s['mfu_bound']:.1f}%"
+        )
+    notes = [f"{n}: {r['note']}" for n, r in plan["programs"].items() if r["note"]]
+    notes += [f"{n}: the TPU compiler refused it: {r['oom']}" for n, r in plan["programs"].items() if r["oom"]]
+    out += [f"note {x}" for x in notes]
+    if p["fits"] is False:
+        out.append(f"largest buffers of {p['program']} (what to shrink; temp = the compiler's temporaries):")
+        for b in plan["programs"][p["program"]]["largest"][:k]:
+            out.append(f"  {size(b['bytes']):>12}  {b['op']} {b['shape']} [{b['space']}] {b['source']}")
+    return "\n".join(out)
