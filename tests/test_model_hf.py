@@ -1,5 +1,6 @@
 """Model parity with transformers' PyTorch Qwen2/Qwen3, HF round trip, checkpoint errors."""
 
+import dataclasses
 import json
 import os
 
@@ -36,9 +37,15 @@ def _masks(B, T):
     return {"none": none, "left": left, "right": right}
 
 
+# the new forward paths too (tests/test_model_scale.py): scanned layers, full remat, blockwise attention
+SCALED = {"scan_layers": True, "remat": "full", "attention": "blockwise", "attention_block": 4}
+
+
+@pytest.mark.parametrize("knobs", [{}, SCALED], ids=["default", "scaled"])
 @pytest.mark.parametrize("pad", ["none", "left", "right"])
-def test_logits_match_transformers(hf_pair, pad):
+def test_logits_match_transformers(hf_pair, pad, knobs):
     model, cfg, params, _ = hf_pair
+    cfg = dataclasses.replace(cfg, **knobs)
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, cfg.vocab_size, (3, 11))
     mask = _masks(3, 11)[pad]

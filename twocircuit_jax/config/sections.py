@@ -50,8 +50,43 @@ class ModelConfig:
             "0, or a chunk covering the sequence (T <= 513 at the default: every tiny config) = whole logits"
         ),
     )
+    # How the training forward runs (docs/architecture.md "Model forward"): no effect on its values beyond float
+    # rounding, and with base_model the run's values win over the checkpoint's (train/setup.py _RUN_OWNED).
+    remat: Literal["none", "full", "dots"] = field(
+        default="none",
+        metadata=doc(
+            "activation rematerialisation per decoder layer: none = keep every activation for the backward; full = "
+            "keep only each layer's input and recompute the layer in the backward; dots = keep the outputs of the "
+            "projection and MLP matmuls (jax.checkpoint_policies.dots_with_no_batch_dims_saveable) and recompute "
+            "attention scores, norms and activations"
+        ),
+    )
+    scan_layers: bool = field(
+        default=False,
+        metadata=doc(
+            "run each run of layers between hooked layers as one jax.lax.scan: compile time and program size stop "
+            "growing with depth (off: a Python loop, faster on a tiny model)"
+        ),
+    )
+    attention: Literal["auto", "xla", "blockwise", "cudnn", "flash_tpu"] = field(
+        default="auto",
+        metadata=doc(
+            "training-path attention: xla = full [T, T] scores; blockwise = query blocks of attention_block rows, "
+            "each recomputed in the backward (never [T, T]); cudnn = cuDNN fused attention (GPU, bf16); flash_tpu = "
+            "the Pallas TPU flash kernel; auto = flash_tpu on TPU, cudnn on GPU with bf16 compute, else xla below "
+            "2048 tokens and blockwise from there. The sampler's decode keeps the xla path"
+        ),
+    )
+    attention_block: int = field(default=512, metadata=doc("query rows per block of the blockwise attention"))
 
     def check(self):
+        require(self.attention_block >= 1, "attention_block", f"got {self.attention_block}; must be >= 1")
+        require(
+            not (self.attention == "cudnn" and self.compute_dtype == "float32"),
+            "attention",
+            "got 'cudnn' with compute_dtype float32; cuDNN fused attention runs in bfloat16 only: set "
+            "model.compute_dtype=bfloat16 or pick xla/blockwise",
+        )
         for name in (
             "vocab_size",
             "hidden_size",

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from twocircuit_jax.config.sections import ModelConfig
+from twocircuit_jax.model import attention
 
 Hook = Callable[[int, jax.Array], tuple]  # (layer, h [B,T,H]) -> (h_new, aux)
 _NEG = -1e30  # finite "minus infinity": fully masked rows (padding queries) stay finite
@@ -68,7 +69,8 @@ def _linear(x, p, dt):
 
 
 def _attention(cfg: ModelConfig, lp, x, cos, sin, bias, kv=None, slot=None):
-    """Self-attention of one layer. With `kv` (k_cache, v_cache [B, Nkv, S, D]) writes this chunk at `slot`."""
+    """Self-attention of one layer. With `kv` (k_cache, v_cache [B, Nkv, S, D]) writes this chunk at `slot`.
+    `bias`: the [B, T, S] additive mask (the xla path and decode), or an `attention.KeyMask` (the other kernels)."""
     dt = dtype_of(cfg.compute_dtype)
     B, T, _ = x.shape
     nq, nkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -81,6 +83,8 @@ def _attention(cfg: ModelConfig, lp, x, cos, sin, bias, kv=None, slot=None):
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if isinstance(bias, attention.KeyMask):
+        return _linear(attention.attend(bias, q, k, v), lp["o_proj"], dt), None
     # keys and values head-major [B, Nkv, S, D], the layout the score and output dots read: the decode cache is
     # kept so, and then no step transposes the whole cache.
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
@@ -129,6 +133,63 @@ def _embed(cfg, params, tokens):
     return jnp.take(params["embed"], tokens, axis=0).astype(dtype_of(cfg.compute_dtype))
 
 
+REMAT_POLICIES = {
+    "full": None,  # save nothing: the layer's input is kept, everything inside it is recomputed
+    # The token-flattened projections and MLP matmuls (_linear: no batch dims) are kept; attention's batched dots,
+    # the norms, RoPE and the activation function are recomputed.
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def layer_inputs(cfg: ModelConfig, attention_mask, positions):
+    """(cos, sin, mask) every decoder layer of a forward reads: the RoPE tables and the attention mask in the form
+    the configured kernel takes (the [B, T, T] bias for xla, the [B, T] key mask otherwise)."""
+    T = attention_mask.shape[1]
+    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    impl = attention.resolve(cfg, T)
+    if impl == "xla":
+        causal = jnp.tril(jnp.ones((T, T), bool))
+        allowed = causal[None] & (attention_mask[:, None, :] > 0)
+        return cos, sin, jnp.where(allowed, 0.0, _NEG).astype(jnp.float32)
+    return cos, sin, attention.KeyMask(attention_mask, impl, cfg.attention_block)
+
+
+def run_layers(cfg: ModelConfig, layers, x, cos, sin, mask, *, first: int = 0, hook=None, hook_layers=()):
+    """x through the stacked `layers` [n, ...] (model layers first .. first + n - 1) with `cfg.remat` per layer;
+    `hook(layer, h) -> (h, aux)` after each of `hook_layers` in that range. Returns (x, {layer: aux}).
+
+    scan_layers: each run of layers between hooked layers is one `jax.lax.scan` over its slice of the stack (one
+    `lax.split`, whose transpose is one concatenate of the gradients), the hooks are called in Python between the
+    runs: the program holds one layer body per run, so compile time grows with the hooks, not the depth. Off: a
+    Python loop over the layers (each a separate copy in the program), today's path."""
+    n = jax.tree.leaves(layers)[0].shape[0]
+    hooked = sorted(i for i in set(hook_layers) if first <= i < first + n) if hook is not None else []
+
+    def one(lp, h):
+        return _layer(cfg, lp, h, cos, sin, mask)[0]
+
+    if cfg.remat != "none":
+        # prevent_cse only matters outside a scan (where XLA could merge the recomputation into the forward)
+        one = jax.checkpoint(one, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+    aux = {}
+    if not cfg.scan_layers:
+        for j in range(n):
+            x = one(jax.tree.map(lambda a: a[j], layers), x)
+            if first + j in hooked:
+                x, aux[first + j] = hook(first + j, x)
+        return x, aux
+    ends = [i - first + 1 for i in hooked if i - first + 1 < n]  # local split points after each hooked layer
+    sizes = [b - a for a, b in zip([0] + ends, ends + [n])]
+    parts = jax.tree.map(lambda a: jax.lax.split(a, sizes), layers) if len(sizes) > 1 else None
+    for s, size in enumerate(sizes):
+        seg = jax.tree.map(lambda _, p: p[s], layers, parts) if parts is not None else layers
+        x, _ = jax.lax.scan(lambda h, lp: (one(lp, h), None), x, seg)
+        last = first + sum(sizes[: s + 1]) - 1
+        if last in hooked:
+            x, aux[last] = hook(last, x)
+    return x, aux
+
+
 def decoder_with_aux(
     cfg: ModelConfig,
     params,
@@ -147,17 +208,9 @@ def decoder_with_aux(
         attention_mask = jnp.ones((B, T), jnp.int32)
     if positions is None:
         positions = default_positions(attention_mask)
-    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
-    causal = jnp.tril(jnp.ones((T, T), bool))
-    allowed = causal[None] & (attention_mask[:, None, :] > 0)
-    bias = jnp.where(allowed, 0.0, _NEG).astype(jnp.float32)
+    cos, sin, mask = layer_inputs(cfg, attention_mask, positions)
     x = _embed(cfg, params, tokens)
-    hooked, aux = set(hook_layers), {}
-    for i in range(cfg.num_layers):
-        x, _ = _layer(cfg, layer_params(params, i), x, cos, sin, bias)
-        if hook is not None and i in hooked:
-            x, aux[i] = hook(i, x)
-    return x, aux
+    return run_layers(cfg, params["layers"], x, cos, sin, mask, hook=hook, hook_layers=hook_layers)
 
 
 def forward_with_aux(

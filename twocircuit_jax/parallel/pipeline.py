@@ -147,14 +147,9 @@ class Pipeline:
             s = jax.lax.axis_index(AXIS)
             ends = {k: v.astype(narrow[k]) for k, v in ends.items()}
 
-            def stage_layers(h, mb):
-                cos, sin = qwen2.rope_tables(mb["positions"], cfg.head_dim, cfg.rope_theta)
-                mask = mb["attention_mask"]
-                causal = jnp.tril(jnp.ones((T, T), bool))
-                bias = jnp.where(causal[None] & (mask[:, None, :] > 0), 0.0, qwen2._NEG).astype(jnp.float32)
-                for j in range(self.per_stage):
-                    h, _ = qwen2._layer(cfg, qwen2.layer_params({"layers": layers}, j), h, cos, sin, bias)
-                return h
+            def stage_layers(h, mb):  # this stage's slice of the stack: the model's layer stack helper
+                cos, sin, mask = qwen2.layer_inputs(cfg, mb["attention_mask"], mb["positions"])
+                return qwen2.run_layers(cfg, layers, h, cos, sin, mask)[0]
 
             stats_zero = TokenStats(*(jnp.zeros((mb_rows, T), jnp.float32) for _ in range(2)))
 

@@ -43,15 +43,16 @@ def load_model(run_cfg, seed: int):
         cfg = from_dict(ModelConfig, mcfg)
         params = jax.tree.map(jnp.asarray, params)
     _check_model_section(run_cfg.model, cfg, path)
-    # the run's dtypes (and head chunk) win over the checkpoint's
-    cfg = dataclasses.replace(cfg, **{k: getattr(run_cfg.model, k) for k in _RUN_OWNED})
+    # the run's dtypes and forward settings win over the checkpoint's
+    cfg = dataclasses.replace(cfg, **{name: getattr(run_cfg.model, name) for name in _RUN_OWNED})
     params = jax.tree.map(lambda a: a.astype(dtype_of(cfg.param_dtype)), params)
     return cfg, params
 
 
-# What `model:` may still say when `base_model` gives the weights: the dtypes the run computes in, and how its
-# train passes chunk the LM head.
-_RUN_OWNED = ("param_dtype", "compute_dtype", "logits_chunk")
+# What `model:` may still say when `base_model` gives the weights: the dtypes the run computes in and how its
+# forward runs (rematerialisation, layer scan, attention kernel, LM-head chunk), none of which a checkpoint's
+# weights depend on.
+_RUN_OWNED = ("param_dtype", "compute_dtype", "remat", "scan_layers", "attention", "attention_block", "logits_chunk")
 
 
 def _check_model_section(section, loaded, path: str) -> None:
@@ -65,8 +66,8 @@ def _check_model_section(section, loaded, path: str) -> None:
         raise ConfigError(
             f"model.{f.name}",
             f"got {mine!r}; the checkpoint base_model={path} has {getattr(loaded, f.name)!r}. With base_model the "
-            f"checkpoint gives the model (only model.param_dtype, model.compute_dtype and model.logits_chunk "
-            f"apply): leave model.{f.name} out or set it to the checkpoint's value",
+            f"checkpoint gives the model (only model.{', model.'.join(_RUN_OWNED)} apply): leave model."
+            f"{f.name} out or set it to the checkpoint's value",
         )
 
 
