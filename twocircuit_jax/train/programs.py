@@ -151,3 +151,18 @@ def build_programs(cfg, model_cfg, mesh, optimizer, state_sh, circuits: Circuits
         fidelity=fidelity,
         anchor_fire=anchor.fire_program if anchor else None,
     )
+
+
+def build_sft_step(model_cfg, optimizer, state_sh, mesh, batch_sharding):
+    """(circuits, train step) of supervised fine-tuning (train/sft.py): the next-token loss, neither circuit (a
+    clock the loss ignores), the batch split over the batch axes."""
+    import functools
+
+    from twocircuit_jax.train.circuit_state import dense_state
+    from twocircuit_jax.train.losses import next_token_loss
+
+    cs = dense_state()
+    cs_sh = jax.tree.map(lambda _: pmesh.replicated(mesh), cs)
+    loss = functools.partial(next_token_loss, model_cfg)
+    step = build_train_step(loss, optimizer, state_sh, mesh, circuit_sharding=cs_sh, batch_sharding=batch_sharding)
+    return Circuits(None, None, None, cs, cs_sh), step
