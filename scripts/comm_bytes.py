@@ -58,15 +58,16 @@ def measure(cfg, devices) -> dict:
 def _measure(cfg, devices) -> dict:
     from twocircuit_jax.fast import bytes as fbytes
     from twocircuit_jax.parallel import mesh as pmesh
-    from twocircuit_jax.train.abstract_step import abstract_train_step
+    from twocircuit_jax.train.abstract_step import abstract_programs
 
     model_cfg = cfg.model
-    step = abstract_train_step(cfg, devices)
-    jitted, (state, cs, batch), circuit, mesh = step.jitted, step.args, step.circuit, step.mesh
-    params = step.params
-    hlo = jitted.lower(state, cs, batch).compile().as_text()
-    coll = fbytes.collective_bytes_from_hlo(hlo)
-    anchor = _anchor_fire_bytes(cfg, mesh, params, step.param_shardings, circuit, cs) if cfg.anchor.enabled else 0.0
+    # the trainer's own programs (train/programs.py), from shapes: the train step, and with the anchor its fire
+    progs = abstract_programs(cfg, devices)
+    mesh = pmesh.make_mesh(cfg.mesh, devices)
+    coll = fbytes.collective_bytes_from_hlo(progs["train_step"].lower().compile().as_text())
+    anchor = 0.0
+    if "anchor_fire" in progs:  # the dense gradient mean and, for an anchor-owned basis, the sketch sum
+        anchor = float(fbytes.collective_bytes_from_hlo(progs["anchor_fire"].lower().compile().as_text())["total"])
     ticks = cfg.ticks_per_step * cfg.train.ppo_epochs
     from twocircuit_jax.fast.boundaries import boundary_layers
 
@@ -87,30 +88,6 @@ def _measure(cfg, devices) -> dict:
         "ticks": ticks,
         "dp": pmesh.dp_size(mesh),
     }
-
-
-def _anchor_fire_bytes(cfg, mesh, params, param_sh, circuit, cs) -> float:
-    """HLO collective bytes of one anchor fire (dense forward/backward on a replayed mini-batch, its data-parallel
-    gradient mean, and the basis sketch sum when the anchor owns the low-rank basis), per replica."""
-    import jax
-
-    from twocircuit_jax.anchor.loss import anchor_batch_keys, make_anchor_grad
-    from twocircuit_jax.fast import bytes as fbytes
-    from twocircuit_jax.parallel import mesh as pmesh
-    from twocircuit_jax.train.abstract_step import batch_shapes
-
-    shapes = batch_shapes(cfg)
-    shapes["ref_logp_dense"] = shapes.get("ref_logp")
-    batch = {k: shapes[k] for k in anchor_batch_keys(cfg.grpo)}
-    owns = circuit is not None and cfg.anchor_owns_q
-    grad = make_anchor_grad(
-        cfg.model, cfg.grpo, cfg.sampler.sampling.max_new_tokens, circuit.basis_sketcher if owns else None
-    )
-    rep = pmesh.replicated(mesh)
-    basis = cs.codec if owns else None
-    basis_sh = jax.tree.map(lambda _: rep, basis) if owns else None
-    fire = jax.jit(grad, in_shardings=(param_sh, pmesh.batch_shardings(batch, mesh), basis_sh))
-    return float(fbytes.collective_bytes_from_hlo(fire.lower(params, batch, basis).compile().as_text())["total"])
 
 
 def steady_state(cfg):

@@ -98,6 +98,12 @@ class AnchorCircuit:
         self._step: dict = {"fire_ticks": [], "rhos": [], "replays": []}
 
     # --- circuit state and the jitted pieces ----------------------------------------------------------------
+    @property
+    def fire_program(self):
+        """The fire's jitted program: (snapshot params, fire batch, carry {merger, moments}, basis or None) ->
+        (carry, metrics, sketch). train/programs.py hands it to the shapes-only tools."""
+        return self._fire_jit
+
     def init_merger_state(self):
         """cs.merger from tick 1 (fixed structure: no recompile), or None without a merger. Built by a jitted init,
         so its leaves are distinct buffers (the fire and the step donate them)."""

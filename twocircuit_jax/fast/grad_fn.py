@@ -73,8 +73,16 @@ def make_codec_grad_fn(codec, mesh, *, axes=BATCH_AXES):
             sspec = codec.state_specs(cs.grad, axes)
             cs_spec = jax.tree.map(lambda _: P(), cs)._replace(grad=sspec)
             batch_spec = jax.tree.map(lambda x: P(axes) if jnp.ndim(x) else P(), batch)
+            # With real stages only cs.grad enters as an input; the replicated fields are closed over. An input
+            # of this shard_map has its context (manual over the batch axes) in its type, and the pipeline's nested
+            # shard_map refuses such a value where its boundary functions read it (the codec's step key and basis:
+            # "context mesh ... should match the aval mesh"); a value from outside both shard_maps is accepted.
+            staged = mesh.shape.get("stage", 1) > 1
+            cs_in, cs_spec_in = (cs.grad, sspec) if staged else (cs, cs_spec)
+            unpack = (lambda g: cs._replace(grad=g)) if staged else (lambda c: c)
 
             def body(params, batch, cs):
+                cs = unpack(cs)
                 batch = dict(batch, **global_normalisers(batch["response_mask"], axes))
                 (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, cs)
                 mean, new_state, pm = codec.reduce(grads, cs.grad, axes)
@@ -92,11 +100,11 @@ def make_codec_grad_fn(codec, mesh, *, axes=BATCH_AXES):
             mean, loss, metrics, new_state = jax.shard_map(
                 body,
                 mesh=mesh,
-                in_specs=(rep_params, batch_spec, cs_spec),
+                in_specs=(rep_params, batch_spec, cs_spec_in),
                 out_specs=out_specs,
                 axis_names=set(axes) if part_manual else set(mesh.axis_names),
                 check_vma=False,
-            )(params, batch, cs)
+            )(params, batch, cs_in)
             return mean, loss, dict(metrics), cs._replace(grad=new_state)
 
         return fn

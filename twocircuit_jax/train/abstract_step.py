@@ -1,10 +1,12 @@
-"""One tick's GRPO train step built from shapes alone: no weights are allocated and nothing runs.
+"""Every program of a GRPO run built from shapes alone: no weights are allocated and nothing runs.
 
-What ahead-of-time tools need (scripts/comm_bytes.py compiles it to count collective bytes; the accelerator export
-tests lower it for CUDA and TPU): the loop's own builder (`build_train_step`: the same loss, gradient codec,
-shardings and donation as a training run) fed with ShapeDtypeStructs. `lowering_platform` builds the fast
-circuit's kernels for that accelerator from a host with another backend (FastCircuit's argument): the result may
-then be lowered or exported for it, never run here.
+What ahead-of-time tools need (scripts/comm_bytes.py compiles the train step to count collective bytes; the
+accelerator export tests lower it for CUDA and TPU; the plan compiles them all): the loop's own builder
+(train/programs.py: the same circuits, losses, gradient codec, shardings and donation as a training run) fed with
+ShapeDtypeStructs that carry the shardings the loop's arrays have. `abstract_programs` gives each program the run
+executes with its abstract arguments; `abstract_train_step` the train step alone. `lowering_platform` builds the
+fast circuit's kernels for that accelerator from a host with another backend (FastCircuit's argument): the result
+may then be lowered or exported for it, never run here.
 """
 
 from __future__ import annotations
@@ -17,40 +19,90 @@ import jax.numpy as jnp
 
 class AbstractStep(NamedTuple):
     jitted: Any  # the jitted train step (dispatch.Jitted); `.wrapped` is the plain jax.jit object for jax.export
-    args: tuple  # (state, circuit state, batch) as ShapeDtypeStructs
+    args: tuple  # (state, circuit state, batch) as ShapeDtypeStructs with their shardings
     circuit: Any  # the FastCircuit, or None when both codecs are off
     params: Any  # parameter shapes
     param_shardings: Any
     mesh: Any
 
 
-def batch_shapes(cfg) -> dict:
-    """The mini-batch the train step consumes: [B, T] rows of B = mini_batch * n samples."""
-    t, s = cfg.train, cfg.sampler
-    B, T = t.mini_batch * s.n, t.max_prompt_len + s.sampling.max_new_tokens
-    f = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt)  # noqa: E731
-    b = {
+class Program(NamedTuple):
+    jitted: Any  # dispatch.Jitted as the loop holds it
+    args: tuple  # ShapeDtypeStructs with shardings, as the loop passes them
+    kwargs: dict = {}  # static keyword arguments (probe_sums' estimator)
+
+    def lower(self):
+        return self.jitted.lower(*self.args, **self.kwargs)
+
+
+class Assembly(NamedTuple):
+    mesh: Any
+    state: Any  # TrainState of ShapeDtypeStructs (with shardings)
+    state_sh: Any
+    circuits: Any  # programs.Circuits; its `cs` with shardings attached
+    programs: Any  # programs.Programs
+    batch: dict  # the train step's mini-batch as the loop feeds it
+    step_rows: dict  # what a log-prob pass over the step's rollouts reads
+
+
+def _with(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _rows(cfg) -> tuple[int, int]:
+    """(rows of a GRPO step's batch, rows of a mini-batch): one row per sample (and per turn of an environment)."""
+    t = cfg.train
+    rows = t.train_batch * cfg.sampler.n * (cfg.env.max_turns if cfg.env.enabled else 1)
+    return rows, rows // cfg.ticks_per_step
+
+
+def _packed(cfg, B: int) -> dict:
+    """The collector's row fields for B rows (train/rollout.py pack_rows), less the loss mask and `truncated` that
+    the loop takes out, with the advantages."""
+    T = cfg.train.max_prompt_len + cfg.sampler.sampling.max_new_tokens
+    f = jax.ShapeDtypeStruct
+    return {
         "tokens": f((B, T), jnp.int32),
         "attention_mask": f((B, T), jnp.int32),
         "response_mask": f((B, T), jnp.float32),
         "sampler_logp": f((B, T), jnp.float32),
-        "advantages": f((B,), jnp.float32),
         "sample_id": f((B,), jnp.int32),
-        "old_logp": f((B, T), jnp.float32),
+        "advantages": f((B,), jnp.float32),
     }
+
+
+def batch_shapes(cfg) -> dict:
+    """A mini-batch after separate ℓ_old and ℓ_ref passes (the keys a fire's batch is taken from)."""
+    b = _packed(cfg, _rows(cfg)[1])
+    b["old_logp"] = b["sampler_logp"]
     if cfg.grpo.kl_coef > 0:
-        b["ref_logp"] = f((B, T), jnp.float32)
+        b["ref_logp"] = b["sampler_logp"]
     return b
 
 
-def abstract_train_step(cfg, devices, *, lowering_platform: str | None = None) -> AbstractStep:
-    from twocircuit_jax.fast.circuit import FastCircuit
+def _train_batch(cfg, programs, B: int) -> dict:
+    """The mini-batch the loop hands the train step (loop.grpo_step): with the fused ℓ_old path the full mask and the
+    truncation flags the loss's diagnostics read, else ℓ_old and the TIS weights from the separate passes."""
+    b = _packed(cfg, B)
+    lp = b["sampler_logp"]
+    if programs.old_from_train:
+        b["full_mask"], b["truncated"] = lp, jax.ShapeDtypeStruct((B,), jnp.bool_)
+    else:
+        b["old_logp"] = lp
+        w, _ = jax.eval_shape(programs.diagnostics, lp, lp, lp, lp, jax.ShapeDtypeStruct((B,), jnp.bool_), lp)
+        if w is not None:
+            b["is_weight"] = w
+    if cfg.grpo.kl_coef > 0:
+        b["ref_logp"] = lp
+    return b
+
+
+def abstract_assembly(cfg, devices, *, lowering_platform: str | None = None) -> Assembly:
+    """The run's circuits and programs on a mesh of `devices`, and the shapes of what the loop feeds them."""
     from twocircuit_jax.model.qwen2 import init_params
     from twocircuit_jax.parallel import mesh as pmesh
-    from twocircuit_jax.train.circuit_state import CircuitState, init_clock
-    from twocircuit_jax.train.grpo_step import make_grpo_loss
-    from twocircuit_jax.train.setup import make_pipeline
-    from twocircuit_jax.train.step import build_train_step, init_state, make_optimizer, state_shardings
+    from twocircuit_jax.train.programs import build_circuits, build_programs
+    from twocircuit_jax.train.step import init_state, make_optimizer, state_shardings
 
     model_cfg = cfg.model
     mesh = pmesh.make_mesh(cfg.mesh, devices)
@@ -58,34 +110,56 @@ def abstract_train_step(cfg, devices, *, lowering_platform: str | None = None) -
     params = jax.eval_shape(lambda: init_params(model_cfg, jax.random.key(0)))
     state = jax.eval_shape(lambda p: init_state(p, opt), params)
     state_sh = state_shardings(state, mesh)
-    on = cfg.fast.codec_type != "none" or cfg.fast.grad_codec_type != "none"
-    circuit = FastCircuit(cfg, model_cfg, mesh, lowering_platform=lowering_platform) if on else None
-    # The circuit state from shapes alone (the fast circuit's fields; the merger adds no collective: M is
-    # replicated and rewrites an already-reduced gradient elementwise).
-    cs = CircuitState(jax.eval_shape(init_clock), None, None, None, None)
-    if circuit:
-        cs = cs._replace(
-            codec=jax.eval_shape(circuit.init_codec_state), grad=jax.eval_shape(circuit.init_grad_state, params)
-        )
-    act_codec = circuit if (circuit and circuit.has_activation_codec) else None
-    pipeline = make_pipeline(cfg, model_cfg, mesh) if mesh.shape["stage"] > 1 else None
-    loss_fn = make_grpo_loss(model_cfg, cfg.grpo, cfg.sampler.sampling.max_new_tokens, act_codec, pipeline)
-    grad_fn = circuit.grad_fn(state_sh.params) if circuit else None
-    batch = batch_shapes(cfg)
-    rep = pmesh.replicated(mesh)
-    # from shapes alone every input needs an explicit sharding; PowerSGD's error memory lives split over dp
-    cs_sh = jax.tree.map(lambda _: rep, cs)
-    if circuit:
-        cs_sh = cs_sh._replace(grad=circuit.grad_state_shardings(cs.grad))
-    jitted = build_train_step(
-        loss_fn,
-        opt,
-        state_sh,
-        mesh,
-        circuit_sharding=cs_sh,
-        grad_fn=grad_fn,
-        absorb_aux=circuit.absorb_aux if circuit else None,
-        skip_nonfinite=cfg.train.skip_nonfinite,
-        batch_sharding=pmesh.batch_shardings(batch, mesh),
-    )
-    return AbstractStep(jitted, (state, cs, batch), circuit, params, state_sh.params, mesh)
+    state = _with(state, state_sh)
+    circuits = build_circuits(cfg, model_cfg, mesh, state.params, abstract=True, lowering_platform=lowering_platform)
+    circuits = circuits._replace(cs=_with(circuits.cs, circuits.cs_sh))
+    programs = build_programs(cfg, model_cfg, mesh, opt, state_sh, circuits)
+    step_rows, mini_rows = _rows(cfg)
+    batch = _train_batch(cfg, programs, mini_rows)
+    passes = {k: v for k, v in _packed(cfg, step_rows).items() if k in ("tokens", "attention_mask", "sample_id")}
+    place = lambda b: _with(b, pmesh.batch_shardings(b, mesh))  # noqa: E731
+    return Assembly(mesh, state, state_sh, circuits, programs, place(batch), place(passes))
+
+
+def abstract_programs(cfg, devices, *, lowering_platform: str | None = None) -> dict[str, Program]:
+    """{name: Program(jitted, args)} for every program a run of `cfg` executes (the loop's own objects):
+    train_step always; logp_old and diagnostics unless the train forward is the ℓ_old pass; logp_ref with a KL
+    term; logp_dense, probe_sums and fidelity with the probe; anchor_fire with the anchor, and logp_anchor_ref
+    when its dense ℓ_ref is a pass of its own (the codec acts on the reference pass)."""
+    from twocircuit_jax.parallel import mesh as pmesh
+    from twocircuit_jax.train.grpo_step import REF
+
+    a = abstract_assembly(cfg, devices, lowering_platform=lowering_platform)
+    p, c, cs, params = a.programs, a.circuits, a.circuits.cs, a.state.params
+    out = {"train_step": Program(p.train_step, (a.state, cs, a.batch))}
+    lp = a.step_rows["tokens"]
+    full = jax.ShapeDtypeStruct(lp.shape, jnp.float32, sharding=lp.sharding)  # a [B, T] fp32 over the step's rows
+    if not p.old_from_train:
+        out["logp_old"] = Program(p.logp_old, (params, a.step_rows, cs))
+        trunc = jax.ShapeDtypeStruct(lp.shape[:1], jnp.bool_, sharding=a.step_rows["sample_id"].sharding)
+        out["diagnostics"] = Program(p.diagnostics, (full, full, full, full, trunc, full))
+    if cfg.grpo.kl_coef > 0:
+        out["logp_ref"] = Program(p.logp_ref, (params, a.step_rows, cs))
+    if p.fidelity is not None:
+        out["logp_dense"] = Program(p.logp_dense, (params, a.step_rows, cs))
+        out["probe_sums"] = Program(p.probe_sums, (full,) * 6, {"estimator": cfg.grpo.kl_estimator})
+        out["fidelity"] = Program(p.fidelity, (params, params, a.batch, cs))
+    if c.anchor is not None:
+        from twocircuit_jax.anchor.loss import anchor_batch_keys
+
+        mini = {k: a.batch[k] for k in ("tokens", "attention_mask", "sample_id")}
+        if cfg.grpo.kl_coef > 0 and c.codec is not None and c.codec.applies(REF):
+            out["logp_anchor_ref"] = Program(p.logp_anchor_ref, (params, mini, cs))
+        fire = {**a.batch, "ref_logp_dense": a.batch["sampler_logp"]}
+        fire = {k: fire[k] for k in anchor_batch_keys(cfg.grpo)}
+        fire = _with(fire, pmesh.batch_shardings(fire, a.mesh))
+        basis = cs.codec if c.anchor.owns_q else None
+        out["anchor_fire"] = Program(p.anchor_fire, (params, fire, {"merger": cs.merger, "moments": cs.moments}, basis))
+    return out
+
+
+def abstract_train_step(cfg, devices, *, lowering_platform: str | None = None) -> AbstractStep:
+    """The train step alone (Program `train_step` of `abstract_programs`), with the fast circuit and the mesh."""
+    a = abstract_assembly(cfg, devices, lowering_platform=lowering_platform)
+    args = (a.state, a.circuits.cs, a.batch)
+    return AbstractStep(a.programs.train_step, args, a.circuits.codec, a.state.params, a.state_sh.params, a.mesh)

@@ -26,28 +26,26 @@ from twocircuit_jax.metrics.gauges import length_slope, length_stats, to_floats
 from twocircuit_jax.metrics.health import HealthMonitor
 from twocircuit_jax.metrics.logger import MetricsLogger
 from twocircuit_jax.metrics.mismatch import mismatch_by_turn
-from twocircuit_jax.metrics.probe import dense_probe_metrics, dense_probe_sums, make_fidelity_fn
+from twocircuit_jax.metrics.probe import dense_probe_metrics
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
 from twocircuit_jax.parallel.distributed import is_primary
 from twocircuit_jax.parallel.host import to_global, to_host
 from twocircuit_jax.train import rollout as ro
 from twocircuit_jax.train.checkpoint import CheckpointManager
-from twocircuit_jax.train.circuit_state import CircuitState, init_clock, place, set_clock
+from twocircuit_jax.train.circuit_state import place, set_clock
 from twocircuit_jax.train.collect import make_collector
-from twocircuit_jax.train.grpo_step import DENSE, OLD, REF, make_diagnostics_fn, make_grpo_loss, make_logp_fn
+from twocircuit_jax.train.grpo_step import OLD, REF
 from twocircuit_jax.train.guard import Guard, apply_mitigations, mitigate
+from twocircuit_jax.train.programs import build_circuits, build_programs
 from twocircuit_jax.train.rollout_ahead import RolloutAhead
 from twocircuit_jax.train.setup import (
     check_vocab,
     enable_compile_cache,
     load_model,
     load_run_tokenizer,
-    make_pipeline,
     make_sampler,
 )
 from twocircuit_jax.train.step import (
-    build_train_step,
-    default_grad_fn,
     init_state,
     learning_rate,
     make_optimizer,
@@ -194,95 +192,23 @@ class GRPOTrainer(TrainerCheckpoints):
 
     def _build_circuits(self):
         """Fast circuit and anchor when the config turns them on (None = absent, not merely idle), and the circuit
-        state with its shardings: every field exists from tick 1, so the step compiles once."""
-        codec_state = grad_state = merger = moments = None
-        self.pipeline = None
+        state with its shardings: every field exists from tick 1, so the step compiles once (train/programs.py,
+        the builder the shapes-only tools share)."""
         self.comm_hlo = None  # staged runs: the train step's collectives by part, from its compiled program
-        if self.mesh.shape["stage"] > 1:
-            self.pipeline = make_pipeline(self.cfg, self.model_cfg, self.mesh)
-        if self.cfg.fast.codec_type != "none" or self.cfg.fast.grad_codec_type != "none":
-            from twocircuit_jax.fast.circuit import FastCircuit
-
-            self.codec = FastCircuit(self.cfg, self.model_cfg, self.mesh)
-            codec_state, grad_state = self.codec.init_codec_state(), self.codec.init_grad_state(self.state.params)
-        if self.cfg.anchor.enabled:
-            from twocircuit_jax.anchor.circuit import AnchorCircuit
-
-            sketcher = self.codec.basis_sketcher if (self.codec and self.cfg.anchor_owns_q) else None
-            self.anchor = AnchorCircuit(
-                self.cfg, self.model_cfg, self.state.params, sketcher=sketcher, pipeline=self.pipeline
-            )
-            merger, moments = self.anchor.init_merger_state(), self.anchor.init_moments()
-        self.cs = CircuitState(init_clock(), codec_state, grad_state, merger, moments)
-        rep = pmesh.replicated(self.mesh)
-        replicate = lambda tree: jax.tree.map(lambda _: rep, tree)  # noqa: E731
-        self.cs_sh = CircuitState(
-            replicate(self.cs.clock),
-            replicate(codec_state),
-            self.codec.grad_state_shardings(grad_state) if self.codec else None,
-            self.anchor.merger_sh if self.anchor else None,  # M, δ sharded like their params (anchor/merger.py)
-            self.anchor.mom_sh if self.anchor else None,
-        )
+        c = build_circuits(self.cfg, self.model_cfg, self.mesh, self.state.params)
+        self.pipeline, self.codec, self.anchor, self.cs, self.cs_sh = c
+        self.circuits = c
 
     def _compile(self):
-        cfg, mesh = self.cfg, self.mesh
-        codec = self.codec if (self.codec and self.codec.has_activation_codec) else None
-        pl = self.pipeline
-        # One tick per step (one mini-batch, one epoch: a second epoch's ℓ_old is not its own forward's), single-
-        # turn, not pipelined: the train forward is the old-log-prob pass (grpo_step.py). Under an activation codec
-        # too when ℓ_old takes the codec's view: the train view is the same (the codec keys on the step and the
-        # rows, not on the path). Under a gradient codec the loss runs per data replica: the diagnostics gather
-        # their inputs over the batch axes (grpo_step.make_grpo_loss, rows_over). With the anchor too: a fire reads
-        # neither ℓ_old nor the live weights and writes no weight, so the tick's forward sees what a pass would.
-        one_view = self.codec is None or not self.codec.has_activation_codec or self.codec.applies(OLD)
-        self.old_from_train = (
-            self.FUSE_OLD_PASS
-            and cfg.ticks_per_step == 1
-            and cfg.train.ppo_epochs == 1
-            and one_view
-            and pl is None
-            and not cfg.train.probe_every
-            and not cfg.env.enabled
+        """Every program of the run, from the one builder the shapes-only tools use (train/programs.py)."""
+        c = self.circuits._replace(cs=self.cs, cs_sh=self.cs_sh)
+        p = build_programs(
+            self.cfg, self.model_cfg, self.mesh, self.optimizer, self.state_sh, c, fuse_old=self.FUSE_OLD_PASS
         )
-        rows_over = self.codec.grad_axes if (self.codec and self.codec.grad_codec is not None) else None
-        loss_fn = make_grpo_loss(
-            self.model_cfg, cfg.grpo, self.max_new, codec, pl, diagnose=self.old_from_train, rows_over=rows_over
-        )
-        grad_fn = self.codec.grad_fn(self.state_sh.params) if self.codec else None
-        grad_transform = self.anchor.grad_transform if self.anchor else None
-        self.fidelity = None
-        if cfg.train.probe_every:  # the fidelity gauge: the applied gradient against the dense step's, same batch
-            fid = make_fidelity_fn(
-                self.model_cfg,
-                cfg.grpo,
-                self.max_new,
-                codec,
-                (grad_fn or default_grad_fn)(loss_fn),
-                grad_transform,
-                lambda: make_grpo_loss(self.model_cfg, cfg.grpo, self.max_new, None, pl),
-                pipeline=pl,
-            )
-            self.fidelity = dispatch.jit(fid)
-        self.probe_sums = dispatch.jit(dense_probe_sums, static_argnames="estimator")
-        self.train_step = build_train_step(
-            loss_fn,
-            self.optimizer,
-            self.state_sh,
-            mesh,
-            circuit_sharding=self.cs_sh,
-            grad_fn=grad_fn,
-            absorb_aux=self.codec.absorb_aux if self.codec else None,
-            grad_transform=grad_transform,
-            skip_nonfinite=cfg.train.skip_nonfinite,
-        )
-        self.diagnostics = dispatch.jit(make_diagnostics_fn(cfg.grpo))
-        self.logp_old = dispatch.jit(make_logp_fn(self.model_cfg, codec, OLD, pl))
-        self.logp_ref = dispatch.jit(make_logp_fn(self.model_cfg, codec, REF, pl))
-        self.logp_dense = dispatch.jit(
-            make_logp_fn(self.model_cfg, None, DENSE, pl)
-        )  # the probe: codecs off everywhere
-        # The anchor's ℓ_ref^dense: the same forward, its own program (mini-batch rows, not the step's)
-        self.logp_anchor_ref = dispatch.jit(make_logp_fn(self.model_cfg, None, DENSE, pl))
+        self.programs, self.old_from_train, self.fidelity = p, p.old_from_train, p.fidelity
+        self.train_step, self.diagnostics, self.probe_sums = p.train_step, p.diagnostics, p.probe_sums
+        self.logp_old, self.logp_ref, self.logp_dense = p.logp_old, p.logp_ref, p.logp_dense
+        self.logp_anchor_ref = p.logp_anchor_ref
 
     def _shard_batch(self, batch):
         """Host rows (the same on every process) or device rows, split over the batch axes of the mesh."""
@@ -443,7 +369,9 @@ class GRPOTrainer(TrainerCheckpoints):
                 mb = self._shard_batch(mb)
                 tau = int(self.state.tick) + 1
                 first = j == 0 and epoch == 0
-                self.cs = set_clock(self.cs, first_minibatch=first)  # ℓ_old from the train forward
+                # ℓ_old from the train forward; placed, so the anchor's ℓ_ref^dense pass sees the circuit state as
+                # every other pass does (one program, the one train/abstract_step.py builds from shapes)
+                self.cs = place(set_clock(self.cs, first_minibatch=first), self.cs_sh)
                 if self.anchor:
                     with self.timer("anchor"):
                         basis = self.cs.codec if self.anchor.owns_q else None

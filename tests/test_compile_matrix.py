@@ -1,0 +1,106 @@
+"""Every combination the configs allow traces, from shapes alone: activation codec (none, prf_mask, lowrank,
+sr_quant) x gradient codec (none, PowerSGD) x anchor (off, on) x mesh (data 8; stage 2 x data 4; fsdp 2 x data 4) on
+conftest's 8 fake CPU devices, each program a run of it executes (train/abstract_step.py `abstract_programs`: the
+train step, the log-prob passes, the anchor's fire) lowered on a 4-layer, 32-wide model. PowerSGD with fsdp > 1 is
+refused by the fast circuit (its reduction needs replicated parameters) and stays refused.
+
+The staged column with PowerSGD is the regression of the gradient codec's shard_map (manual over the batch axes)
+around the pipeline's (manual over `stage`): with an activation codec it ended in "context mesh ... should match the
+aval mesh" (fast/grad_fn.py). It runs in the fast suite; the full product (lowered) and the XLA compile of the staged
+PowerSGD steps are slow."""
+
+import itertools
+
+import jax
+import pytest
+
+from twocircuit_jax.config import load_config
+from twocircuit_jax.config.base import ConfigError
+from twocircuit_jax.train.abstract_step import abstract_programs
+
+MODEL = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "num_layers": 4,
+    "num_heads": 2,
+    "num_kv_heads": 1,
+    "head_dim": 16,
+    "intermediate_size": 64,
+    "qkv_bias": False,
+}
+ACT = {
+    "none": {"type": "none"},
+    "prf_mask": {"type": "prf_mask", "p": 0.5},
+    "lowrank": {"type": "lowrank", "rank": 3},
+    "sr_quant": {"type": "sr_quant", "quant_bits": 2, "quant_block": 16},
+}
+GRAD = {"none": {"type": "none"}, "powersgd": {"type": "powersgd", "rank": 2}}
+MESH = {"data8": {"data": 8}, "stage2": {"data": 4, "stage": 2}, "fsdp2": {"data": 4, "fsdp": 2}}
+
+
+def config(act, grad, anchor, mesh, kl=0.0):
+    return load_config(
+        data={
+            "tokenizer": "char",
+            "model": MODEL,
+            "mesh": MESH[mesh],
+            "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
+            "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 8, "eval_size": 8},
+            "grpo": {"kl_coef": kl},
+            "fast": {"pp_size": 2, "codec": ACT[act], "grad_codec": GRAD[grad]},
+            "anchor": {"enabled": anchor, "cadence": 2, "delay": 2, "projection": False},
+            "train": {"train_batch": 4, "mini_batch": 4, "max_prompt_len": 4},
+        }
+    )
+
+
+def lower_all(cfg, compile_step=False) -> dict:
+    progs = abstract_programs(cfg, jax.devices())
+    for name, prog in progs.items():
+        low = prog.lower()
+        if compile_step and name == "train_step":
+            low.compile()
+    return progs
+
+
+def _expected(cfg) -> set:
+    staged, anchor = cfg.mesh.stage > 1, cfg.anchor.enabled
+    out = {"train_step"} | ({"logp_old", "diagnostics"} if staged else set())
+    return out | ({"anchor_fire"} if anchor else set())
+
+
+ALLOWED = [
+    c
+    for c in itertools.product(sorted(ACT), sorted(GRAD), (False, True), sorted(MESH))
+    if not (c[1] == "powersgd" and c[3] == "fsdp2")
+]
+
+
+@pytest.mark.parametrize("act", sorted(ACT))
+def test_staged_powersgd_with_each_activation_codec_traces(act):
+    cfg = config(act, "powersgd", False, "stage2")
+    progs = lower_all(cfg)
+    assert set(progs) == _expected(cfg)
+    assert progs["train_step"].args[1].grad is not None  # PowerSGD's state: the step is the codec's
+
+
+@pytest.mark.parametrize("act", sorted(ACT))
+def test_powersgd_refuses_fsdp(act):
+    with pytest.raises(ConfigError, match=r"fast\.grad_codec: powersgd needs replicated parameters.*fsdp=2"):
+        abstract_programs(config(act, "powersgd", False, "fsdp2"), jax.devices())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("act,grad,anchor,mesh", ALLOWED, ids=["-".join(map(str, c)) for c in ALLOWED])
+def test_every_allowed_combination_traces(act, grad, anchor, mesh):
+    cfg = config(act, grad, anchor, mesh)
+    assert set(lower_all(cfg)) == _expected(cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("act", sorted(ACT))
+def test_staged_powersgd_step_compiles(act):
+    """XLA too (the CPU compiler aborts on some partially manual programs, parallel/pipeline.py): the staged step
+    with PowerSGD and each activation codec, with the anchor and a KL term (its reference pass)."""
+    cfg = config(act, "powersgd", True, "stage2", kl=0.01)
+    assert {"logp_ref", "anchor_fire"} <= set(lower_all(cfg, compile_step=True))

@@ -1,0 +1,168 @@
+"""Every program the GRPO trainer jits, assembled in one place from (config, mesh, circuits).
+
+The loop (train/loop.py `_build_circuits`, `_compile`) and the shapes-only tools (train/abstract_step.py:
+scripts/comm_bytes.py, the accelerator export tests, the plan) call the same two functions, so what a tool compiles
+from shapes is the program a run executes, not a look-alike:
+
+  build_circuits(cfg, model_cfg, mesh, params)   the staged forward, the fast circuit, the anchor, and the circuit
+                                                 state with its shardings (arrays; ShapeDtypeStructs with
+                                                 `abstract=True`, nothing allocated)
+  build_programs(cfg, model_cfg, mesh, optimizer, state_sh, circuits)
+                                                 the loss and every jitted program: the train step (with the fused
+                                                 ℓ_old diagnostics when the step's one forward is the old pass, the
+                                                 replica gather under a gradient codec, the anchor's merger), the
+                                                 ℓ_old, ℓ_ref, dense and anchor ℓ_ref^dense passes, the diagnostics,
+                                                 the fidelity probe, and the anchor's fire (jitted by the anchor)
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+
+from twocircuit_jax.metrics.probe import dense_probe_sums, make_fidelity_fn
+from twocircuit_jax.parallel import dispatch, mesh as pmesh
+from twocircuit_jax.train.circuit_state import CircuitState, init_clock
+from twocircuit_jax.train.grpo_step import DENSE, OLD, REF, make_diagnostics_fn, make_grpo_loss, make_logp_fn
+from twocircuit_jax.train.setup import make_pipeline
+from twocircuit_jax.train.step import build_train_step, default_grad_fn
+
+
+class Circuits(NamedTuple):
+    pipeline: Any  # parallel.pipeline.Pipeline (mesh.stage > 1) or None
+    codec: Any  # fast.circuit.FastCircuit, or None when both codecs are off
+    anchor: Any  # anchor.circuit.AnchorCircuit, or None when the anchor is off
+    cs: CircuitState  # the circuit state of tick 1: arrays, or ShapeDtypeStructs when built from shapes
+    cs_sh: CircuitState  # its shardings (one fixed tree: the step compiles once)
+
+
+def build_circuits(cfg, model_cfg, mesh, params, *, abstract: bool = False, lowering_platform=None) -> Circuits:
+    """The circuits the config turns on (None = absent, not merely idle) and the circuit state with its shardings:
+    every field exists from tick 1. `params` are the placed parameters, or with `abstract` ShapeDtypeStructs that
+    carry their shardings (the anchor reads them); the state is then shapes only (jax.eval_shape)."""
+    make = jax.eval_shape if abstract else (lambda f, *a: f(*a))
+    codec_state = grad_state = merger = moments = None
+    pipeline = make_pipeline(cfg, model_cfg, mesh) if mesh.shape["stage"] > 1 else None
+    codec = anchor = None
+    if cfg.fast.codec_type != "none" or cfg.fast.grad_codec_type != "none":
+        from twocircuit_jax.fast.circuit import FastCircuit
+
+        codec = FastCircuit(cfg, model_cfg, mesh, lowering_platform=lowering_platform)
+        codec_state, grad_state = make(codec.init_codec_state), make(codec.init_grad_state, params)
+    if cfg.anchor.enabled:
+        from twocircuit_jax.anchor.circuit import AnchorCircuit
+
+        sketcher = codec.basis_sketcher if (codec and cfg.anchor_owns_q) else None
+        anchor = AnchorCircuit(cfg, model_cfg, params, sketcher=sketcher, pipeline=pipeline)
+        merger, moments = make(anchor.init_merger_state), make(anchor.init_moments)
+    clock = make(init_clock)
+    cs = CircuitState(clock, codec_state, grad_state, merger, moments)
+    rep = pmesh.replicated(mesh)
+    replicate = lambda tree: jax.tree.map(lambda _: rep, tree)  # noqa: E731
+    cs_sh = CircuitState(
+        replicate(clock),
+        replicate(codec_state),
+        codec.grad_state_shardings(grad_state) if codec else None,
+        anchor.merger_sh if anchor else None,  # M, δ sharded like their params (anchor/merger.py)
+        anchor.mom_sh if anchor else None,
+    )
+    return Circuits(pipeline, codec, anchor, cs, cs_sh)
+
+
+def fuses_old_pass(cfg, codec, pipeline) -> bool:
+    """Whether the train forward is the old-log-prob pass (the loss computes ℓ_old, the TIS weights and the step's
+    diagnostics itself; no separate ℓ_old program runs). One tick per step (one mini-batch, one epoch: a second
+    epoch's ℓ_old is not its own forward's), single-turn, not pipelined, no probe. Under an activation codec too when
+    ℓ_old takes the codec's view: the train view is the same (the codec keys on the step and the rows, not on the
+    path). Under a gradient codec the loss runs per data replica: the diagnostics gather their inputs over the batch
+    axes (grpo_step.make_grpo_loss, rows_over). With the anchor too: a fire reads neither ℓ_old nor the live weights
+    and writes no weight, so the tick's forward sees what a pass would."""
+    one_view = codec is None or not codec.has_activation_codec or codec.applies(OLD)
+    return (
+        cfg.ticks_per_step == 1
+        and cfg.train.ppo_epochs == 1
+        and one_view
+        and pipeline is None
+        and not cfg.train.probe_every
+        and not cfg.env.enabled
+    )
+
+
+class Programs(NamedTuple):
+    old_from_train: bool  # the train step's forward is the old-log-prob pass (fuses_old_pass)
+    loss_fn: Any  # the GRPO loss the train step differentiates
+    train_step: Any  # (state, cs, mini-batch) -> (state, cs, metrics), state and cs donated
+    diagnostics: Any  # (ℓ_old, ℓ_sampler, response mask, full mask, truncated, entropy) -> (TIS weights, metrics)
+    logp_old: Any  # (params, rows, cs) -> (ℓ_old, entropy, codec aux): the codec's view when it acts on ℓ_old
+    logp_ref: Any  # (ref params, rows, cs) -> ...: ℓ_ref in the codec's view when it acts on the reference
+    logp_dense: Any  # the probe's passes, codecs off everywhere
+    logp_anchor_ref: Any  # the anchor's ℓ_ref^dense on the mini-batches it keeps: same forward, its own program
+    probe_sums: Any  # the dense probe's token means (metrics/probe.py), one program
+    fidelity: Any  # (params, ref params, mini-batch, cs) -> fidelity/* scalars, or None without the probe
+    anchor_fire: Any  # the anchor's fire (anchor/circuit.py jits it), or None without the anchor
+
+
+def build_programs(cfg, model_cfg, mesh, optimizer, state_sh, circuits: Circuits, *, fuse_old: bool = True):
+    """Every program of a run; nothing is compiled until first called (or lowered). `fuse_old`: allow the fused
+    ℓ_old path where it applies (GRPOTrainer.FUSE_OLD_PASS)."""
+    pl, fc, anchor = circuits.pipeline, circuits.codec, circuits.anchor
+    act = fc if (fc and fc.has_activation_codec) else None
+    max_new = cfg.sampler.sampling.max_new_tokens
+    old_from_train = fuse_old and fuses_old_pass(cfg, fc, pl)
+    rows_over = fc.grad_axes if (fc and fc.grad_codec is not None) else None  # the gradient codec's manual axes
+    loss_fn = make_grpo_loss(model_cfg, cfg.grpo, max_new, act, pl, diagnose=old_from_train, rows_over=rows_over)
+    grad_fn = fc.grad_fn(state_sh.params) if fc else None
+    grad_transform = anchor.grad_transform if anchor else None
+    fidelity = None
+    if cfg.train.probe_every:  # the fidelity gauge: the applied gradient against the dense step's, same batch
+        fid = make_fidelity_fn(
+            model_cfg,
+            cfg.grpo,
+            max_new,
+            act,
+            (grad_fn or default_grad_fn)(loss_fn),
+            grad_transform,
+            lambda: make_grpo_loss(model_cfg, cfg.grpo, max_new, None, pl),
+            pipeline=pl,
+        )
+        fidelity = dispatch.jit(fid)
+    train_step = build_train_step(
+        loss_fn,
+        optimizer,
+        state_sh,
+        mesh,
+        circuit_sharding=circuits.cs_sh,
+        grad_fn=grad_fn,
+        absorb_aux=fc.absorb_aux if fc else None,
+        grad_transform=grad_transform,
+        skip_nonfinite=cfg.train.skip_nonfinite,
+    )
+    return Programs(
+        old_from_train=old_from_train,
+        loss_fn=loss_fn,
+        train_step=train_step,
+        diagnostics=dispatch.jit(make_diagnostics_fn(cfg.grpo)),
+        logp_old=dispatch.jit(make_logp_fn(model_cfg, act, OLD, pl)),
+        logp_ref=dispatch.jit(make_logp_fn(model_cfg, act, REF, pl)),
+        logp_dense=dispatch.jit(make_logp_fn(model_cfg, None, DENSE, pl)),
+        logp_anchor_ref=dispatch.jit(make_logp_fn(model_cfg, None, DENSE, pl)),
+        probe_sums=dispatch.jit(dense_probe_sums, static_argnames="estimator"),
+        fidelity=fidelity,
+        anchor_fire=anchor.fire_program if anchor else None,
+    )
+
+
+def build_sft_step(model_cfg, optimizer, state_sh, mesh, batch_sharding):
+    """(circuits, train step) of supervised fine-tuning (train/sft.py): the next-token loss, neither circuit (a
+    clock the loss ignores), the batch split over the batch axes."""
+    import functools
+
+    from twocircuit_jax.train.circuit_state import dense_state
+    from twocircuit_jax.train.losses import next_token_loss
+
+    cs = dense_state()
+    cs_sh = jax.tree.map(lambda _: pmesh.replicated(mesh), cs)
+    loss = functools.partial(next_token_loss, model_cfg)
+    step = build_train_step(loss, optimizer, state_sh, mesh, circuit_sharding=cs_sh, batch_sharding=batch_sharding)
+    return Circuits(None, None, None, cs, cs_sh), step
