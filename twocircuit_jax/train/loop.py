@@ -243,6 +243,7 @@ class GRPOTrainer(TrainerCheckpoints):
             and pl is None
             and not cfg.train.probe_every
             and not cfg.env.enabled
+            and not cfg.train.micro_batch  # the fused diagnostics are whole-batch: not over micro-batches
         )
         rows_over = pmesh.BATCH_AXES if (self.codec and self.codec.grad_codec is not None) else None
         loss_fn = make_grpo_loss(

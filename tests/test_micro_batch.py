@@ -1,0 +1,162 @@
+"""train.micro_batch: the mini-batch's gradient accumulated over micro-batches inside the jitted step equals the
+whole mini-batch's (loss, gradient, updated parameters and optimizer state, circuit state, metrics) for every
+loss_agg with uneven response lengths and the KL term on, on one device and on the 8-device data mesh, through
+PowerSGD and an activation codec; forward-only passes, the anchor's fire and the fidelity gauge likewise;
+micro_batch 0 is today's program."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny_run import circuit_state, narrow_batch, narrow_run_config
+
+from twocircuit_jax.config import ConfigError, MeshConfig, load_config
+from twocircuit_jax.grpo.loss import AGG_MODES
+from twocircuit_jax.model.qwen2 import init_params
+from twocircuit_jax.parallel import dispatch, mesh as pmesh
+from twocircuit_jax.train import accumulate
+from twocircuit_jax.train.grpo_step import OLD, make_grpo_loss, make_logp_fn
+from twocircuit_jax.train.step import build_train_step, init_state, make_optimizer, state_shardings
+
+B, T, NEW = 16, 12, 6  # 16 rows: 2 per replica on the 8-device mesh; the last NEW positions are the response
+F32_TOL = dict(rtol=2e-5, atol=2e-6)
+
+
+def _cfg(kl_coef=0.05, **fast):
+    return narrow_run_config(kl_coef=kl_coef, **fast)
+
+
+def _mesh(n):
+    return pmesh.make_mesh(MeshConfig(-1, 1, 1), jax.devices()[:n])
+
+
+@pytest.fixture(scope="module")
+def data():
+    cfg = _cfg()
+    params = init_params(cfg.model, jax.random.key(0), std=0.3)
+    batch, k = narrow_batch(n_keys=4)
+    # Uneven response lengths: 1..6 tokens, different over rows, replicas and micro-batches (row 5 has none).
+    lengths = np.array([0 if i == 5 else 1 + (5 * i + i // 3) % NEW for i in range(B)])
+    resp = np.zeros((B, T), np.float32)
+    for i, n in enumerate(lengths):
+        resp[i, T - NEW : T - NEW + n] = 1.0
+    batch["response_mask"] = jnp.asarray(resp)
+    logp = make_logp_fn(cfg.model, None, OLD)(params, batch, circuit_state())[0]
+    # ℓ_old and ℓ_ref away from this forward's, so the ratio clips and the KL is non-zero
+    batch["old_logp"] = logp + 0.3 * jax.random.normal(k[2], (B, T))
+    batch["ref_logp"] = logp + 0.5 * jax.random.normal(k[3], (B, T))
+    return cfg, params, batch
+
+
+def _step(cfg, mesh, params, batch, micro_batch, *, circuit=None, grad_fn=None, agg=None):
+    """(new train state, circuit state, metrics) of one tick (not the step's first: ℓ_old is the batch's)."""
+    grpo = dataclasses.replace(cfg.grpo, loss_agg=agg) if agg else cfg.grpo
+    act = circuit if (circuit and circuit.has_activation_codec) else None
+    opt = make_optimizer(cfg.optim)
+    state = init_state(jax.tree.map(jnp.copy, params), opt)
+    sh = state_shardings(state, mesh)
+    step = build_train_step(
+        make_grpo_loss(cfg.model, grpo, NEW, act),
+        opt,
+        sh,
+        mesh,
+        grad_fn=grad_fn,
+        absorb_aux=circuit.absorb_aux if circuit else None,
+        micro_batch=micro_batch,
+        donate=False,
+    )
+    cs = circuit_state(circuit, params, first_minibatch=False)
+    b = jax.device_put(dict(batch), pmesh.batch_shardings(batch, mesh))
+    return jax.device_get(step(jax.device_put(state, sh), cs, b))
+
+
+MAIN = ("loss", "grad/norm", "loss/pg", "loss/kl", "loss/total", "kl/ref", "policy/entropy") + tuple(
+    f"ppo/{k}" for k in ("ratio_mean", "ratio_max", "ratio_min", "clip_frac", "kl")
+)
+
+
+def _same(a, b, keys=MAIN, tol=F32_TOL):
+    sa, ca, ma = a
+    sb, cb, mb = b
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, **tol), sa, sb)  # params, Adam moments, counts
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, **tol), ca, cb)  # the circuit state
+    assert set(ma) == set(mb)
+    for k in keys:
+        np.testing.assert_allclose(ma[k], mb[k], err_msg=k, **tol)
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_accumulated_step_equals_whole_minibatch_on_one_device(data, agg):
+    cfg, params, batch = data
+    mesh = _mesh(1)
+    whole = _step(cfg, mesh, params, batch, 0, agg=agg)
+    acc = _step(cfg, mesh, params, batch, 4, agg=agg)  # K = 4 micro-batches of 4 rows
+    assert float(whole[2]["loss/kl"]) > 0 and 0 < float(whole[2]["ppo/clip_frac"]) < 1
+    _same(whole, acc)
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_accumulated_step_equals_whole_minibatch_on_8_replicas(data, agg):
+    cfg, params, batch = data
+    mesh = _mesh(8)
+    whole = _step(cfg, mesh, params, batch, 0, agg=agg)
+    _same(whole, _step(cfg, mesh, params, batch, 1, agg=agg))  # 2 rows per replica: K = 2
+    _same(whole, _step(cfg, _mesh(1), params, batch, 8, agg=agg))  # and the single device's K = 2
+
+
+def test_micro_batch_zero_is_todays_program(data):
+    """micro_batch 0 lowers to the text of the step built with today's grad_fn (plain value_and_grad)."""
+    cfg, params, batch = data
+    mesh = _mesh(8)
+    opt = make_optimizer(cfg.optim)
+    sh = state_shardings(init_state(params, opt), mesh)
+    loss = make_grpo_loss(cfg.model, cfg.grpo, NEW, None)
+
+    def todays(loss_fn):
+        def fn(params, batch, cs):
+            (l, m), g = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, cs)
+            return g, l, m, cs
+
+        return fn
+
+    args = (init_state(params, opt), circuit_state(None, params), batch)
+    texts = [
+        build_train_step(loss, opt, sh, mesh, donate=False, **kw).lower(*args).as_text()
+        for kw in ({"micro_batch": 0}, {"grad_fn": todays})
+    ]
+    assert texts[0] == texts[1]
+    assert (
+        "while" not in texts[0]
+        and "while" in build_train_step(loss, opt, sh, mesh, donate=False, micro_batch=1).lower(*args).as_text()
+    )
+
+
+def test_bad_micro_batch_is_a_config_error():
+    cfg = _cfg()  # mini_batch 4 x n 4 = 16 rows
+    assert accumulate.check(cfg, 8) == 0
+    assert accumulate.check(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch=2)), 8) == 2
+    bad = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch=3))
+    with pytest.raises(ConfigError, match=r"train\.micro_batch.*got 3.*16/8"):
+        accumulate.check(bad, 8)
+    with pytest.raises(ConfigError, match=r"train\.micro_batch.*got 3"):
+        accumulate.check(bad, 1)
+    staged = dataclasses.replace(bad, train=dataclasses.replace(cfg.train, micro_batch=2))
+    staged = dataclasses.replace(staged, mesh=dataclasses.replace(cfg.mesh, stage=2))
+    with pytest.raises(ConfigError, match=r"train\.micro_batch.*mesh\.stage=2"):
+        accumulate.check(staged, 4)
+    with pytest.raises(ConfigError, match=r"train\.micro_batch"):
+        load_config(data={"train": {"micro_batch": -1}})
+
+
+def test_logp_pass_over_micro_batches_equals_whole(data):
+    cfg, params, batch = data
+    for n in (1, 8):
+        mesh = _mesh(n)
+        b = jax.device_put(dict(batch), pmesh.batch_shardings(batch, mesh))
+        cs = circuit_state()
+        whole = dispatch.jit(make_logp_fn(cfg.model, None, OLD))(params, b, cs)
+        acc = dispatch.jit(make_logp_fn(cfg.model, None, OLD, micro_batch=16 // n // 2, mesh=mesh))(params, b, cs)
+        np.testing.assert_allclose(np.asarray(whole[0]), np.asarray(acc[0]), **F32_TOL)
+        np.testing.assert_allclose(np.asarray(whole[1]), np.asarray(acc[1]), **F32_TOL)
