@@ -12,13 +12,17 @@ import numpy as np
 import pytest
 from tiny_run import circuit_state, narrow_batch, narrow_run_config
 
+from twocircuit_jax.anchor.loss import make_anchor_grad
 from twocircuit_jax.config import ConfigError, MeshConfig, load_config
+from twocircuit_jax.fast.circuit import FastCircuit
+from twocircuit_jax.fast.grad_fn import make_codec_grad_fn
 from twocircuit_jax.grpo.loss import AGG_MODES
+from twocircuit_jax.metrics.probe import make_fidelity_fn
 from twocircuit_jax.model.qwen2 import init_params
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
 from twocircuit_jax.train import accumulate
 from twocircuit_jax.train.grpo_step import OLD, make_grpo_loss, make_logp_fn
-from twocircuit_jax.train.step import build_train_step, init_state, make_optimizer, state_shardings
+from twocircuit_jax.train.step import build_train_step, default_grad_fn, init_state, make_optimizer, state_shardings
 
 B, T, NEW = 16, 12, 6  # 16 rows: 2 per replica on the 8-device mesh; the last NEW positions are the response
 F32_TOL = dict(rtol=2e-5, atol=2e-6)
@@ -52,7 +56,7 @@ def data():
 
 def _step(cfg, mesh, params, batch, micro_batch, *, circuit=None, grad_fn=None, agg=None):
     """(new train state, circuit state, metrics) of one tick (not the step's first: ℓ_old is the batch's)."""
-    grpo = dataclasses.replace(cfg.grpo, loss_agg=agg) if agg else cfg.grpo
+    grpo = dataclasses.replace(cfg.grpo, entropy_coeff=0.01, loss_agg=agg or cfg.grpo.loss_agg)
     act = circuit if (circuit and circuit.has_activation_codec) else None
     opt = make_optimizer(cfg.optim)
     state = init_state(jax.tree.map(jnp.copy, params), opt)
@@ -72,7 +76,7 @@ def _step(cfg, mesh, params, batch, micro_batch, *, circuit=None, grad_fn=None, 
     return jax.device_get(step(jax.device_put(state, sh), cs, b))
 
 
-MAIN = ("loss", "grad/norm", "loss/pg", "loss/kl", "loss/total", "kl/ref", "policy/entropy") + tuple(
+MAIN = ("loss", "grad/norm", "loss/pg", "loss/kl", "loss/entropy", "loss/total", "kl/ref", "policy/entropy") + tuple(
     f"ppo/{k}" for k in ("ratio_mean", "ratio_max", "ratio_min", "clip_frac", "kl")
 )
 
@@ -160,3 +164,91 @@ def test_logp_pass_over_micro_batches_equals_whole(data):
         acc = dispatch.jit(make_logp_fn(cfg.model, None, OLD, micro_batch=16 // n // 2, mesh=mesh))(params, b, cs)
         np.testing.assert_allclose(np.asarray(whole[0]), np.asarray(acc[0]), **F32_TOL)
         np.testing.assert_allclose(np.asarray(whole[1]), np.asarray(acc[1]), **F32_TOL)
+
+
+def test_powersgd_over_micro_batches_equals_powersgd_on_the_whole(data):
+    """Each replica accumulates over its micro-batches; PowerSGD reduces the sum once: the same P, Q, error memory
+    and update as PowerSGD on the whole mini-batch."""
+    cfg, params, batch = data
+    mesh = _mesh(8)
+    c = FastCircuit(_cfg(grad_codec="powersgd", start_after=0), cfg.model, mesh)
+    whole = _step(cfg, mesh, params, batch, 0, circuit=c, grad_fn=c.grad_fn(None))
+    acc = _step(cfg, mesh, params, batch, 0, circuit=c, grad_fn=make_codec_grad_fn(c.grad_codec, mesh, micro_batch=1))
+    assert float(whole[2]["powersgd/compressed"]) == 1.0
+    assert any(float(jnp.max(jnp.abs(e))) > 0 for e in whole[1].grad.e.values())  # lossy: a real error memory
+    _same(whole, acc, MAIN + ("powersgd/error_norm",), tol=dict(rtol=1e-4, atol=1e-6))
+
+
+def test_activation_codec_sketch_is_summed_over_micro_batches(data):
+    """A fast-owned low-rank basis: the train forward's sketch and token count, summed over micro-batches (and
+    replicas), give the circuit state of the whole mini-batch; codec metrics averaged like their aux."""
+    cfg, params, batch = data
+    mesh = _mesh(8)
+    c = FastCircuit(_cfg(codec="lowrank"), cfg.model, mesh)
+    assert c.owns_basis
+    whole = _step(cfg, mesh, params, batch, 0, circuit=c)
+    acc = _step(cfg, mesh, params, batch, 1, circuit=c)
+    assert float(whole[1].codec.sketch_tokens) == float(np.sum(np.asarray(batch["attention_mask"])))
+    assert all(float(jnp.max(jnp.abs(v))) > 0 for v in whole[1].codec.sketch.values())
+    _same(whole, acc, tol=dict(rtol=1e-4, atol=1e-6))
+    # The codec's error is a ratio of sums over the rows (fast/circuit.py): a micro-batch mean is close, not equal
+    # (as over the pipeline's microbatches), and it is a metric only.
+    np.testing.assert_allclose(whole[2]["codec/recon_rel_err"], acc[2]["codec/recon_rel_err"], rtol=2e-3)
+
+
+def test_anchor_fire_over_micro_batches_equals_the_whole_batch(data):
+    """The anchor's dense fire (KL, entropy bonus, sequence TIS, the anchor-owned basis's sketch): the accumulated
+    gradient, metrics (TIS over the whole batch) and sketch equal the one-pass fire's."""
+    cfg, params, batch = data
+    mesh = _mesh(8)
+    grpo = dataclasses.replace(
+        cfg.grpo, tis="sequence", tis_cap=1.5, entropy_coeff=0.01, loss_agg="seq-mean-token-mean"
+    )
+    c = FastCircuit(_cfg(codec="lowrank"), cfg.model, mesh)
+    fire = dict(batch, ref_logp_dense=batch["ref_logp"], sampler_logp=batch["old_logp"])
+    fire = jax.device_put(fire, pmesh.batch_shardings(fire, mesh))
+    basis = c.init_codec_state()
+    outs = [
+        jax.device_get(
+            dispatch.jit(make_anchor_grad(cfg.model, grpo, NEW, c.basis_sketcher, micro_batch=mb, mesh=mesh))(
+                params, fire, basis
+            )
+        )
+        for mb in (0, 1)
+    ]
+    (g0, m0, a0), (g1, m1, a1) = outs
+    assert 0 < m0["anchor/tis/clip_frac"] < 1 and m0["anchor/kl_loss"] > 0
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6), (g0, a0), (g1, a1))
+    assert set(m0) == set(m1)
+    for k in m0:
+        np.testing.assert_allclose(m0[k], m1[k], err_msg=k, **F32_TOL)
+
+
+def test_fidelity_gauge_over_micro_batches_equals_the_whole_batch(data):
+    cfg, params, batch = data
+    mesh = _mesh(8)
+    c = FastCircuit(_cfg(codec="prf_mask"), cfg.model, mesh)
+    loss = make_grpo_loss(cfg.model, cfg.grpo, NEW, c)
+    b = jax.device_put(dict(batch), pmesh.batch_shardings(batch, mesh))
+    cs = circuit_state(c, params, first_minibatch=False)
+    ref = jax.tree.map(lambda x: x * 0.98, params)
+
+    def gauge(mb):
+        fn = make_fidelity_fn(
+            cfg.model,
+            cfg.grpo,
+            NEW,
+            c,
+            default_grad_fn(loss, micro_batch=mb, mesh=mesh),
+            None,
+            lambda: make_grpo_loss(cfg.model, cfg.grpo, NEW, None),
+            micro_batch=mb,
+            mesh=mesh,
+        )
+        return jax.device_get(dispatch.jit(fn)(params, ref, b, cs))
+
+    whole, acc = gauge(0), gauge(1)
+    assert set(whole) == set(acc) and 0 < whole["fidelity/boundary_rel_err/1"]
+    assert whole["fidelity/grad_cos"] < 1 - 1e-4  # the codec view differs: the gauge measures something
+    for k in whole:
+        np.testing.assert_allclose(whole[k], acc[k], err_msg=k, rtol=1e-4, atol=1e-6)

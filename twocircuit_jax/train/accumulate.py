@@ -13,7 +13,8 @@ the micro-batch losses, and their gradients, add up to the mini-batch's for ever
 terms included. Metrics combine to the unaccumulated values: `loss/*` (and the anchor's loss terms) summed, `*_max`
 / `*_min` maxed / minned, codec summaries averaged like their aux, every other scalar (a masked mean over response
 tokens) weighted by the micro-batch's response tokens. A dict-valued entry is a codec's per-boundary aux: sketches
-and token counts summed, the rest averaged (parallel/pipeline.reduce_aux).
+and token counts summed, the rest averaged (parallel/pipeline.reduce_aux); a per-row array is joined back in row
+order.
 
 micro_batch = 0 (or K = 1) returns the plain `jax.value_and_grad`: no scan, today's program exactly. Cost of K > 1:
 the parameters are read K times per pass and the fp32 gradient carry (4 bytes a parameter) lives through the scan.
@@ -27,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.parallel import mesh as pmesh
-from twocircuit_jax.parallel.pipeline import reduce_aux, split_rows
+from twocircuit_jax.parallel.pipeline import join_rows, reduce_aux, split_rows
 
 F32 = jnp.float32
 SUMMED = ("anchor/pg_loss", "anchor/kl_loss", "anchor/loss")  # besides every `loss/*`: terms of the loss, additive
@@ -100,6 +101,8 @@ def combine_metrics(stacked: dict, tokens) -> dict:
     for n, v in stacked.items():
         if isinstance(v, dict):
             out[n] = reduce_aux(v)
+        elif v.ndim > 1:  # a per-row output [K, rows/K, ...]: back in batch row order
+            out[n] = join_rows(v)
         elif n.startswith("loss/") or n in SUMMED:
             out[n] = jnp.sum(v, axis=0)
         elif n.endswith("_max"):
