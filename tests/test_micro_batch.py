@@ -110,6 +110,13 @@ def test_accumulated_step_equals_whole_minibatch_on_8_replicas(data, agg):
     _same(whole, _step(cfg, _mesh(1), params, batch, 8, agg=agg))  # and the single device's K = 2
 
 
+def test_accumulated_step_on_an_fsdp_tensor_mesh(data):
+    """Parameters sharded over fsdp and tensor: the fp32 carry pinned to their shardings, the same step."""
+    cfg, params, batch = data
+    mesh = pmesh.make_mesh(MeshConfig(2, 2, 2), jax.devices())
+    _same(_step(cfg, mesh, params, batch, 0), _step(cfg, mesh, params, batch, 2))  # 4 rows per device: K = 2
+
+
 def test_micro_batch_zero_is_todays_program(data):
     """micro_batch 0 lowers to the text of the step built with today's grad_fn (plain value_and_grad)."""
     cfg, params, batch = data
