@@ -5,6 +5,7 @@ PowerSGD and an activation codec; forward-only passes, the anchor's fire and the
 micro_batch 0 is today's program."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -115,6 +116,37 @@ def test_accumulated_step_on_an_fsdp_tensor_mesh(data):
     cfg, params, batch = data
     mesh = pmesh.make_mesh(MeshConfig(2, 2, 2), jax.devices())
     _same(_step(cfg, mesh, params, batch, 0), _step(cfg, mesh, params, batch, 2))  # 4 rows per device: K = 2
+
+
+def _collectives_by_computation(compiled_text):
+    out = {}
+    for comp in re.split(r"\n(?=\S.*\{\n)", compiled_text):
+        n = len(
+            re.findall(r" (?:all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(", comp)
+        )
+        if n:
+            out[comp.split(" ", 2)[1 if comp.startswith("ENTRY") else 0]] = n
+    return out
+
+
+@pytest.mark.parametrize("codec", ["none", "powersgd"])
+def test_gradient_is_reduced_once_after_the_loop(data, codec):
+    """On the data mesh no collective runs inside the micro-batch loop: each replica accumulates its own rows and
+    the gradient is summed (or PowerSGD-reduced) once; the split moves no rows (no gather, permute, all-to-all)."""
+    cfg, params, batch = data
+    mesh = _mesh(8)
+    opt = make_optimizer(cfg.optim)
+    sh = state_shardings(init_state(params, opt), mesh)
+    c = FastCircuit(_cfg(grad_codec="powersgd", start_after=0), cfg.model, mesh) if codec != "none" else None
+    grad_fn = make_codec_grad_fn(c.grad_codec, mesh, micro_batch=1) if c else None
+    step = build_train_step(
+        make_grpo_loss(cfg.model, cfg.grpo, NEW, None), opt, sh, mesh, grad_fn=grad_fn, micro_batch=1, donate=False
+    )
+    b = jax.device_put(dict(batch), pmesh.batch_shardings(batch, mesh))
+    txt = step.lower(init_state(params, opt), circuit_state(c, params), b).compile().as_text()
+    assert "while" in txt
+    found = _collectives_by_computation(txt)
+    assert found and list(found) == [next(iter(found))] and next(iter(found)).startswith("%main"), found
 
 
 def test_micro_batch_zero_is_todays_program(data):

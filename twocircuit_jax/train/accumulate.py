@@ -18,12 +18,16 @@ order.
 
 micro_batch = 0 (or K = 1) returns the plain `jax.value_and_grad`: no scan, today's program exactly. Cost of K > 1:
 the parameters are read K times per pass and the fp32 gradient carry (4 bytes a parameter) lives through the scan.
-Known cost: in the SPMD path (no gradient codec) XLA keeps the data-parallel gradient all-reduce inside the loop,
-K all-reduces a step instead of one (seen in the compiled program on XLA:CPU and on the TPU v5e compiler); the split
-itself moves no data. Under a gradient codec each replica accumulates locally and the codec reduces once.
+Communication: on a data-only mesh (parameters replicated) each replica accumulates its own rows inside a
+shard_map and the fp32 gradient is summed over replicas once, after the loop; fp32 on the wire, twice a bf16
+parameter's bytes (left to the partitioner, XLA:CPU and the TPU compiler both keep the all-reduce inside the loop:
+K a step). With parameters sharded (fsdp, tensor) the scan runs under the partitioner and pays that per-micro-batch
+reduce. Under a gradient codec each replica accumulates locally and the codec reduces once.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -122,17 +126,24 @@ def combine_metrics(stacked: dict, tokens) -> dict:
 def value_and_grad(loss_fn, micro_batch: int = 0, *, dp: int = 1, mesh=None):
     """Like `jax.value_and_grad(loss_fn, has_aux=True)`: fn(params, batch, *rest) -> ((loss, metrics), grads),
     accumulated over micro-batches of `micro_batch` rows per replica (`dp` replicas hold the batch's rows; inside a
-    shard_map the rows are local: dp = 1). `mesh`: keep the batch sharding on the micro-batches (SPMD path) and the
-    fp32 carry on the parameter shardings. Gradients come back in the parameters' dtype, as unaccumulated."""
+    shard_map the rows are local: dp = 1). `mesh`: the SPMD path. On a data-only mesh (parameters replicated) each
+    replica accumulates its own rows inside a shard_map and the gradient is summed over replicas once, after the
+    loop (left to the partitioner, XLA all-reduces every micro-batch's gradient inside the loop: K all-reduces);
+    with parameters sharded (fsdp, tensor) the scan runs under the partitioner, the carry on the parameter
+    shardings. Gradients come back in the parameters' dtype, as unaccumulated."""
     plain = jax.value_and_grad(loss_fn, has_aux=True)
     if not micro_batch:
         return plain
+    local = _local_accumulation(plain, micro_batch)
 
     def fn(params, batch, *rest):
         k = count(batch["response_mask"].shape[0], micro_batch, dp)
         if k == 1:
             return plain(params, batch, *rest)
-        stacked, shared = split(with_normalisers(batch), k, mesh)
+        batch = with_normalisers(batch)
+        if mesh is not None and _replicated_params(mesh):
+            return _per_replica(local, mesh, params, batch, rest)
+        stacked, shared = split(batch, k, mesh)
         pin = (lambda t: t) if mesh is None else _param_pin(params, mesh)
 
         def body(acc, mb):
@@ -148,6 +159,64 @@ def value_and_grad(loss_fn, micro_batch: int = 0, *, dp: int = 1, mesh=None):
         return (jnp.sum(losses), combine_metrics(metrics, tokens)), grads
 
     return fn
+
+
+def _local_accumulation(plain, micro_batch):
+    """(params, rows, rest) -> (fp32 gradient sum, loss sum, metrics stacked [K], tokens [K]) over this replica's
+    rows (all of them when unsharded)."""
+
+    def fn(params, batch, rest):
+        k = count(batch["response_mask"].shape[0], micro_batch)
+        stacked, shared = split(batch, k)
+
+        def body(acc, mb):
+            (loss, metrics), g = plain(params, {**shared, **mb}, *rest)
+            acc = jax.tree.map(lambda a, x: a + x.astype(F32), acc, g)
+            return acc, (loss, metrics, jnp.sum(mb["response_mask"].astype(F32)))
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, F32), params)
+        acc, (losses, metrics, tokens) = jax.lax.scan(body, zeros, stacked)
+        return acc, jnp.sum(losses), metrics, tokens
+
+    return fn
+
+
+def _replicated_params(mesh) -> bool:
+    return all(mesh.shape.get(a, 1) == 1 for a in mesh.axis_names if a not in pmesh.BATCH_AXES)
+
+
+def _per_replica(local, mesh, params, batch, rest):
+    """`local` inside a shard_map manual over every axis: the fp32 gradient and loss summed over replicas once
+    (the loss is normalised by the global counts, so the sum is the global value); the per-micro-batch metrics of
+    every replica gathered ([R*K] scalars, tiny) and combined as over micro-batches, exactly; per-row outputs stay
+    with their rows."""
+    axes = pmesh.BATCH_AXES
+
+    def body(params, batch, rest):
+        acc, loss, metrics, tokens = local(params, batch, rest)
+        gather = lambda x: jax.lax.all_gather(x, axes, axis=0, tiled=True)  # noqa: E731  [K, ...] -> [R*K, ...]
+        rows = {n: join_rows(v) for n, v in metrics.items() if not isinstance(v, dict) and v.ndim > 1}
+        summary = {n: jax.tree.map(gather, v) for n, v in metrics.items() if n not in rows}
+        metrics = {**combine_metrics(summary, gather(tokens)), **rows}
+        return jax.lax.psum(acc, axes), jax.lax.psum(loss, axes), metrics
+
+    out_shape = jax.eval_shape(functools.partial(_metric_shapes, local), params, batch, rest)
+    batch_spec = jax.tree.map(lambda x: P(axes) if jnp.ndim(x) else P(), batch)
+    metric_spec = {n: P(axes) if (not isinstance(v, dict) and v.ndim) else P() for n, v in out_shape.items()}
+    acc, loss, metrics = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(jax.tree.map(lambda _: P(), params), batch_spec, jax.tree.map(lambda _: P(), rest)),
+        out_specs=(P(), P(), metric_spec),
+        check_vma=False,
+    )(params, batch, rest)
+    return (loss, metrics), jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
+
+
+def _metric_shapes(local, params, batch, rest):
+    """One micro-batch's metrics (shapes only: which entries are per-row), traced on the whole batch."""
+    _, _, metrics, _ = local(params, batch, rest)
+    return {n: v if isinstance(v, dict) else v[0] for n, v in metrics.items()}
 
 
 def _param_pin(params, mesh):
