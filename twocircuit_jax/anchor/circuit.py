@@ -31,8 +31,9 @@ from twocircuit_jax.anchor.projection import SnapshotWindow
 from twocircuit_jax.anchor.retention import ReplayBuffer, _Snapshot
 from twocircuit_jax.anchor.swap import init_anchor_moments, swap_optimizer_moments, update_anchor_moments
 from twocircuit_jax.config.base import ConfigError
-from twocircuit_jax.parallel import dispatch
+from twocircuit_jax.parallel import dispatch, mesh as pmesh
 from twocircuit_jax.parallel.host import to_global, to_host
+from twocircuit_jax.train import accumulate
 
 _ZERO_COUNTERS = ("anchor/optimizer_steps", "anchor/rollouts_generated", "anchor/rewards_recomputed")
 
@@ -69,12 +70,17 @@ class AnchorCircuit:
         if a.swap_cadence > 0:
             mom = jax.eval_shape(lambda: init_anchor_moments(params, a.target_scope))
             self.mom_sh = type(mom)(m={k: by_path[k] for k in mom.m}, v={k: by_path[k] for k in mom.v}, fired=self.rep)
+        # train.micro_batch: the fire accumulates over micro-batches like the train step (one micro-batch's
+        # activations at a time); checked here against the mesh too (ConfigError naming the field).
+        mesh = self.rep.mesh
         grad_fn = make_anchor_grad(
             model_cfg,
             run_cfg.grpo,
             run_cfg.sampler.sampling.max_new_tokens,
             sketcher if self.owns_q else None,
             pipeline=pipeline,
+            micro_batch=accumulate.check(run_cfg, pmesh.dp_size(mesh)),
+            mesh=mesh,
         )
         # The merger's M (and δ) sharded like their parameters (fsdp: 1/fsdp per device), scalars replicated.
         self.merger_sh = None

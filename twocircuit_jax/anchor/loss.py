@@ -20,16 +20,22 @@ import jax.numpy as jnp
 
 from twocircuit_jax.grpo.loss import agg_loss, kl_penalty
 from twocircuit_jax.grpo.tis import tis_weights
-from twocircuit_jax.parallel import pipeline as pipe
+from twocircuit_jax.parallel import mesh as pmesh, pipeline as pipe
+from twocircuit_jax.train import accumulate
 
 DENSE = "dense"  # design §3.1 path tag of the anchor pass
+AUX = "anchor/aux"  # the hook aux (the basis sketch) as a metrics entry, so accumulation combines it; popped
 
 
-def anchor_loss(model_cfg, grpo_cfg, max_new_tokens: int, params, batch, boundary_fn=None, pipeline=None):
+def anchor_loss(
+    model_cfg, grpo_cfg, max_new_tokens: int, params, batch, boundary_fn=None, pipeline=None, keep_logp=False
+):
     """(loss scalar, (metrics, hook aux)) of the dense anchor pass on `batch` (tokens, attention_mask,
     response_mask, advantages; ref_logp_dense, the reference log-probs with codecs off, when kl_coef > 0;
-    sampler_logp when TIS is on). `boundary_fn` (parallel/pipeline.forward) only observes: the anchor-owned low-rank
-    basis sketches the activations, unchanged. `pipeline`: the staged forward (mesh.stage > 1)."""
+    sampler_logp when TIS is on; token_count / seq_count, the whole mini-batch's normalisers, when the fire runs
+    over micro-batches). `boundary_fn` (parallel/pipeline.forward) only observes: the anchor-owned low-rank
+    basis sketches the activations, unchanged. `pipeline`: the staged forward (mesh.stage > 1). `keep_logp`: the
+    pass's log-probs (stop-gradient) in metrics[LOGP], for the whole batch's TIS metrics after accumulation."""
     stats, aux = pipe.forward(
         model_cfg,
         params,
@@ -51,7 +57,7 @@ def anchor_loss(model_cfg, grpo_cfg, max_new_tokens: int, params, batch, boundar
             raise ValueError(f"grpo.tis={grpo_cfg.tis!r} but the replayed batch has no sampler_logp")
         w, tis = tis_weights(jax.lax.stop_gradient(logp), batch["sampler_logp"], mask, grpo_cfg.tis, grpo_cfg.tis_cap)
         pg = pg * w
-    agg = dict(norm_len=max_new_tokens)
+    agg = dict(norm_len=max_new_tokens, token_count=batch.get("token_count"), seq_count=batch.get("seq_count"))
     pg_loss = agg_loss(pg, mask, grpo_cfg.loss_agg, **agg)
     loss = pg_loss
     kl_loss = jnp.zeros((), jnp.float32)
@@ -72,7 +78,12 @@ def anchor_loss(model_cfg, grpo_cfg, max_new_tokens: int, params, batch, boundar
         "anchor/loss": loss,
         **{f"anchor/{k}": v for k, v in tis.items()},
     }
+    if keep_logp:
+        metrics[LOGP] = jax.lax.stop_gradient(logp)
     return loss, (metrics, aux)
+
+
+LOGP = "rows/logp"  # a per-row entry of the metrics: never leaves the fire
 
 
 def anchor_batch_keys(grpo_cfg) -> list[str]:
@@ -84,17 +95,34 @@ def anchor_batch_keys(grpo_cfg) -> list[str]:
     return keys
 
 
-def make_anchor_grad(model_cfg, grpo_cfg, max_new_tokens: int, sketcher=None, pipeline=None):
+def make_anchor_grad(
+    model_cfg, grpo_cfg, max_new_tokens: int, sketcher=None, pipeline=None, *, micro_batch: int = 0, mesh=None
+):
     """(params, batch, sketch_state) -> (grads, metrics, aux): one dense forward and backward; XLA inserts the
-    `dp` mean. `sketcher(sketch_state, attention_mask) -> (hook, layers)` adds the basis sketch (aux)."""
+    `dp` mean. `sketcher(sketch_state, attention_mask) -> (hook, layers)` adds the basis sketch (aux).
+    `micro_batch` > 0 (train.micro_batch; `mesh` gives the replica count and keeps the batch sharding): the
+    gradient is accumulated over micro-batches of that many rows per replica (train/accumulate.py), normalised by
+    the whole batch's counts; the sketch is summed, the loss terms summed, the token means weighted, and the TIS
+    metrics taken once over the whole batch's log-probs (a ratio like the ESS does not split)."""
+    split = bool(micro_batch)
 
-    def fn(params, batch, sketch_state=None):
+    def loss(p, batch, sketch_state):
         boundary_fn = None
         if sketcher is not None:
             boundary_fn = lambda mb: (*sketcher(sketch_state, mb["attention_mask"]), {})  # noqa: E731
-        (_, (metrics, aux)), grads = jax.value_and_grad(
-            lambda p: anchor_loss(model_cfg, grpo_cfg, max_new_tokens, p, batch, boundary_fn, pipeline), has_aux=True
-        )(params)
+        value, (metrics, aux) = anchor_loss(model_cfg, grpo_cfg, max_new_tokens, p, batch, boundary_fn, pipeline, split)
+        return value, dict(metrics, **{AUX: aux})
+
+    dp = pmesh.dp_size(mesh) if mesh is not None else 1
+    vg = accumulate.value_and_grad(loss, micro_batch, dp=dp, mesh=mesh)
+
+    def fn(params, batch, sketch_state=None):
+        (_, metrics), grads = vg(params, batch, sketch_state)
+        aux = metrics.pop(AUX)
+        logp = metrics.pop(LOGP, None)
+        if logp is not None and grpo_cfg.tis != "off":
+            _, tis = tis_weights(logp, batch["sampler_logp"], batch["response_mask"], grpo_cfg.tis, grpo_cfg.tis_cap)
+            metrics.update({f"anchor/{k}": v for k, v in tis.items()})
         metrics["anchor/grad_norm"] = jnp.sqrt(
             sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
         )

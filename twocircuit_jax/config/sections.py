@@ -551,6 +551,14 @@ class TrainConfig:
         default=0,
         metadata=doc("pipeline microbatches per forward (mesh.stage > 1); 0 = mesh.stage", "M"),
     )
+    micro_batch: int = field(
+        default=0,
+        metadata=doc(
+            "rows per device in one forward/backward: the train step accumulates the mini-batch's gradient over "
+            "micro-batches of this size (and forward-only passes run in them); must divide mini_batch*sampler.n / "
+            "data-parallel size; not with mesh.stage > 1; 0 = the whole mini-batch at once"
+        ),
+    )
     async_rollouts: int = field(
         default=0,
         metadata=doc(
@@ -571,6 +579,9 @@ class TrainConfig:
         require(self.eval_every >= 0, "eval_every", f"got {self.eval_every}; must be >= 0 (0 = only at the ends)")
         require(self.checkpoint_every >= 0, "checkpoint_every", f"got {self.checkpoint_every}; must be >= 0")
         require(self.microbatches >= 0, "microbatches", f"got {self.microbatches}; must be >= 0 (0 = mesh.stage)")
+        require(
+            self.micro_batch >= 0, "micro_batch", f"got {self.micro_batch}; must be >= 0 (0 = the whole mini-batch)"
+        )
         require(self.async_rollouts in (0, 1), "async_rollouts", f"got {self.async_rollouts}; allowed 0 or 1")
 
 

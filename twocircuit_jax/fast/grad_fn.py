@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from twocircuit_jax.parallel.mesh import BATCH_AXES
+from twocircuit_jax.train import accumulate
 
 _SUMMED = ("sketch", "tokens")  # aux leaves that add up over replicas; every other aux leaf is averaged
 
@@ -60,9 +61,10 @@ def global_normalisers(response_mask, axes) -> dict:
     return {"token_count": tokens / n_rep, "seq_count": seqs / n_rep}
 
 
-def make_codec_grad_fn(codec, mesh, *, axes=BATCH_AXES):
+def make_codec_grad_fn(codec, mesh, *, axes=BATCH_AXES, micro_batch: int = 0):
     """factory(loss_fn) -> fn(params, batch, cs) -> (mean grads, loss, metrics, cs with the next cs.grad); `codec` is
-    the registered gradient codec (fast/codecs/base.GradCodec)."""
+    the registered gradient codec (fast/codecs/base.GradCodec). `micro_batch` > 0: each replica accumulates its
+    gradient over micro-batches of that many of its rows (train/accumulate.py) and the codec reduces the sum once."""
 
     hier = getattr(codec, "replica_axes", None)
     axes = hier or axes
@@ -84,7 +86,7 @@ def make_codec_grad_fn(codec, mesh, *, axes=BATCH_AXES):
             def body(params, batch, cs):
                 cs = unpack(cs)
                 batch = dict(batch, **global_normalisers(batch["response_mask"], axes))
-                (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, cs)
+                (loss, metrics), grads = accumulate.value_and_grad(loss_fn, micro_batch)(params, batch, cs)
                 mean, new_state, pm = codec.reduce(grads, cs.grad, axes)
                 metrics = _reduce_metrics(dict(metrics), axes)
                 metrics.update(pm)

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 
 from twocircuit_jax.grpo.loss import kl_penalty
 from twocircuit_jax.grpo.tis import tis_weights
-from twocircuit_jax.parallel import pipeline as pipe
+from twocircuit_jax.parallel import mesh as pmesh, pipeline as pipe
+from twocircuit_jax.train import accumulate
 
 # Parameter groups of the fidelity gauge, by the first matching path fragment (docs/architecture.md's pytree).
 GROUPS = (
@@ -100,9 +101,15 @@ def make_fidelity_fn(
     grad_transform: Optional[Callable],
     make_dense_loss: Callable,
     pipeline=None,
+    *,
+    micro_batch: int = 0,
+    mesh=None,
 ):
     """fn(params, ref_params, batch, cs) -> {fidelity/*: scalar}; `cs` is the circuit state; `pipeline` the staged
-    forward (mesh.stage > 1, parallel/pipeline.py) or None.
+    forward (mesh.stage > 1, parallel/pipeline.py) or None. `micro_batch` (train.micro_batch; `mesh` gives the
+    replica count and keeps the batch sharding): the dense gradient is accumulated and the no-grad passes run over
+    micro-batches of that many rows per replica, like the train step; `compute` is the step's own (accumulating)
+    gradient.
 
     `compute(params, batch, cs) -> (grads, loss, metrics, cs)` is the train step's own gradient (the circuit's grad_fn,
     PowerSGD included); `grad_transform` the merger (None without the anchor); `make_dense_loss()` the dense GRPO
@@ -110,10 +117,20 @@ def make_fidelity_fn(
     so the fast and dense objectives differ only by the view). Error memories and merger states are discarded.
     """
     dense_loss = make_dense_loss()
+    dp = pmesh.dp_size(mesh) if mesh is not None else 1
+    dense_grad = accumulate.value_and_grad(dense_loss, micro_batch, dp=dp, mesh=mesh)
+
+    def by_rows(fn, batch):
+        """fn(rows) -> per-row array, over micro-batches; rows back in batch order."""
+        out, k = accumulate.map_rows(fn, batch, micro_batch, dp=dp, mesh=mesh)
+        return out if k == 1 else pipe.join_rows(out)
 
     def dense_logp(p, batch):
-        stats, _ = pipe.forward(model_cfg, p, batch["tokens"], batch["attention_mask"], pipeline=pipeline)
-        return jax.lax.stop_gradient(stats.logp)
+        def one(rows):
+            stats, _ = pipe.forward(model_cfg, p, rows["tokens"], rows["attention_mask"], pipeline=pipeline)
+            return jax.lax.stop_gradient(stats.logp)
+
+        return by_rows(one, {k: batch[k] for k in ("tokens", "attention_mask")})
 
     def boundary_states(p, batch, boundary_fn):
         """{boundary: [B, T, H]} what each boundary's receiver rebuilds in one forward (rows in batch order)."""
@@ -142,14 +159,24 @@ def make_fidelity_fn(
             return (lambda layer, h: (h, h)), codec_fn(mb)[1], {}
 
         p = jax.lax.stop_gradient(params)
-        codec_h, dense_h = boundary_states(p, batch, seen), boundary_states(p, batch, dense)
-        w = batch["attention_mask"].astype(jnp.float32)[..., None]
-        out = {}
-        for b in sorted(codec_h):
-            d = (codec_h[b].astype(jnp.float32) - dense_h[b].astype(jnp.float32)) * w
-            ref = dense_h[b].astype(jnp.float32) * w
-            out[f"fidelity/boundary_rel_err/{b}"] = jnp.sqrt(jnp.sum(d * d) / jnp.maximum(jnp.sum(ref * ref), 1e-30))
-        return out
+
+        def sums(rows):  # {boundary: [2] (Σ‖h̃ − h‖², Σ‖h‖²) over real tokens}: sums add up over micro-batches
+            codec_h, dense_h = boundary_states(p, rows, seen), boundary_states(p, rows, dense)
+            w = rows["attention_mask"].astype(jnp.float32)[..., None]
+            out = {}
+            for b in sorted(codec_h):
+                d = (codec_h[b].astype(jnp.float32) - dense_h[b].astype(jnp.float32)) * w
+                ref = dense_h[b].astype(jnp.float32) * w
+                out[b] = jnp.stack([jnp.sum(d * d), jnp.sum(ref * ref)])
+            return out
+
+        rows = {k: batch[k] for k in ("tokens", "attention_mask", "sample_id")}
+        out, k = accumulate.map_rows(sums, rows, micro_batch, dp=dp, mesh=mesh)
+        if k > 1:
+            out = jax.tree.map(lambda x: jnp.sum(x, axis=0), out)
+        return {
+            f"fidelity/boundary_rel_err/{b}": jnp.sqrt(s[0] / jnp.maximum(s[1], 1e-30)) for b, s in sorted(out.items())
+        }
 
     def fn(params, ref_params, batch, cs):
         cs = cs._replace(clock=cs.clock._replace(first_minibatch=jnp.asarray(True)))
@@ -164,7 +191,7 @@ def make_fidelity_fn(
             dense_batch["is_weight"] = tis_weights(
                 lp, batch["sampler_logp"], batch["response_mask"], grpo_cfg.tis, grpo_cfg.tis_cap
             )[0]
-        g_dense = jax.grad(lambda p: dense_loss(p, dense_batch, cs)[0])(params)
+        g_dense = dense_grad(params, dense_batch, cs)[1]
         out = grad_cosines(g_post, g_dense)
         # Without the anchor nothing rewrites G and the two are equal; logged anyway so runs compare key for key.
         out["fidelity/grad_cos_pre_merger"] = grad_cosines(g_pre, g_dense, "c")["c"]

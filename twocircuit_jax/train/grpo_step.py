@@ -14,7 +14,8 @@ from twocircuit_jax.grpo.loss import grpo_loss
 from twocircuit_jax.grpo.tis import tis_weights
 from twocircuit_jax.metrics.gauges import entropy_summary
 from twocircuit_jax.metrics.mismatch import mismatch_metrics
-from twocircuit_jax.parallel import pipeline as pipe
+from twocircuit_jax.parallel import mesh as pmesh, pipeline as pipe
+from twocircuit_jax.train import accumulate
 from twocircuit_jax.train.step import AUX
 
 TRAIN, OLD, REF, DENSE = "train", "old_logprob", "ref_logprob", "dense"
@@ -38,12 +39,26 @@ def _policy_pass(model_cfg, params, batch, cs, codec, tag, pipeline=None, entrop
     )
 
 
-def make_logp_fn(model_cfg, codec=None, tag: str = OLD, pipeline=None):
-    """(params, batch, cs) -> (logp [B,T], entropy [B,T], codec aux). No gradient is taken through it."""
+def make_logp_fn(model_cfg, codec=None, tag: str = OLD, pipeline=None, *, micro_batch: int = 0, mesh=None):
+    """(params, batch, cs) -> (logp [B,T], entropy [B,T], codec aux). No gradient is taken through it.
+    `micro_batch` > 0 (train.micro_batch; `mesh` gives the replica count and keeps the batch sharding): the pass
+    runs over micro-batches of that many rows per replica with `lax.map`, holding one micro-batch's activations;
+    the rows come back in order and the aux is combined (sketches and token counts summed, the rest averaged)."""
 
-    def fn(params, batch, cs):
+    def one(params, batch, cs):
         stats, aux = _policy_pass(model_cfg, params, batch, cs, codec, tag, pipeline)
         return jax.lax.stop_gradient(stats.logp), stats.entropy, aux
+
+    if not micro_batch:
+        return one
+    dp = pmesh.dp_size(mesh) if mesh is not None else 1
+
+    def fn(params, batch, cs):
+        out, k = accumulate.map_rows(lambda rows: one(params, rows, cs), batch, micro_batch, dp=dp, mesh=mesh)
+        if k == 1:
+            return out
+        logp, ent, aux = out
+        return pipe.join_rows(logp), pipe.join_rows(ent), pipe.reduce_aux(aux)
 
     return fn
 

@@ -23,6 +23,7 @@ import jax
 
 from twocircuit_jax.metrics.probe import dense_probe_sums, make_fidelity_fn
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
+from twocircuit_jax.train import accumulate
 from twocircuit_jax.train.circuit_state import CircuitState, init_clock
 from twocircuit_jax.train.grpo_step import DENSE, OLD, REF, make_diagnostics_fn, make_grpo_loss, make_logp_fn
 from twocircuit_jax.train.setup import make_pipeline
@@ -86,6 +87,7 @@ def fuses_old_pass(cfg, codec, pipeline) -> bool:
         and pipeline is None
         and not cfg.train.probe_every
         and not cfg.env.enabled
+        and not cfg.train.micro_batch  # the fused diagnostics are whole-batch: not over micro-batches
     )
 
 
@@ -111,8 +113,9 @@ def build_programs(cfg, model_cfg, mesh, optimizer, state_sh, circuits: Circuits
     max_new = cfg.sampler.sampling.max_new_tokens
     old_from_train = fuse_old and fuses_old_pass(cfg, fc, pl)
     rows_over = fc.grad_axes if (fc and fc.grad_codec is not None) else None  # the gradient codec's manual axes
+    mb = accumulate.check(cfg, pmesh.dp_size(mesh))  # train.micro_batch (ConfigError), 0 = one pass
     loss_fn = make_grpo_loss(model_cfg, cfg.grpo, max_new, act, pl, diagnose=old_from_train, rows_over=rows_over)
-    grad_fn = fc.grad_fn(state_sh.params) if fc else None
+    grad_fn = fc.grad_fn(state_sh.params, micro_batch=mb) if fc else None
     grad_transform = anchor.grad_transform if anchor else None
     fidelity = None
     if cfg.train.probe_every:  # the fidelity gauge: the applied gradient against the dense step's, same batch
@@ -121,10 +124,12 @@ def build_programs(cfg, model_cfg, mesh, optimizer, state_sh, circuits: Circuits
             cfg.grpo,
             max_new,
             act,
-            (grad_fn or default_grad_fn)(loss_fn),
+            grad_fn(loss_fn) if grad_fn else default_grad_fn(loss_fn, micro_batch=mb, mesh=mesh),
             grad_transform,
             lambda: make_grpo_loss(model_cfg, cfg.grpo, max_new, None, pl),
             pipeline=pl,
+            micro_batch=mb,
+            mesh=mesh,
         )
         fidelity = dispatch.jit(fid)
     train_step = build_train_step(
@@ -137,16 +142,18 @@ def build_programs(cfg, model_cfg, mesh, optimizer, state_sh, circuits: Circuits
         absorb_aux=fc.absorb_aux if fc else None,
         grad_transform=grad_transform,
         skip_nonfinite=cfg.train.skip_nonfinite,
+        micro_batch=mb,
     )
+    rows = dict(micro_batch=mb, mesh=mesh)  # the forward-only passes hold one micro-batch's activations too
     return Programs(
         old_from_train=old_from_train,
         loss_fn=loss_fn,
         train_step=train_step,
         diagnostics=dispatch.jit(make_diagnostics_fn(cfg.grpo)),
-        logp_old=dispatch.jit(make_logp_fn(model_cfg, act, OLD, pl)),
-        logp_ref=dispatch.jit(make_logp_fn(model_cfg, act, REF, pl)),
-        logp_dense=dispatch.jit(make_logp_fn(model_cfg, None, DENSE, pl)),
-        logp_anchor_ref=dispatch.jit(make_logp_fn(model_cfg, None, DENSE, pl)),
+        logp_old=dispatch.jit(make_logp_fn(model_cfg, act, OLD, pl, **rows)),
+        logp_ref=dispatch.jit(make_logp_fn(model_cfg, act, REF, pl, **rows)),
+        logp_dense=dispatch.jit(make_logp_fn(model_cfg, None, DENSE, pl, **rows)),
+        logp_anchor_ref=dispatch.jit(make_logp_fn(model_cfg, None, DENSE, pl, **rows)),
         probe_sums=dispatch.jit(dense_probe_sums, static_argnames="estimator"),
         fidelity=fidelity,
         anchor_fire=anchor.fire_program if anchor else None,

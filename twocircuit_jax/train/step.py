@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
+from twocircuit_jax.train import accumulate
 
 
 class TrainState(NamedTuple):
@@ -76,9 +77,14 @@ def state_shardings(state: TrainState, mesh) -> TrainState:
 AUX = "codec/aux"  # the loss's metrics entry with the codec's per-boundary outputs; never leaves the step
 
 
-def default_grad_fn(loss_fn):
+def default_grad_fn(loss_fn, *, micro_batch: int = 0, mesh=None):
+    """XLA's implicit data-parallel mean. `micro_batch` > 0: accumulated over micro-batches of that many rows per
+    replica (train/accumulate.py; `mesh` gives the replica count and keeps the batch sharding); 0: no scan."""
+    dp = pmesh.dp_size(mesh) if mesh is not None else 1
+    vg = accumulate.value_and_grad(loss_fn, micro_batch, dp=dp, mesh=mesh)
+
     def fn(params, batch, cs):
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, cs)
+        (loss, metrics), grads = vg(params, batch, cs)
         return grads, loss, metrics, cs
 
     return fn
@@ -92,9 +98,12 @@ def make_train_step(
     absorb_aux: Optional[Callable] = None,
     grad_transform: Optional[Callable] = None,
     skip_nonfinite: bool = True,
+    micro_batch: int = 0,
+    mesh=None,
 ):
-    """Pure (train_state, circuit_state, batch) -> (train_state', circuit_state', scalar metrics)."""
-    compute = (grad_fn or default_grad_fn)(loss_fn)
+    """Pure (train_state, circuit_state, batch) -> (train_state', circuit_state', scalar metrics). `micro_batch` /
+    `mesh`: the default grad_fn's accumulation (a gradient codec's grad_fn takes its own)."""
+    compute = grad_fn(loss_fn) if grad_fn else default_grad_fn(loss_fn, micro_batch=micro_batch, mesh=mesh)
 
     def step(state: TrainState, cs, batch):
         grads, loss, metrics, cs = compute(state.params, batch, cs)
@@ -150,9 +159,11 @@ def build_train_step(
     skip_nonfinite: bool = True,
     batch_sharding=None,
     donate=True,
+    micro_batch: int = 0,
 ):
     """`make_train_step` + `jit_train_step`; metrics (scalars) come out replicated. `circuit_sharding` is the
-    circuit state's sharding tree (the loop's `circuit_shardings`); None leaves it free."""
+    circuit state's sharding tree (the loop's `circuit_shardings`); None leaves it free. `micro_batch`: rows per
+    replica per forward/backward of the default grad_fn (train.micro_batch; 0 = the whole mini-batch)."""
     step = make_train_step(
         loss_fn,
         optimizer,
@@ -160,6 +171,8 @@ def build_train_step(
         absorb_aux=absorb_aux,
         grad_transform=grad_transform,
         skip_nonfinite=skip_nonfinite,
+        micro_batch=micro_batch,
+        mesh=mesh,
     )
     return jit_train_step(step, state_sharding, circuit_sharding, batch_sharding, pmesh.replicated(mesh), donate)
 

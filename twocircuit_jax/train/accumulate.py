@@ -1,0 +1,245 @@
+"""Micro-batched gradient accumulation inside one jitted pass (`train.micro_batch`).
+
+A mini-batch of R rows per device is cut into K = R / micro_batch micro-batches; a `lax.scan` runs forward and
+backward over one at a time and adds its gradient into an fp32 carry, so a pass holds one micro-batch's activations
+instead of the whole mini-batch's (the point: Qwen2.5-1.5B at 256 rows x 4,096 tokens per device does not fit).
+Micro-batch j takes rows j, j+K, j+2K, ... (parallel/pipeline.split_rows): each device's contiguous block of rows
+holds an equal part of every micro-batch, so the split moves no data; the per-micro-batch arrays keep the batch
+sharding (constrained when a mesh is given, the SPMD path; inside a gradient codec's shard_map rows are local).
+
+Normalisation is the whole mini-batch's: before the split the batch gets `token_count` / `seq_count` (grpo/loss.py
+agg_loss) of the whole mini-batch unless the caller set them already (a gradient codec's `global_normalisers`), so
+the micro-batch losses, and their gradients, add up to the mini-batch's for every `loss_agg` mode, KL and entropy
+terms included. Metrics combine to the unaccumulated values: `loss/*` (and the anchor's loss terms) summed, `*_max`
+/ `*_min` maxed / minned, codec summaries averaged like their aux, every other scalar (a masked mean over response
+tokens) weighted by the micro-batch's response tokens. A dict-valued entry is a codec's per-boundary aux: sketches
+and token counts summed, the rest averaged (parallel/pipeline.reduce_aux); a per-row array is joined back in row
+order.
+
+micro_batch = 0 (or K = 1) returns the plain `jax.value_and_grad`: no scan, today's program exactly. Cost of K > 1:
+the parameters are read K times per pass and the fp32 gradient carry (4 bytes a parameter) lives through the scan.
+Communication: on a data-only mesh (parameters replicated) each replica accumulates its own rows inside a
+shard_map and the fp32 gradient is summed over replicas once, after the loop; fp32 on the wire, twice a bf16
+parameter's bytes (left to the partitioner, XLA:CPU and the TPU compiler both keep the all-reduce inside the loop:
+K a step). With parameters sharded (fsdp, tensor) the scan runs under the partitioner and pays that per-micro-batch
+reduce. Under a gradient codec each replica accumulates locally and the codec reduces once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from twocircuit_jax.config.base import ConfigError
+from twocircuit_jax.parallel import mesh as pmesh
+from twocircuit_jax.parallel.pipeline import join_rows, reduce_aux, split_rows
+
+F32 = jnp.float32
+SUMMED = ("anchor/pg_loss", "anchor/kl_loss", "anchor/loss")  # besides every `loss/*`: terms of the loss, additive
+
+
+def count(rows: int, micro_batch: int, dp: int = 1) -> int:
+    """K micro-batches of a pass over `rows` global rows split over `dp` replicas (1 when micro_batch is 0)."""
+    if not micro_batch:
+        return 1
+    if rows % dp or (rows // dp) % micro_batch:
+        raise ValueError(
+            f"train.micro_batch={micro_batch} must divide a device's rows of every pass: {rows} rows over {dp} "
+            "data-parallel replicas"
+        )
+    return rows // dp // micro_batch
+
+
+def check(run_cfg, dp: int) -> int:
+    """`train.micro_batch` against the run (ConfigError naming the field); returns it (0 = off). The pipeline's
+    GPipe microbatches (mesh.stage > 1, train.microbatches) are not accumulated around: refused."""
+    t = run_cfg.train
+    mb = t.micro_batch
+    if not mb:
+        return 0
+    if run_cfg.mesh.stage > 1:
+        raise ConfigError(
+            "train.micro_batch",
+            f"got {mb}; mesh.stage={run_cfg.mesh.stage} splits the forward into train.microbatches already "
+            "(accumulation around the pipeline is not built); set it 0",
+        )
+    rows = t.mini_batch * run_cfg.sampler.n
+    if rows % dp or (rows // dp) % mb:
+        raise ConfigError(
+            "train.micro_batch",
+            f"got {mb}; must divide a device's rows of the mini-batch: mini_batch*sampler.n / dp = {rows}/{dp}",
+        )
+    return mb
+
+
+def with_normalisers(batch: dict) -> dict:
+    """The whole batch's loss normalisers (`agg_loss`), unless a grad_fn set global ones already."""
+    if "token_count" in batch:
+        return batch
+    mask = batch["response_mask"].astype(F32)
+    seqs = jnp.sum((jnp.sum(mask, axis=-1) > 0).astype(F32))
+    return dict(batch, token_count=jnp.sum(mask), seq_count=seqs)
+
+
+def split(batch: dict, k: int, mesh=None):
+    """(per-row entries [K, rows/K, ...] in split_rows order, the shared entries: scalars)."""
+    rows = batch["response_mask"].shape[0]
+    per_row = {n: x for n, x in batch.items() if jnp.ndim(x) and x.shape[0] == rows}
+    shared = {n: x for n, x in batch.items() if n not in per_row}
+    stacked = {n: split_rows(x, k) for n, x in per_row.items()}
+    if mesh is not None:
+        stacked = {n: _constrain(x, mesh, 1) for n, x in stacked.items()}
+    return stacked, shared
+
+
+def _constrain(x, mesh, axis: int):
+    spec = [None] * x.ndim
+    spec[axis] = pmesh.BATCH_AXES
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
+
+
+def combine_metrics(stacked: dict, tokens) -> dict:
+    """{name: [K] per micro-batch} -> the mini-batch's values (module docstring); `tokens` [K] response tokens."""
+    w = tokens.astype(F32)
+    out = {}
+    for n, v in stacked.items():
+        if isinstance(v, dict):
+            out[n] = reduce_aux(v)
+        elif v.ndim > 1:  # a per-row output [K, rows/K, ...]: back in batch row order
+            out[n] = join_rows(v)
+        elif n.startswith("loss/") or n in SUMMED:
+            out[n] = jnp.sum(v, axis=0)
+        elif n.endswith("_max"):
+            out[n] = jnp.max(v, axis=0)
+        elif n.endswith("_min"):
+            out[n] = jnp.min(v, axis=0)
+        elif n.startswith("codec/"):
+            out[n] = jnp.mean(v.astype(F32), axis=0)
+        else:  # a masked mean over response tokens: Σ_j n_j m_j / max(Σ n_j, 1) = the whole batch's
+            out[n] = jnp.sum(v.astype(F32) * w, axis=0) / jnp.maximum(jnp.sum(w), 1.0)
+    return out
+
+
+def value_and_grad(loss_fn, micro_batch: int = 0, *, dp: int = 1, mesh=None):
+    """Like `jax.value_and_grad(loss_fn, has_aux=True)`: fn(params, batch, *rest) -> ((loss, metrics), grads),
+    accumulated over micro-batches of `micro_batch` rows per replica (`dp` replicas hold the batch's rows; inside a
+    shard_map the rows are local: dp = 1). `mesh`: the SPMD path. On a data-only mesh (parameters replicated) each
+    replica accumulates its own rows inside a shard_map and the gradient is summed over replicas once, after the
+    loop (left to the partitioner, XLA all-reduces every micro-batch's gradient inside the loop: K all-reduces);
+    with parameters sharded (fsdp, tensor) the scan runs under the partitioner, the carry on the parameter
+    shardings. Gradients come back in the parameters' dtype, as unaccumulated."""
+    plain = jax.value_and_grad(loss_fn, has_aux=True)
+    if not micro_batch:
+        return plain
+    local = _local_accumulation(plain, micro_batch)
+
+    def fn(params, batch, *rest):
+        k = count(batch["response_mask"].shape[0], micro_batch, dp)
+        if k == 1:
+            return plain(params, batch, *rest)
+        batch = with_normalisers(batch)
+        if mesh is not None and _replicated_params(mesh):
+            return _per_replica(local, mesh, params, batch, rest)
+        stacked, shared = split(batch, k, mesh)
+        pin = (lambda t: t) if mesh is None else _param_pin(params, mesh)
+
+        def body(acc, mb):
+            if mesh is not None:
+                mb = {n: _constrain(x, mesh, 0) for n, x in mb.items()}
+            (loss, metrics), g = plain(params, {**shared, **mb}, *rest)
+            acc = pin(jax.tree.map(lambda a, x: a + x.astype(F32), acc, g))
+            return acc, (loss, metrics, jnp.sum(mb["response_mask"].astype(F32)))
+
+        zeros = pin(jax.tree.map(lambda p: jnp.zeros(p.shape, F32), params))
+        acc, (losses, metrics, tokens) = jax.lax.scan(body, zeros, stacked)
+        grads = jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
+        return (jnp.sum(losses), combine_metrics(metrics, tokens)), grads
+
+    return fn
+
+
+def _local_accumulation(plain, micro_batch):
+    """(params, rows, rest) -> (fp32 gradient sum, loss sum, metrics stacked [K], tokens [K]) over this replica's
+    rows (all of them when unsharded)."""
+
+    def fn(params, batch, rest):
+        k = count(batch["response_mask"].shape[0], micro_batch)
+        stacked, shared = split(batch, k)
+
+        def body(acc, mb):
+            (loss, metrics), g = plain(params, {**shared, **mb}, *rest)
+            acc = jax.tree.map(lambda a, x: a + x.astype(F32), acc, g)
+            return acc, (loss, metrics, jnp.sum(mb["response_mask"].astype(F32)))
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, F32), params)
+        acc, (losses, metrics, tokens) = jax.lax.scan(body, zeros, stacked)
+        return acc, jnp.sum(losses), metrics, tokens
+
+    return fn
+
+
+def _replicated_params(mesh) -> bool:
+    return all(mesh.shape.get(a, 1) == 1 for a in mesh.axis_names if a not in pmesh.BATCH_AXES)
+
+
+def _per_replica(local, mesh, params, batch, rest):
+    """`local` inside a shard_map manual over every axis: the fp32 gradient and loss summed over replicas once
+    (the loss is normalised by the global counts, so the sum is the global value); the per-micro-batch metrics of
+    every replica gathered ([R*K] scalars, tiny) and combined as over micro-batches, exactly; per-row outputs stay
+    with their rows."""
+    axes = pmesh.BATCH_AXES
+
+    def body(params, batch, rest):
+        acc, loss, metrics, tokens = local(params, batch, rest)
+        gather = lambda x: jax.lax.all_gather(x, axes, axis=0, tiled=True)  # noqa: E731  [K, ...] -> [R*K, ...]
+        rows = {n: join_rows(v) for n, v in metrics.items() if not isinstance(v, dict) and v.ndim > 1}
+        summary = {n: jax.tree.map(gather, v) for n, v in metrics.items() if n not in rows}
+        metrics = {**combine_metrics(summary, gather(tokens)), **rows}
+        return jax.lax.psum(acc, axes), jax.lax.psum(loss, axes), metrics
+
+    out_shape = jax.eval_shape(functools.partial(_metric_shapes, local), params, batch, rest)
+    batch_spec = jax.tree.map(lambda x: P(axes) if jnp.ndim(x) else P(), batch)
+    metric_spec = {n: P(axes) if (not isinstance(v, dict) and v.ndim) else P() for n, v in out_shape.items()}
+    acc, loss, metrics = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(jax.tree.map(lambda _: P(), params), batch_spec, jax.tree.map(lambda _: P(), rest)),
+        out_specs=(P(), P(), metric_spec),
+        check_vma=False,
+    )(params, batch, rest)
+    return (loss, metrics), jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
+
+
+def _metric_shapes(local, params, batch, rest):
+    """One micro-batch's metrics (shapes only: which entries are per-row), traced on the whole batch."""
+    _, _, metrics, _ = local(params, batch, rest)
+    return {n: v if isinstance(v, dict) else v[0] for n, v in metrics.items()}
+
+
+def _param_pin(params, mesh):
+    sh = pmesh.param_shardings(params, mesh)
+    return lambda tree: jax.tree.map(jax.lax.with_sharding_constraint, tree, sh)
+
+
+def map_rows(fn, batch: dict, micro_batch: int, *, dp: int = 1, mesh=None):
+    """fn(rows) over K micro-batches with `lax.map` (one micro-batch's activations at a time), for forward-only
+    passes; returns (outputs stacked [K, ...], K). K = 1: fn(batch) unstacked. `join_rows` puts per-row outputs back
+    in batch row order; `reduce_aux` combines a codec's aux."""
+    rows = next(x.shape[0] for x in jax.tree.leaves(batch) if jnp.ndim(x))
+    k = count(rows, micro_batch, dp)
+    if k == 1:
+        return fn(batch), 1
+    per_row = {n: split_rows(x, k) for n, x in batch.items() if jnp.ndim(x) and x.shape[0] == rows}
+    shared = {n: x for n, x in batch.items() if n not in per_row}
+    if mesh is not None:
+        per_row = {n: _constrain(x, mesh, 1) for n, x in per_row.items()}
+
+    def one(mb):
+        if mesh is not None:
+            mb = {n: _constrain(x, mesh, 0) for n, x in mb.items()}
+        return fn({**shared, **mb})
+
+    return jax.lax.map(one, per_row), k
