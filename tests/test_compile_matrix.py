@@ -2,7 +2,8 @@
 sr_quant) x gradient codec (none, PowerSGD) x anchor (off, on) x mesh (data 8; stage 2 x data 4; fsdp 2 x data 4) on
 conftest's 8 fake CPU devices, each program a run of it executes (train/abstract_step.py `abstract_programs`: the
 train step, the log-prob passes, the anchor's fire) lowered on a 4-layer, 32-wide model. PowerSGD with fsdp > 1 is
-refused by the fast circuit (its reduction needs replicated parameters) and stays refused.
+hierarchical (manual over `data`, the parameters fsdp-sharded: fast/powersgd.py); with data = 1 it has nothing to
+compress and is refused.
 
 The staged column with PowerSGD is the regression of the gradient codec's shard_map (manual over the batch axes)
 around the pipeline's (manual over `stage`): with an activation codec it ended in "context mesh ... should match the
@@ -36,6 +37,7 @@ ACT = {
 }
 GRAD = {"none": {"type": "none"}, "powersgd": {"type": "powersgd", "rank": 2}}
 MESH = {"data8": {"data": 8}, "stage2": {"data": 4, "stage": 2}, "fsdp2": {"data": 4, "fsdp": 2}}
+REFUSED_MESH = {"fsdp8": {"data": 1, "fsdp": 8}}
 
 
 def config(act, grad, anchor, mesh, kl=0.0):
@@ -43,7 +45,7 @@ def config(act, grad, anchor, mesh, kl=0.0):
         data={
             "tokenizer": "char",
             "model": MODEL,
-            "mesh": MESH[mesh],
+            "mesh": {**MESH, **REFUSED_MESH}[mesh],
             "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
             "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 8, "eval_size": 8},
             "grpo": {"kl_coef": kl},
@@ -69,11 +71,7 @@ def _expected(cfg) -> set:
     return out | ({"anchor_fire"} if anchor else set())
 
 
-ALLOWED = [
-    c
-    for c in itertools.product(sorted(ACT), sorted(GRAD), (False, True), sorted(MESH))
-    if not (c[1] == "powersgd" and c[3] == "fsdp2")
-]
+ALLOWED = list(itertools.product(sorted(ACT), sorted(GRAD), (False, True), sorted(MESH)))
 
 
 @pytest.mark.parametrize("act", sorted(ACT))
@@ -85,9 +83,14 @@ def test_staged_powersgd_with_each_activation_codec_traces(act):
 
 
 @pytest.mark.parametrize("act", sorted(ACT))
-def test_powersgd_refuses_fsdp(act):
-    with pytest.raises(ConfigError, match=r"fast\.grad_codec: powersgd needs replicated parameters.*fsdp=2"):
-        abstract_programs(config(act, "powersgd", False, "fsdp2"), jax.devices())
+def test_powersgd_with_fsdp_is_hierarchical_and_refused_without_data_replicas(act):
+    cfg = config(act, "powersgd", False, "fsdp2")
+    progs = lower_all(cfg)
+    assert set(progs) == _expected(cfg)
+    err = progs["train_step"].args[1].grad  # the error memory: one per data replica, fsdp-split like its parameter
+    assert err is not None
+    with pytest.raises(ConfigError, match=r"fast\.grad_codec.*data=1 and fsdp=8"):
+        abstract_programs(config(act, "powersgd", False, "fsdp8"), jax.devices())
 
 
 @pytest.mark.slow

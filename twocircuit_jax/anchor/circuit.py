@@ -33,6 +33,7 @@ from twocircuit_jax.anchor.swap import init_anchor_moments, swap_optimizer_momen
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
 from twocircuit_jax.parallel.host import to_global, to_host
+from twocircuit_jax.parallel.mesh_context import under
 from twocircuit_jax.train import accumulate
 
 _ZERO_COUNTERS = ("anchor/optimizer_steps", "anchor/rollouts_generated", "anchor/rewards_recomputed")
@@ -92,7 +93,7 @@ class AnchorCircuit:
         # The basis state is a separate, non-donated input (its bases share buffers across fields); the sketch is
         # an output.
         self._fire_jit = dispatch.jit(
-            functools.partial(self._fire_fn, grad_fn),
+            under(mesh, functools.partial(self._fire_fn, grad_fn)),
             in_shardings=(self.param_sh, None, carry_sh, self.rep),
             out_shardings=(carry_sh, self.rep, self.rep),
             donate_argnums=(2,),

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from twocircuit_jax.config.sections import ModelConfig
 from twocircuit_jax.model import attention
+from twocircuit_jax.parallel.mesh_context import constrain_rows
 
 Hook = Callable[[int, jax.Array], tuple]  # (layer, h [B,T,H]) -> (h_new, aux)
 _NEG = -1e30  # finite "minus infinity": fully masked rows (padding queries) stay finite
@@ -166,7 +167,7 @@ def run_layers(cfg: ModelConfig, layers, x, cos, sin, mask, *, first: int = 0, h
     hooked = sorted(i for i in set(hook_layers) if first <= i < first + n) if hook is not None else []
 
     def one(lp, h):
-        return _layer(cfg, lp, h, cos, sin, mask)[0]
+        return constrain_rows(_layer(cfg, lp, constrain_rows(h), cos, sin, mask)[0])
 
     if cfg.remat != "none":
         # prevent_cse only matters outside a scan (where XLA could merge the recomputation into the forward)

@@ -23,6 +23,7 @@ import jax
 
 from twocircuit_jax.metrics.probe import dense_probe_sums, make_fidelity_fn
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
+from twocircuit_jax.parallel.mesh_context import under
 from twocircuit_jax.train import accumulate
 from twocircuit_jax.train.circuit_state import CircuitState, init_clock
 from twocircuit_jax.train.grpo_step import DENSE, OLD, REF, make_diagnostics_fn, make_grpo_loss, make_logp_fn
@@ -131,7 +132,7 @@ def build_programs(cfg, model_cfg, mesh, optimizer, state_sh, circuits: Circuits
             micro_batch=mb,
             mesh=mesh,
         )
-        fidelity = dispatch.jit(fid)
+        fidelity = dispatch.jit(under(mesh, fid))
     train_step = build_train_step(
         loss_fn,
         optimizer,
@@ -150,10 +151,10 @@ def build_programs(cfg, model_cfg, mesh, optimizer, state_sh, circuits: Circuits
         loss_fn=loss_fn,
         train_step=train_step,
         diagnostics=dispatch.jit(make_diagnostics_fn(cfg.grpo)),
-        logp_old=dispatch.jit(make_logp_fn(model_cfg, act, OLD, pl, **rows)),
-        logp_ref=dispatch.jit(make_logp_fn(model_cfg, act, REF, pl, **rows)),
-        logp_dense=dispatch.jit(make_logp_fn(model_cfg, None, DENSE, pl, **rows)),
-        logp_anchor_ref=dispatch.jit(make_logp_fn(model_cfg, None, DENSE, pl, **rows)),
+        logp_old=dispatch.jit(under(mesh, make_logp_fn(model_cfg, act, OLD, pl, **rows))),
+        logp_ref=dispatch.jit(under(mesh, make_logp_fn(model_cfg, act, REF, pl, **rows))),
+        logp_dense=dispatch.jit(under(mesh, make_logp_fn(model_cfg, None, DENSE, pl, **rows))),
+        logp_anchor_ref=dispatch.jit(under(mesh, make_logp_fn(model_cfg, None, DENSE, pl, **rows))),
         probe_sums=dispatch.jit(dense_probe_sums, static_argnames="estimator"),
         fidelity=fidelity,
         anchor_fire=anchor.fire_program if anchor else None,

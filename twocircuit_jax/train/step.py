@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
+from twocircuit_jax.parallel.mesh_context import under
 from twocircuit_jax.train import accumulate
 
 
@@ -174,6 +175,7 @@ def build_train_step(
         micro_batch=micro_batch,
         mesh=mesh,
     )
+    step = under(mesh, step)  # traced with the mesh as context: rows stay split between layers (mesh_context)
     return jit_train_step(step, state_sharding, circuit_sharding, batch_sharding, pmesh.replicated(mesh), donate)
 
 
