@@ -55,7 +55,7 @@ def test_tiny_fits_on_v5e_8(tiny_tpu):
     assert p["target"] == "tpu:v5e-8" and p["devices"] == 8 and p["mesh"]["data"] == 8
     assert p["chip"]["hbm_bytes"] == chips.CHIPS["v5e"].hbm_bytes
     # one tick per step: ℓ_old from the train forward; the mask acts on the reference pass: the anchor runs its own
-    assert set(p["programs"]) == {"train_step", "logp_ref", "anchor_fire", "anchor_ref"}
+    assert set(p["programs"]) == {"train_step", "logp_ref", "anchor_fire", "logp_anchor_ref"}
     for name, r in p["programs"].items():
         for key in ("argument", "output", "temp", "alias"):
             assert r["memory"][key] >= 0

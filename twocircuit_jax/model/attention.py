@@ -33,11 +33,12 @@ class KeyMask(NamedTuple):
     block: int  # query rows per block (blockwise)
 
 
-def resolve(cfg, seq_len: int) -> str:
-    """The kernel `cfg.attention` names, with `auto` resolved for the default backend and this length."""
+def resolve(cfg, seq_len: int, backend: str | None = None) -> str:
+    """The kernel `cfg.attention` names, with `auto` resolved for `backend` (default: jax's default backend; "cuda"
+    counts as "gpu") and this length."""
     if cfg.attention != "auto":
         return cfg.attention
-    backend = jax.default_backend()
+    backend = {"cuda": "gpu", "rocm": "gpu"}.get(backend, backend) or jax.default_backend()
     if backend == "tpu":
         return "flash_tpu"
     if backend == "gpu" and cfg.compute_dtype != "float32":
@@ -134,10 +135,12 @@ def flash_tpu(q, k, v, valid):
         return out.transpose(0, 2, 1, 3)
 
     mesh = jax.sharding.get_abstract_mesh()
-    axes = () if mesh.empty else tuple(a for a in BATCH_AXES if a in mesh.axis_names and a not in mesh.manual_axes)
-    if not axes:
+    free = set() if mesh.empty else set(mesh.axis_names) - set(mesh.manual_axes)
+    if not free:  # no context mesh, or every axis manual already (inside a shard_map over all of them)
         return kernel(q, k, v, seg)
-    spec = P(axes)
+    # Manual over every axis the partitioner still owns, not only the batch ones: a Mosaic call may not sit under
+    # any automatic axis (size 1 included); the rows split over the free batch axes, replicated over the others.
+    spec = P(tuple(a for a in BATCH_AXES if a in free) or None)
     return jax.shard_map(
-        kernel, mesh=mesh, in_specs=(spec, spec, spec, spec), out_specs=spec, axis_names=set(axes), check_vma=False
+        kernel, mesh=mesh, in_specs=(spec, spec, spec, spec), out_specs=spec, axis_names=free, check_vma=False
     )(q, k, v, seg)

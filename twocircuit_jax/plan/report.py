@@ -29,8 +29,11 @@ RESIDENT_ARGS = {
     "train_step": (0, 1),  # state, circuit state (the mini-batch is sliced from the step batch for the call)
     "logp_old": (0, 1, 2),  # live params, the step's rows, circuit state
     "logp_ref": (0, 1, 2),  # reference params, the step's rows, circuit state
-    "anchor_fire": (1, 2),  # a kept mini-batch, the basis; its weights are a host snapshot put on device
-    "anchor_ref": (0, 1, 2),
+    "logp_dense": (0, 1, 2),
+    "fidelity": (0, 1, 2, 3),  # params, reference params, a mini-batch of the step, circuit state
+    "anchor_fire": (1, 2, 3),  # a kept mini-batch, the merger and moments (circuit state), the basis; its weights
+    # are a host snapshot put on device for the fire
+    "logp_anchor_ref": (0, 1, 2),
 }
 
 

@@ -11,6 +11,7 @@ may then be lowered or exported for it, never run here.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -97,6 +98,10 @@ def _train_batch(cfg, programs, B: int) -> dict:
     return b
 
 
+def _seq_len(cfg) -> int:
+    return cfg.train.max_prompt_len + cfg.sampler.sampling.max_new_tokens
+
+
 def abstract_assembly(cfg, devices, *, lowering_platform: str | None = None) -> Assembly:
     """The run's circuits and programs on a mesh of `devices`, and the shapes of what the loop feeds them."""
     from twocircuit_jax.model.qwen2 import init_params
@@ -105,6 +110,13 @@ def abstract_assembly(cfg, devices, *, lowering_platform: str | None = None) -> 
     from twocircuit_jax.train.step import init_state, make_optimizer, state_shardings
 
     model_cfg = cfg.model
+    if lowering_platform is not None and model_cfg.attention == "auto":
+        # `auto` picks the attention for the backend that runs the program: here the one it is lowered for, not
+        # this host's (the TPU flash kernel when planning a TPU run from a CPU machine).
+        from twocircuit_jax.model.attention import resolve
+
+        model_cfg = dataclasses.replace(model_cfg, attention=resolve(model_cfg, _seq_len(cfg), lowering_platform))
+        cfg = dataclasses.replace(cfg, model=model_cfg)
     mesh = pmesh.make_mesh(cfg.mesh, devices)
     opt = make_optimizer(cfg.optim)
     params = jax.eval_shape(lambda: init_params(model_cfg, jax.random.key(0)))
