@@ -291,3 +291,19 @@ def test_fidelity_gauge_over_micro_batches_equals_the_whole_batch(data):
     assert whole["fidelity/grad_cos"] < 1 - 1e-4  # the codec view differs: the gauge measures something
     for k in whole:
         np.testing.assert_allclose(whole[k], acc[k], err_msg=k, rtol=1e-4, atol=1e-6)
+
+
+def test_only_a_data_only_mesh_counts_as_replicated_parameters():
+    """The per-replica shard_map (parameters taken whole on every device) is for a data-only mesh: with fsdp > 1 it
+    would gather every parameter onto every device, so the partitioner's path must run."""
+    from twocircuit_jax.config.sections import MeshConfig
+    from twocircuit_jax.parallel import mesh as pmesh
+    from twocircuit_jax.train.accumulate import _replicated_params
+
+    def mesh(**k):
+        return pmesh.make_mesh(MeshConfig(**k), jax.devices()[:8])
+
+    assert _replicated_params(mesh(data=8))
+    assert not _replicated_params(mesh(data=2, fsdp=4))
+    assert not _replicated_params(mesh(data=1, fsdp=8))
+    assert not _replicated_params(mesh(data=4, tensor=2))

@@ -140,7 +140,14 @@ def flash_tpu(q, k, v, valid):
         return kernel(q, k, v, seg)
     # Manual over every axis the partitioner still owns, not only the batch ones: a Mosaic call may not sit under
     # any automatic axis (size 1 included); the rows split over the free batch axes, replicated over the others.
-    spec = P(tuple(a for a in BATCH_AXES if a in free) or None)
+    # Rows that do not divide over a batch axis stay whole on it (each device runs those rows: correct, redundant);
+    # only a shapes-only trace of one micro-batch outside its replica's shard_map meets that (train/accumulate.py).
+    axes, size = [], 1
+    for a in BATCH_AXES:
+        if a in free and q.shape[0] % (size * mesh.shape[a]) == 0:
+            axes.append(a)
+            size *= mesh.shape[a]
+    spec = P(tuple(axes) or None)
     return jax.shard_map(
         kernel, mesh=mesh, in_specs=(spec, spec, spec, spec), out_specs=spec, axis_names=free, check_vma=False
     )(q, k, v, seg)

@@ -182,7 +182,8 @@ def _local_accumulation(plain, micro_batch):
 
 
 def _replicated_params(mesh) -> bool:
-    return all(mesh.shape.get(a, 1) == 1 for a in mesh.axis_names if a not in pmesh.BATCH_AXES)
+    """A data-only mesh: every parameter whole on every device (fsdp, tensor and stage of size 1)."""
+    return all(mesh.shape[a] == 1 for a in mesh.axis_names if a != "data")
 
 
 def _per_replica(local, mesh, params, batch, rest):
