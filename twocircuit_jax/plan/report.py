@@ -47,6 +47,16 @@ def _host(cfg, params) -> dict:
     return {"anchor_snapshot_bytes": snaps * one, "anchor_snapshots": snaps, "anchor_batches": batches}
 
 
+def _reference_bytes(param_leaf_bytes, params, cfg) -> float:
+    """Per-device bytes of the reference copy: the params' per-device bytes, each leaf in the compute dtype where
+    that is narrower (train/step.py reference_copy)."""
+    from twocircuit_jax.train.step import reference_copy
+
+    ref = jax.tree.leaves(reference_copy(params, cfg.model.compute_dtype))
+    leaves = jax.tree.leaves(params)
+    return float(sum(b * r.dtype.itemsize / p.dtype.itemsize for b, r, p in zip(param_leaf_bytes, ref, leaves)))
+
+
 def make_plan(cfg, target, devices) -> dict:
     """Compile every program of a step of `cfg` on `devices` (the target's) and assemble the report (a dict)."""
     from twocircuit_jax.plan.targets import check_mesh
@@ -63,8 +73,8 @@ def make_plan(cfg, target, devices) -> dict:
     resident = {
         "train_state": train["args"][0],
         "circuit_state": train["args"][1],
-        # TrainState's first field: its first leaves are the params, sharded as the reference copy is
-        "reference_params": sum(train["arg_leaves"][0][: len(jax.tree.leaves(params))]),
+        # the loop's frozen copy in the compute dtype (train/step.py reference_copy), sharded like the params
+        "reference_params": _reference_bytes(train["arg_leaves"][0][: len(jax.tree.leaves(params))], params, cfg),
         "step_batch": train["args"][2] * cfg.ticks_per_step,
         "anchor_batches": 0.0,
     }
@@ -96,9 +106,10 @@ def make_plan(cfg, target, devices) -> dict:
             "oom": m["oom"],
         }
         if chip is not None and m["cost"] is not None:
-            r["roofline"] = roofline.program_bound(
-                m["cost"]["flops"], m["cost"]["bytes_accessed"], m["collective_bytes"], chip
-            )
+            # XLA's cost analysis counts a loop's body once (the layer scan, the micro-batches): the compute term
+            # takes the model's own flops per device when they are larger
+            flops = max(m["cost"]["flops"], r["model_flops"] / target.count)
+            r["roofline"] = roofline.program_bound(flops, m["cost"]["bytes_accessed"], m["collective_bytes"], chip)
             step_s += u.runs * r["roofline"]["bound_s"]
         flops_step += u.runs * r["model_flops"]
         coll_step += u.runs * (m["collective_bytes"] or 0.0)

@@ -2,7 +2,9 @@
 
 A program's time per call is at least the longest of its three resource times on one chip:
     max(flops / peak bf16 FLOP/s, bytes accessed / HBM bandwidth, collective bytes / ICI bandwidth)
-(flops and bytes accessed per device from XLA's cost analysis; collective bytes per data replica from the HLO). A
+(flops and bytes accessed per device from XLA's cost analysis, which counts a loop's body once: the compute term
+takes the model's flops per device where they are larger, and the HBM term stays a lower bound; collective bytes
+per data replica from the HLO). A
 step is at least the sum over its programs of calls x that bound. Model flops count the parameters' matmuls only,
 6 N per token where a gradient is taken (train step, anchor fire) and 2 N per token of a forward-only pass (the
 log-prob passes), N = every parameter (the tied embedding once, as the LM head's matmul); attention's

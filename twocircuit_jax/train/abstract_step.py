@@ -143,6 +143,9 @@ def abstract_programs(cfg, devices, *, lowering_platform: str | None = None) -> 
 
     a = abstract_assembly(cfg, devices, lowering_platform=lowering_platform)
     p, c, cs, params = a.programs, a.circuits, a.circuits.cs, a.state.params
+    from twocircuit_jax.train.step import reference_copy
+
+    ref = reference_copy(params, cfg.model.compute_dtype)  # the loop's frozen copy (train/step.py)
     out = {"train_step": Program(p.train_step, (a.state, cs, a.batch))}
     lp = a.step_rows["tokens"]
     full = jax.ShapeDtypeStruct(lp.shape, jnp.float32, sharding=lp.sharding)  # a [B, T] fp32 over the step's rows
@@ -151,17 +154,17 @@ def abstract_programs(cfg, devices, *, lowering_platform: str | None = None) -> 
         trunc = jax.ShapeDtypeStruct(lp.shape[:1], jnp.bool_, sharding=a.step_rows["sample_id"].sharding)
         out["diagnostics"] = Program(p.diagnostics, (full, full, full, full, trunc, full))
     if cfg.grpo.kl_coef > 0:
-        out["logp_ref"] = Program(p.logp_ref, (params, a.step_rows, cs))
+        out["logp_ref"] = Program(p.logp_ref, (ref, a.step_rows, cs))
     if p.fidelity is not None:
-        out["logp_dense"] = Program(p.logp_dense, (params, a.step_rows, cs))
+        out["logp_dense"] = Program(p.logp_dense, (ref, a.step_rows, cs))
         out["probe_sums"] = Program(p.probe_sums, (full,) * 6, {"estimator": cfg.grpo.kl_estimator})
-        out["fidelity"] = Program(p.fidelity, (params, params, a.batch, cs))
+        out["fidelity"] = Program(p.fidelity, (params, ref, a.batch, cs))
     if c.anchor is not None:
         from twocircuit_jax.anchor.loss import anchor_batch_keys
 
         mini = {k: a.batch[k] for k in ("tokens", "attention_mask", "sample_id")}
         if cfg.grpo.kl_coef > 0 and c.codec is not None and c.codec.applies(REF):
-            out["logp_anchor_ref"] = Program(p.logp_anchor_ref, (params, mini, cs))
+            out["logp_anchor_ref"] = Program(p.logp_anchor_ref, (ref, mini, cs))
         fire = {**a.batch, "ref_logp_dense": a.batch["sampler_logp"]}
         fire = {k: fire[k] for k in anchor_batch_keys(cfg.grpo)}
         fire = _with(fire, pmesh.batch_shardings(fire, a.mesh))

@@ -15,7 +15,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from twocircuit_jax.config.base import ConfigError
@@ -49,6 +48,7 @@ from twocircuit_jax.train.step import (
     init_state,
     learning_rate,
     make_optimizer,
+    reference_copy,
     state_shardings,
 )
 from twocircuit_jax.train.timing import PhaseTimer
@@ -139,8 +139,8 @@ class GRPOTrainer(TrainerCheckpoints):
         self.state_sh = state_shardings(state, self.mesh)
         self.state = to_global(state, self.state_sh)
         self.param_sh = self.state_sh.params
-        # Frozen reference policy: a copy, since the train state's buffers are donated every tick.
-        self.ref_params = jax.tree.map(jnp.copy, to_global(params, self.param_sh))
+        # Frozen reference policy: a copy (the train state's buffers are donated every tick), in the compute dtype.
+        self.ref_params = reference_copy(to_global(params, self.param_sh), self.model_cfg.compute_dtype)
         self.codec = self.anchor = None
         self._build_circuits()
         self._compile()

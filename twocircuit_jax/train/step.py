@@ -65,6 +65,23 @@ def init_state(params, optimizer) -> TrainState:
     return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
 
 
+def reference_copy(params, compute_dtype: str):
+    """The frozen reference policy the ℓ_ref passes read: a copy (the train state's buffers are donated every tick),
+    in the compute dtype where that is narrower than the weights'. Every use of a weight in the forward casts it to
+    the compute dtype first (model/qwen2.py: matmuls, biases, norm scales, the embedding and the head), so the
+    reference log-probs are the same bits, and the copy costs half the memory (fp32 weights, bf16 compute: 1.44
+    of a v5e's 16 GiB for Qwen2.5-1.5B on 4-way FSDP becomes 0.72). Works on arrays and on ShapeDtypeStructs."""
+    dt = jnp.dtype({"float32": jnp.float32, "bfloat16": jnp.bfloat16}[compute_dtype])
+
+    def one(a):
+        narrower = jnp.issubdtype(a.dtype, jnp.floating) and jnp.finfo(a.dtype).bits > jnp.finfo(dt).bits
+        if isinstance(a, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(a.shape, dt if narrower else a.dtype, sharding=a.sharding)
+        return a.astype(dt) if narrower else jnp.copy(a)
+
+    return jax.tree.map(one, params)
+
+
 def state_shardings(state: TrainState, mesh) -> TrainState:
     rep = pmesh.replicated(mesh)
     return TrainState(
