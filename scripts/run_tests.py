@@ -33,6 +33,18 @@ GROUPS = 6
 # the second number); a file not listed counts DEFAULT_WEIGHT. Re-measure when a file's time changes a lot.
 WEIGHTS = {
     "test_multihost.py": (170, 1),
+    "test_plan.py": (240, 0),
+    "test_compile_matrix.py": (230, 15),
+    "test_vllm_resume.py": (210, 0),
+    "test_chunked_head.py": (180, 180),
+    "test_programs.py": (120, 0),
+    "test_micro_batch.py": (110, 110),
+    "test_fsdp_state.py": (100, 60),
+    "test_model_scale.py": (90, 90),
+    "test_out_folders.py": (90, 5),
+    "test_checkpoint_safety.py": (40, 5),
+    "test_mesh_context.py": (25, 25),
+    "test_tpu_kernel_compile.py": (10, 10),
     "test_pipeline.py": (150, 12),
     "test_pipeline_loop.py": (85, 0),
     "test_fast_invariants.py": (95, 0),
