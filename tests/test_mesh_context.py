@@ -95,3 +95,16 @@ def test_rows_that_do_not_divide_are_left_alone(shape):
 
     out = jax.jit(under(mesh, f))(jnp.ones(shape))
     np.testing.assert_array_equal(out, 2.0)
+
+
+def test_auto_attention_takes_the_flash_kernel_on_whole_blocks_only():
+    """`auto` resolved for the platform a program is lowered for: the TPU flash kernel needs lengths in whole
+    128-row blocks; a shorter or ragged length takes the CPU rules (xla below 2,048 tokens, blockwise from there)."""
+    from twocircuit_jax.model.attention import resolve
+
+    cfg = ModelConfig(compute_dtype="bfloat16")
+    assert resolve(cfg, 4096, "tpu") == "flash_tpu"
+    assert resolve(cfg, 20, "tpu") == "xla"
+    assert resolve(cfg, 4100, "tpu") == "blockwise"
+    assert resolve(cfg, 4096, "cuda") == "cudnn"
+    assert resolve(ModelConfig(attention="blockwise"), 4096, "tpu") == "blockwise"  # a named kernel is kept

@@ -73,7 +73,8 @@ class ModelConfig:
         metadata=doc(
             "training-path attention: xla = full [T, T] scores; blockwise = query blocks of attention_block rows, "
             "each recomputed in the backward (never [T, T]); cudnn = cuDNN fused attention (GPU, bf16); flash_tpu = "
-            "the Pallas TPU flash kernel; auto = flash_tpu on TPU, cudnn on GPU with bf16 compute, else xla below "
+            "the Pallas TPU flash kernel; auto = flash_tpu on TPU (lengths a multiple of 128), cudnn on GPU with bf16 "
+            "compute, else xla below "
             "2048 tokens and blockwise from there. The sampler's decode keeps the xla path"
         ),
     )

@@ -33,14 +33,17 @@ class KeyMask(NamedTuple):
     block: int  # query rows per block (blockwise)
 
 
+FLASH_BLOCK = 128  # jax.experimental.pallas.ops.tpu.flash_attention's default block (q and kv)
+
+
 def resolve(cfg, seq_len: int, backend: str | None = None) -> str:
     """The kernel `cfg.attention` names, with `auto` resolved for `backend` (default: jax's default backend; "cuda"
     counts as "gpu") and this length."""
     if cfg.attention != "auto":
         return cfg.attention
     backend = {"cuda": "gpu", "rocm": "gpu"}.get(backend, backend) or jax.default_backend()
-    if backend == "tpu":
-        return "flash_tpu"
+    if backend == "tpu" and seq_len % FLASH_BLOCK == 0:
+        return "flash_tpu"  # the kernel's blocks: 128 rows (shorter or ragged lengths take the rules below)
     if backend == "gpu" and cfg.compute_dtype != "float32":
         return "cudnn"
     return "blockwise" if seq_len >= AUTO_BLOCKWISE_FROM else "xla"

@@ -40,7 +40,9 @@ def under(mesh, fn):
 def free_batch_axes() -> tuple:
     """The context mesh's batch axes of size > 1 that the partitioner still owns (not manual); () without one."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    if mesh.empty or "stage" in mesh.manual_axes:
+        # Inside the pipeline's shard_map (manual over `stage`) each stage's rows are left to the partitioner as
+        # before: XLA:CPU aborts on a sharding constraint inside that partially manual program.
         return ()
     return tuple(a for a in BATCH_AXES if a in mesh.axis_names and a not in mesh.manual_axes and mesh.shape[a] > 1)
 
