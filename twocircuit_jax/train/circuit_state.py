@@ -30,7 +30,7 @@ class CircuitState(NamedTuple):
     clock: Clock
     codec: Any  # activation codec state: LowRankState (the basis, fp32 [H, r] per boundary, replicated) or None
     grad: Any  # gradient codec state: PowerSGDState (Q [m, r] replicated, error memory split over dp) or None
-    merger: Any  # MergerState (fp32, target-leaf shaped, replicated) or None
+    merger: Any  # MergerState (fp32, target-leaf shaped, sharded like the params: anchor/merger.py) or None
     moments: Any  # AnchorMoments (fp32 m, v sharded like the params; the swap's source) or None
 
 
