@@ -263,16 +263,19 @@ def _figures(arm: str, walls: list, rows: list, setup_s: float) -> dict:
     }
 
 
-def _run_arm(setting, arm, steps, out_dir, warm: bool = False, sets=()) -> dict:
-    """The arm in a fresh process, on a fresh compilation cache folder (run twice on it when `warm`)."""
+def _run_arm(setting, arm, steps, out_dir, warm: bool = False, sets=(), root: str = ROOT) -> dict:
+    """The arm in a fresh process, on a fresh compilation cache folder (run twice on it when `warm`). `root`: the
+    checkout whose bench script and package run it (another one for `--against`)."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="bench-xla-cache-") as cache:
-        cmd = [sys.executable, __file__, "--worker", arm, "--setting", setting, "--steps", str(steps)]
+        script = os.path.join(root, "scripts", "bench_step.py")
+        cmd = [sys.executable, script, "--worker", arm, "--setting", setting, "--steps", str(steps)]
         cmd += ["--out", out_dir, "--cache", cache] + [f"--set={x}" for x in sets]
         env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}  # the arm's own cache
+        env["PYTHONPATH"] = os.pathsep.join([root] + [x for x in [env.get("PYTHONPATH", "")] if x])  # its package
         for _ in range(1 + warm):
-            p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+            p = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env=env)
             lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
             if p.returncode or not lines:
                 raise RuntimeError(f"arm {arm} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
@@ -443,6 +446,19 @@ def main(argv=None) -> int:
         metavar="KEY=VALUE",
         help="a config override put over every arm, after the arm's own (as `twocircuit train --set`); repeatable",
     )
+    ap.add_argument(
+        "--against",
+        metavar="DIR",
+        help="another checkout (say `git worktree add DIR <commit>`): each arm runs there too, in its own process "
+        "right before or after this checkout's (the order swapped every round); prints this/that per round",
+    )
+    ap.add_argument(
+        "--set-here",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --against: an override for this checkout's runs only (a knob the other one lacks); repeatable",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--worker-interleaved", help=argparse.SUPPRESS)
     ap.add_argument("--cache", default="", help=argparse.SUPPRESS)
@@ -489,6 +505,8 @@ def main(argv=None) -> int:
                 return 2
             peers[name] = py
     env = dict(os.environ, HF_HUB_OFFLINE="1")
+    if args.against:
+        return _against(args, arms)
     results = []
     for rnd in range(args.rounds):
         runs = round_order(["*"] if args.interleave else arms, list(peers), rnd)
@@ -512,6 +530,37 @@ def main(argv=None) -> int:
                 )
             results.append(r)
     print(_table(results))
+    return 0
+
+
+def _against(args, arms) -> int:
+    """Each arm from this checkout and from `args.against`, in fresh processes, alternately (this, that; then that,
+    this), `args.rounds` rounds: a machine drifting over minutes slows both alike. Per round the ratio of this
+    checkout's median step to the other's; printed: each round's, their median and range, and the medians' table."""
+    other = os.path.abspath(args.against)
+    if not os.path.isfile(os.path.join(other, "scripts", "bench_step.py")):
+        print(f"error: --against: {other} has no scripts/bench_step.py (a checkout of this project)", file=sys.stderr)
+        return 2
+    here_sets = list(args.set) + list(args.set_here)
+    results, ratios = [], {a: [] for a in arms}
+    for rnd in range(args.rounds):
+        for arm in arms:
+            sides = [("here", ROOT, here_sets), ("that", other, list(args.set))]
+            got = {}
+            for side, root, sets in sides if rnd % 2 == 0 else sides[::-1]:
+                r = _run_arm(args.setting, arm, args.steps, args.out, False, sets, root)
+                got[side] = r
+                label = arm if side == "here" else f"{arm}@{os.path.basename(other)}"
+                results.append(dict(r, arm=label, round=rnd + 1))
+                print(f"round {rnd + 1} {label}: median {r['median_step_s']:.3f} s", flush=True)
+            ratios[arm].append(got["here"]["median_step_s"] / got["that"]["median_step_s"])
+    print(_table(results))
+    for arm, rs in ratios.items():
+        print(
+            f"{arm} here/{os.path.basename(other)} (median step, per round): "
+            + " ".join(f"{x:.3f}" for x in rs)
+            + f"; median {statistics.median(rs):.3f}, range {min(rs):.3f}-{max(rs):.3f}"
+        )
     return 0
 
 

@@ -191,6 +191,7 @@ def _run_group(argv, group, root, here, trace):
         **cache_env(os.path.dirname(trace)),
         **xla_env(os.environ.get("XLA_FLAGS", "")),
         "TWOCIRCUIT_TEST_TRACE": trace,
+        "TWOCIRCUIT_TEST_TIMES": trace + ".times.json",
         "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])),
     }
     start = time.monotonic()
@@ -207,6 +208,20 @@ def _run_group(argv, group, root, here, trace):
     _, status, usage = os.wait4(proc.pid, 0)  # its CPU seconds too: on a shared machine wall time alone misleads
     proc.returncode = os.waitstatus_to_exitcode(status)
     return proc.returncode, out, time.monotonic() - start, usage.ru_utime + usage.ru_stime
+
+
+def file_times(tmp: str, groups: int, top: int = 20) -> str:
+    """One line of the heaviest test files' seconds in this run (each file's tests, setup to teardown), from the
+    groups' pytest_trace reports: what WEIGHTS is re-measured from when a file's time changes."""
+    import json
+
+    secs: dict[str, float] = {}
+    for n in range(1, groups + 1):
+        path = os.path.join(tmp, f"current-{n}.times.json")
+        if os.path.exists(path):
+            secs.update(json.load(open(path)))
+    heavy = sorted(secs.items(), key=lambda kv: -kv[1])[:top]
+    return "heaviest test files (s): " + ", ".join(f"{k} {v:.0f}" for k, v in heavy)
 
 
 def main(argv: list[str], root: str | None = None, jobs: int | None = None) -> int:
@@ -255,6 +270,7 @@ def main(argv: list[str], root: str | None = None, jobs: int | None = None) -> i
                 if rc != 0:
                     print(f"pytest group {n} exited with {rc}", file=sys.stderr, flush=True)
                     first_failure = first_failure or (rc if rc > 0 else 1)
+        print(file_times(tmp, len(groups)))
     print(
         f"{totals['passed']} passed, {totals['failed']} failed, {totals['skipped']} skipped"
         f" ({len(groups)} groups, {jobs} at a time, {time.monotonic() - start:.0f} s)"

@@ -34,7 +34,11 @@ def test_signal_death_names_the_running_test(tmp_path, capsys):
 def test_clean_groups_pass(tmp_path, capsys):
     root = _project(tmp_path, "def test_ok():\n    pass\n")
     assert _runner().main([], root=root) == 0
-    assert "2 passed, 0 failed" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "2 passed, 0 failed" in out
+    # each file's seconds, from the groups' pytest_trace reports: both files named, heaviest first
+    line = next(x for x in out.splitlines() if x.startswith("heaviest test files (s): "))
+    assert sorted(x.split()[0] for x in line.split(": ", 1)[1].split(", ")) == ["test_a.py", "test_b.py"]
 
 
 BARRIER = """import os, time
@@ -128,4 +132,8 @@ def test_a_group_sees_the_flags(tmp_path, monkeypatch, capsys):
         tmp_path, "import os\n\ndef test_flags():\n    assert 'optimization_level=0' in os.environ['XLA_FLAGS']\n"
     )
     assert _runner().main([], root=root) == 0
-    assert "2 passed, 0 failed" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "2 passed, 0 failed" in out
+    # each file's seconds, from the groups' pytest_trace reports: both files named, heaviest first
+    line = next(x for x in out.splitlines() if x.startswith("heaviest test files (s): "))
+    assert sorted(x.split()[0] for x in line.split(": ", 1)[1].split(", ")) == ["test_a.py", "test_b.py"]
