@@ -2,7 +2,7 @@
 
     python scripts/bench_step.py [--setting peers|demo] [--arms dense,prf_mask,...] [--steps 12] [--rounds 1]
                                  [--compile-cache cold|warm] [--interleave] [--set KEY=VALUE ...]
-                                 [--peers] [--peers-dir DIR]
+                                 [--peers] [--peers-dir DIR] [--against DIR [--set-here KEY=VALUE ...]]
 
 Each arm runs in a fresh process (its own compiles and peak RSS): a `GRPOTrainer` built from the setting, then
 `--steps` calls of `trainer.step()`, each timed as a whole on the host. Printed per arm: the median, min and max
@@ -20,6 +20,12 @@ minutes slows every arm alike; it prints each arm's steps over dense's steps tak
 quartiles over steps 3..N), and its seconds over dense's summed over the steps 3..N where neither compiled. Separate processes, on this 2-core machine, gave ratios to dense that moved by 0.2-0.4
 from round to round; the arms then share compiled programs and memory, so first step, construction and peak RSS
 are not per arm ("-"). Peers still run in their own processes.
+
+`--against DIR` compares two versions of the project: each arm also runs from the checkout at DIR (its own bench
+script and package; `git worktree add DIR <commit>` makes one), in its own process right after or before this
+checkout's, the order swapped every round; it prints each round's ratio of this checkout's median step to the other's,
+and their median and range. `--set-here` puts an override on this checkout's runs only (a knob the other lacks, such
+as `train.micro_batch`).
 
 Settings:
   peers  the peer harnesses' tiny setting (../shared/peers/README.md): random Qwen2 with vocab 128, hidden 128,
