@@ -138,11 +138,6 @@ def u53(x: U64) -> U64:
     return shr64(x, 11)
 
 
-def ge64(a: U64, b: U64):
-    """a >= b, unsigned, elementwise."""
-    return (a.hi > b.hi) | ((a.hi == b.hi) & (a.lo >= b.lo))
-
-
 def keep_rule(u: U64, thr: U64, thr_j, j):
     """Keep iff (u, -j) >= (thr, -thr_j) lexicographically. Bernoulli: thr_j = 2^32-1 (plain u >= thr);
     exact-k: (thr, thr_j) is the k-th largest (u, -j), so exactly k survive and ties go to the lower index."""

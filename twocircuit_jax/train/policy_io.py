@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from twocircuit_jax.config.base import from_dict, to_dict
+from twocircuit_jax.config.base import from_dict
 from twocircuit_jax.config.sections import ModelConfig
 from twocircuit_jax.model.hf_io import CheckpointError, load_hf
 
@@ -81,7 +81,3 @@ def save_native(cfg: ModelConfig, params, out_dir: str, overwrite: bool = False)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
-
-
-def model_config_dict(cfg: ModelConfig) -> dict:
-    return to_dict(cfg)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import jax
@@ -170,13 +169,6 @@ def make_sampler(run_cfg, model_cfg, params, tokenizer, run_dir: str):
         remove_exports=shm,
         log_path=os.path.join(run_dir, "sampler", "sampler.log"),
     )
-
-
-def write_json(path: str, obj) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=1)
-    os.replace(tmp, path)
 
 
 def make_pipeline(run_cfg, model_cfg, mesh):

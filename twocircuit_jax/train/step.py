@@ -194,7 +194,3 @@ def build_train_step(
     )
     step = under(mesh, step)  # traced with the mesh as context: rows stay split between layers (mesh_context)
     return jit_train_step(step, state_sharding, circuit_sharding, batch_sharding, pmesh.replicated(mesh), donate)
-
-
-def shard_state(state: TrainState, shardings: TrainState) -> TrainState:
-    return jax.device_put(state, shardings)

@@ -37,12 +37,6 @@ def _on_event(event: str, **_) -> None:
             _compile[_CACHE_EVENTS[event]] += 1
 
 
-def compile_seconds() -> float:
-    """Seconds JAX has spent compiling in this process since the first `PhaseTimer` was made."""
-    with _lock:
-        return _compile[0]
-
-
 def _compile_counts() -> tuple:
     with _lock:
         return tuple(_compile)
