@@ -24,7 +24,9 @@ are not per arm ("-"). Peers still run in their own processes.
 `--against DIR` compares two versions of the project: each arm also runs from the checkout at DIR (its own bench
 script and package; `git worktree add DIR <commit>` makes one), in its own process right after or before this
 checkout's, the order swapped every round; it prints each round's ratio of this checkout's median step to the other's,
-and their median and range. `--set-here` puts an override on this checkout's runs only (a knob the other lacks, such
+and their median and range, and the same of the steps' CPU seconds (all the process's threads), which other work on
+a busy machine moves far less than wall time. Both sides run this script, over each checkout's own package, configs
+and artifacts. `--set-here` puts an override on this checkout's runs only (a knob the other lacks, such
 as `train.micro_batch`).
 
 Settings:
@@ -59,7 +61,9 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The checkout whose configs and artifacts an arm uses: this one, or with `--against` the other one (its worker runs
+# this script over that checkout's package and files, so both sides are timed by the same harness).
+ROOT = os.environ.get("TWOCIRCUIT_BENCH_ROOT") or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEERS_SRC = os.path.join(os.path.dirname(ROOT), "shared", "peers")
 NONE = {"codec": {"type": "none"}, "grad_codec": {"type": "none"}}
 ARMS = {
@@ -204,13 +208,14 @@ def worker(setting: str, arm: str, steps: int, out_dir: str, cache: str = "", se
     t0 = time.perf_counter()
     trainer = _trainer(setting, arm, steps, out_dir, cache, sets)
     setup_s = time.perf_counter() - t0
-    walls, rows = [], []
+    walls, cpus, rows = [], [], []
     for _ in range(steps):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         rows.append(trainer.step())
         walls.append(time.perf_counter() - t)
+        cpus.append(time.process_time() - c)  # every thread of the process: less moved by other processes
     trainer.close()
-    return _figures(arm, walls, rows, setup_s)
+    return dict(_figures(arm, walls, rows, setup_s), median_cpu_s=statistics.median(cpus[2:] or cpus))
 
 
 def worker_interleaved(setting: str, arms: list[str], steps: int, out_dir: str, cache: str = "", sets=()) -> list[dict]:
@@ -275,11 +280,11 @@ def _run_arm(setting, arm, steps, out_dir, warm: bool = False, sets=(), root: st
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="bench-xla-cache-") as cache:
-        script = os.path.join(root, "scripts", "bench_step.py")
-        cmd = [sys.executable, script, "--worker", arm, "--setting", setting, "--steps", str(steps)]
+        cmd = [sys.executable, __file__, "--worker", arm, "--setting", setting, "--steps", str(steps)]
         cmd += ["--out", out_dir, "--cache", cache] + [f"--set={x}" for x in sets]
         env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}  # the arm's own cache
         env["PYTHONPATH"] = os.pathsep.join([root] + [x for x in [env.get("PYTHONPATH", "")] if x])  # its package
+        env["TWOCIRCUIT_BENCH_ROOT"] = root  # its configs and artifacts
         for _ in range(1 + warm):
             p = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env=env)
             lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
@@ -558,15 +563,20 @@ def _against(args, arms) -> int:
                 got[side] = r
                 label = arm if side == "here" else f"{arm}@{os.path.basename(other)}"
                 results.append(dict(r, arm=label, round=rnd + 1))
-                print(f"round {rnd + 1} {label}: median {r['median_step_s']:.3f} s", flush=True)
-            ratios[arm].append(got["here"]["median_step_s"] / got["that"]["median_step_s"])
+                print(
+                    f"round {rnd + 1} {label}: median {r['median_step_s']:.3f} s, CPU {r['median_cpu_s']:.3f} s",
+                    flush=True,
+                )
+            ratios[arm].append([got["here"][k] / got["that"][k] for k in ("median_step_s", "median_cpu_s")])
     print(_table(results))
     for arm, rs in ratios.items():
-        print(
-            f"{arm} here/{os.path.basename(other)} (median step, per round): "
-            + " ".join(f"{x:.3f}" for x in rs)
-            + f"; median {statistics.median(rs):.3f}, range {min(rs):.3f}-{max(rs):.3f}"
-        )
+        for i, what in enumerate(("median step", "median CPU seconds of a step")):
+            xs = [r[i] for r in rs]
+            print(
+                f"{arm} here/{os.path.basename(other)} ({what}, per round): "
+                + " ".join(f"{x:.3f}" for x in xs)
+                + f"; median {statistics.median(xs):.3f}, range {min(xs):.3f}-{max(xs):.3f}"
+            )
     return 0
 
 
