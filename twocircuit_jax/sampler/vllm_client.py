@@ -3,7 +3,8 @@
 Owns the server process: starts it in its own process group (so a terminal Ctrl-C reaches only the trainer, which
 then stops the group), waits for `READY host:port`, restarts it when it dies and reloads the newest export, and stops
 it on close(), interpreter exit, SIGTERM, or (server side) when the trainer process disappears. Every request loop
-is bounded by `max_retries` and by timeouts from SamplerConfig.
+is bounded by `max_retries` and by timeouts from SamplerConfig. The server answers only this client: a secret made
+here for each sampler goes to the server in its environment and on every request (sampler/http_guard.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,13 @@
 """The dense vLLM sampler process (`twocircuit serve-sampler`, or `python -m twocircuit_jax.sampler.vllm_server`).
 
-Protocol (JSON over HTTP on loopback by default; one engine, requests serialised by a lock):
+Protocol (JSON over HTTP on loopback by default; one engine, requests serialised by a lock). Every request carries
+`Authorization: Bearer <secret>`, the per-run secret given in the environment (TWOCIRCUIT_SAMPLER_TOKEN), and is
+checked before the engine sees it (sampler/http_guard.py): 401 without the secret, 400 for a missing, negative or
+non-integer Content-Length, 413 above the body cap, 408 for a body not sent within the socket timeout, 400 for a
+/generate over the limits (--max-n, --max-new-tokens, --max-prompts, --max-prompt-len; the trainer's own).
 
-    GET  /health   -> {"ok": bool, "version": int}
+    GET  /health   -> {"ok": bool, "version": int}; 503 with "stuck" when generate or load requests have been in
+                    flight for --stall-s with none answered
     POST /generate {"prompts": [[ids]], "n", "temperature", "top_p", "top_k", "max_new_tokens", "seed",
                     "min_version"} -> {"rows": [{"tokens", "logprobs", "finish_reason": "stop"|"length"}],
                     "version"}; rows are prompt-major (prompt i -> rows i*n .. i*n+n-1). 409 if version < min_version.
@@ -586,15 +591,6 @@ def serve(args) -> int:
     import signal
 
     token = os.environ.pop(TOKEN_ENV, "")  # out of the environment before vLLM starts: nothing below inherits it
-    if not token:
-        print(
-            f"error: {TOKEN_ENV} is not set; the sampler answers only requests that carry this secret "
-            "(Authorization: Bearer <secret>). The trainer sets it; to run the server yourself, export a secret "
-            "of your own, e.g. from `python -c 'import secrets; print(secrets.token_urlsafe(32))'`",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 2
     if not args.allow_remote and not is_loopback(args.host):
         print(
             f"error: --host {args.host} is not a loopback address; pass --allow-remote (sampler.allow_remote) to "
@@ -610,6 +606,16 @@ def serve(args) -> int:
         print(
             f"error: cannot listen on {args.host}:{args.port}: port {args.port} is already in use or not "
             f"available ({e.strerror})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
+    if not token:  # checked after the bind only so that a busy port is reported first; nothing was served
+        httpd.server_close()
+        print(
+            f"error: {TOKEN_ENV} is not set; the sampler answers only requests that carry this secret "
+            "(Authorization: Bearer <secret>). The trainer sets it; to run the server yourself, export a secret "
+            "of your own, e.g. from `python -c 'import secrets; print(secrets.token_urlsafe(32))'`",
             file=sys.stderr,
             flush=True,
         )
@@ -632,7 +638,9 @@ def serve(args) -> int:
 
 def serve_from_config(run_config, model_dir: str = "", export_root: str = "") -> int:
     """`twocircuit serve-sampler`: serve `model_dir` (default run_config.base_model, an HF folder) with the
-    sampler section's host/port/memory settings, loading versions from `export_root` (default sampler.export_dir)."""
+    sampler section's host/port/memory settings, loading versions from `export_root` (default sampler.export_dir).
+    Requests must carry the secret in TWOCIRCUIT_SAMPLER_TOKEN (exit 2 when unset) and stay within the limits of
+    the run config (http_guard.limits_for_run)."""
     sc = run_config.sampler
     model_dir = model_dir or run_config.base_model
     export_root = export_root or sc.export_dir
