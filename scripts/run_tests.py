@@ -82,6 +82,7 @@ WEIGHTS = {
     "test_platform_export.py": (30, 30),
     "test_device_check.py": (21, 21),
     "test_vllm_client_faults.py": (18, 22),
+    "test_sampler_security.py": (50, 5),
     "test_anchor_swap.py": (17, 9),
     "test_fast_circuit.py": (17, 15),
     "test_train_step.py": (15, 19),
@@ -117,7 +118,7 @@ WEIGHTS = {
 }
 DEFAULT_WEIGHT = 5.0
 # Files whose tests start a vLLM engine (test_vllm_*.py, `twocircuit serve-sampler`): all in one group.
-ENGINE = ("test_vllm_*.py",)
+ENGINE = ("test_vllm_*.py", "test_sampler_security.py")
 
 
 def plan(files: list[str], groups: int = GROUPS, weights: dict | None = None, fast: bool = False) -> list[list[str]]:

@@ -178,7 +178,18 @@ class SamplerConfig:
         default=0,
         metadata=doc("weight versions a rollout may lag the trainer beyond train.async_rollouts' scheduled lag"),
     )
-    host: str = field(default="127.0.0.1", metadata=doc("vllm: address the sampler server listens on"))
+    host: str = field(
+        default="127.0.0.1",
+        metadata=doc("vllm: address the sampler server listens on; a loopback address unless allow_remote"),
+    )
+    allow_remote: bool = field(
+        default=False,
+        metadata=doc(
+            "vllm: allow a non-loopback host. Risk: anyone who can reach the port and learns the run's secret (sent "
+            "in clear text over HTTP on every request) can generate with the policy and make it load any export "
+            "folder under export_dir; use only on a network you trust, behind a firewall"
+        ),
+    )
     port: int = field(default=0, metadata=doc("vllm: server port; 0 = pick a free one"))
     gpu_memory_utilization: float = field(
         default=0.2, metadata=doc("vllm: share of GPU memory the server may take, in (0, 1]")
@@ -191,6 +202,13 @@ class SamplerConfig:
     )
     max_retries: int = field(
         default=2, metadata=doc("vllm: extra attempts of a failed request, restarting a dead server")
+    )
+    stall_timeout_s: float = field(
+        default=0.0,
+        metadata=doc(
+            "vllm: the server's /health reports it stuck (and a failed request restarts it) once generate or "
+            "weight-load requests have been in flight this long with none answered; 0 = request_timeout_s"
+        ),
     )
     export_dir: str = field(
         default="",
@@ -236,6 +254,15 @@ class SamplerConfig:
             )
         require(self.max_staleness >= 0, "max_staleness", f"got {self.max_staleness}; must be >= 0")
         require(0 <= self.port < 65536, "port", f"got {self.port}; allowed 0..65535 (0 = pick a free port)")
+        from twocircuit_jax.sampler.http_guard import is_loopback
+
+        require(
+            self.allow_remote or is_loopback(self.host),
+            "host",
+            f"got {self.host!r}, not a loopback address (127.0.0.1, ::1, localhost); the sampler would accept "
+            "connections from other machines. Set sampler.allow_remote: true to allow it",
+        )
+        require(self.stall_timeout_s >= 0, "stall_timeout_s", f"got {self.stall_timeout_s}; must be >= 0")
         require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "allowed (0, 1]")
         require(self.full_every >= 1, "full_every", f"got {self.full_every}; must be >= 1")
 

@@ -3,7 +3,8 @@
 Owns the server process: starts it in its own process group (so a terminal Ctrl-C reaches only the trainer, which
 then stops the group), waits for `READY host:port`, restarts it when it dies and reloads the newest export, and stops
 it on close(), interpreter exit, SIGTERM, or (server side) when the trainer process disappears. Every request loop
-is bounded by `max_retries` and by timeouts from SamplerConfig.
+is bounded by `max_retries` and by timeouts from SamplerConfig. The server answers only this client: a secret made
+here for each sampler goes to the server in its environment and on every request (sampler/http_guard.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import weakref
 
 from twocircuit_jax.config.sections import SamplerConfig, SamplingConfig
 from twocircuit_jax.sampler.base import Rollout
+from twocircuit_jax.sampler.http_guard import TOKEN_ENV, Limits, new_token, server_args
 from twocircuit_jax.sampler.weight_sync import WeightPublisher
 
 _LIVE: "weakref.WeakSet[VLLMSampler]" = weakref.WeakSet()
@@ -78,6 +80,8 @@ class VLLMSampler:
         command=None,
         env=None,
         log_path: str = "",
+        limits: Limits | None = None,
+        socket_timeout_s: float = 30.0,
     ):
         """`model_dir`: HF folder the engine starts from (config.json + safetensors; its weights are version 0).
         `export_root`: where update_weights() writes versions (default config.export_dir, else a temp folder).
@@ -85,7 +89,9 @@ class VLLMSampler:
         `dtype`: the engine's weight dtype ("auto" = model_config.param_dtype); exports are written in it.
         `delta_sync`: publish changed words only (sampler/weight_sync.py), a full version every `full_every`.
         `remove_exports`: delete `export_root` on close() (a folder in /dev/shm holds host memory).
-        `command`: argv prefix that replaces `python -m twocircuit_jax.sampler.vllm_server` (tests)."""
+        `command`: argv prefix that replaces `python -m twocircuit_jax.sampler.vllm_server` (tests).
+        `limits`: the largest request the server accepts (http_guard.limits_for_run: the trainer's own; default
+        http_guard.Limits()). `socket_timeout_s`: the server closes a connection idle this long."""
         self.config = config
         self.model_dir = model_dir
         self.export_root = export_root or config.export_dir or tempfile.mkdtemp(prefix="twocircuit-export-")
@@ -113,7 +119,13 @@ class VLLMSampler:
         ]
         if max_model_len:
             self._extra += ["--max-model-len", str(max_model_len)]
-        self._env = dict(os.environ if env is None else env)
+        self.limits = limits or Limits()
+        self._extra += server_args(self.limits, config.stall_timeout_s or config.request_timeout_s)
+        self._extra += ["--socket-timeout-s", str(socket_timeout_s)] + ["--allow-remote"] * config.allow_remote
+        # The per-run secret: to the server through its environment only (never argv, which any local user can
+        # read in /proc, and never a log or the run folder); every request carries it (Authorization: Bearer).
+        self._token = new_token()
+        self._env = dict(os.environ if env is None else env, **{TOKEN_ENV: self._token})
         self.log_path = log_path or os.path.join(self.export_root, "sampler.log")
         self.latest = None  # newest version exported by update_weights (None: still the model_dir weights)
         self.restarts = 0
@@ -239,7 +251,7 @@ class VLLMSampler:
                 method,
                 path,
                 body=None if payload is None else json.dumps(payload),
-                headers={"Content-Type": "application/json"},
+                headers={"Content-Type": "application/json", "Authorization": f"Bearer {self._token}"},
             )
             resp = conn.getresponse()
             return resp.status, json.loads(resp.read())
@@ -295,8 +307,8 @@ class VLLMSampler:
             if status == 409 and self.latest is not None:  # stale weights on the server: reload, then retry
                 self.load(self.latest)
                 raise _Retry(f"sampler served stale weights: {body.get('error')}")
-            if status == 400:
-                raise SamplerError(f"sampler rejected the request: {body.get('error')}")
+            if status in (400, 401, 413):  # a request the server refuses: the same again would be refused again
+                raise SamplerError(f"sampler rejected the request (HTTP {status}): {body.get('error')}")
             if status != 200:
                 raise _Retry(f"HTTP {status}: {body.get('error')}")
             return _parse_rollout(body, rows, sampling.max_new_tokens, min_version)

@@ -1,8 +1,13 @@
 """The dense vLLM sampler process (`twocircuit serve-sampler`, or `python -m twocircuit_jax.sampler.vllm_server`).
 
-Protocol (JSON over HTTP on loopback by default; one engine, requests serialised by a lock):
+Protocol (JSON over HTTP on loopback by default; one engine, requests serialised by a lock). Every request carries
+`Authorization: Bearer <secret>`, the per-run secret given in the environment (TWOCIRCUIT_SAMPLER_TOKEN), and is
+checked before the engine sees it (sampler/http_guard.py): 401 without the secret, 400 for a missing, negative or
+non-integer Content-Length, 413 above the body cap, 408 for a body not sent within the socket timeout, 400 for a
+/generate over the limits (--max-n, --max-new-tokens, --max-prompts, --max-prompt-len; the trainer's own).
 
-    GET  /health   -> {"ok": bool, "version": int}
+    GET  /health   -> {"ok": bool, "version": int}; 503 with "stuck" when generate or load requests have been in
+                    flight for --stall-s with none answered
     POST /generate {"prompts": [[ids]], "n", "temperature", "top_p", "top_k", "max_new_tokens", "seed",
                     "min_version"} -> {"rows": [{"tokens", "logprobs", "finish_reason": "stop"|"length"}],
                     "version"}; rows are prompt-major (prompt i -> rows i*n .. i*n+n-1). 409 if version < min_version.
@@ -33,6 +38,7 @@ import time
 import numpy as np
 
 from twocircuit_jax.sampler.export import ExportError, read_meta, version_dir
+from twocircuit_jax.sampler.http_guard import TOKEN_ENV, Guard, Limits, is_loopback, limits_for_run, server_args
 from twocircuit_jax.sampler.weight_sync import DELTA, WeightStore, words
 
 
@@ -192,7 +198,9 @@ class Engine:
         self.version = args.initial_version
         self.store = WeightStore()  # host copy of the served words (the parameters' size): deltas apply to it
         self.healthy = True
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # one engine call at a time
+        # One load at a time: two would both rebuild the host copy (self.store) outside the engine lock.
+        self.load_lock = threading.Lock()
 
     def generate(self, req: dict) -> tuple[int, dict]:
         from vllm import SamplingParams
@@ -247,6 +255,10 @@ class Engine:
         return 200, {"rows": rows, "version": version}
 
     def load(self, req: dict) -> tuple[int, dict]:
+        with self.load_lock:
+            return self._load(req)
+
+    def _load(self, req: dict) -> tuple[int, dict]:
         """Apply a full or delta version. A full version goes through a host copy (weight_sync.WeightStore) and
         reloads every tensor by name. A delta, in place (the default), swaps its words straight into the engine's
         tensors and checks the result's hashes from the words it replaced (no host copy of the weights is kept);
@@ -415,34 +427,81 @@ class Engine:
         return f"shape mismatch {bad[:4]}" if bad else ""
 
 
-def _handler(engine: Engine):
+def _handler(engine, guard=None):
+    """The HTTP handler class over `engine` (anything with generate(req), load(req), healthy and version). Every
+    request is checked by `guard` (sampler/http_guard.py; default: the secret from the environment, default
+    limits) before its body is read or the engine is reached."""
     from http.server import BaseHTTPRequestHandler
+
+    from twocircuit_jax.sampler import http_guard as hg
+
+    guard = guard if guard is not None else hg.Guard.from_env()
+    watch = hg.Watch(guard.stall_s)
+    vocab = getattr(engine, "vocab", None)
+    checks = {"/generate": lambda b: hg.check_generate(b, guard.limits, vocab), "/load": hg.check_load}
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = guard.socket_timeout_s  # settimeout on each connection: a half-sent body cannot hold a thread
 
-        def _send(self, status: int, body: dict):
+        def _send(self, status: int, body: dict, close: bool = False):
             data = json.dumps(body).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if status == 401:
+                self.send_header("WWW-Authenticate", "Bearer")
+            if close:  # the body was not read: the connection cannot carry another request
+                self.send_header("Connection", "close")
+                self.close_connection = True
             self.end_headers()
             self.wfile.write(data)
 
+        def _refused(self) -> bool:
+            if hg.authorized(self.headers.get("Authorization"), guard.token):
+                return False
+            self._send(401, {"error": "missing or wrong bearer token"}, close=True)
+            return True
+
         def do_GET(self):  # noqa: N802
+            if self._refused():
+                return
             if self.path == "/health":
-                self._send(200 if engine.healthy else 503, {"ok": engine.healthy, "version": engine.version})
+                stuck = watch.stuck()
+                ok = engine.healthy and not stuck
+                out = {"ok": ok, "version": engine.version}
+                if stuck:
+                    out["stuck"] = stuck
+                self._send(200 if ok else 503, out)
             else:
                 self._send(404, {"error": f"unknown path {self.path}"})
 
         def do_POST(self):  # noqa: N802
+            if self._refused():
+                return
             route = {"/generate": engine.generate, "/load": engine.load}.get(self.path)
+            if route is None:
+                return self._send(404, {"error": f"unknown path {self.path}"}, close=True)
             try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                if route is None:
-                    return self._send(404, {"error": f"unknown path {self.path}"})
-                status, out = route(body)
-            except (RequestError, json.JSONDecodeError) as e:
+                length = hg.body_length(self.headers, guard.cap(self.path))
+            except hg.Refusal as e:
+                return self._send(e.status, {"error": str(e)}, close=True)
+            try:
+                raw = self.rfile.read(length)
+            except TimeoutError:  # the socket timeout: a client that stopped sending mid-body
+                msg = f"body not received within {guard.socket_timeout_s:g} s"
+                return self._send(408, {"error": msg}, close=True)
+            if len(raw) < length:  # the client closed the connection mid-body
+                self.close_connection = True
+                return
+            try:
+                body = checks[self.path](json.loads(raw))
+            except ValueError as e:  # hg.Refusal, JSONDecodeError, UnicodeDecodeError
+                return self._send(getattr(e, "status", 400), {"error": str(e)})
+            try:
+                with watch.busy(self.path.strip("/")):
+                    status, out = route(body)
+            except RequestError as e:
                 status, out = 400, {"error": str(e)}
             except Exception as e:  # noqa: BLE001 - report, keep serving
                 status, out = 500, {"error": f"{type(e).__name__}: {e}"}
@@ -452,6 +511,33 @@ def _handler(engine: Engine):
             pass
 
     return Handler
+
+
+def _server(address, guard):
+    """A threading HTTP server that closes connections beyond `guard.max_connections` at once (each open
+    connection holds a thread until its socket timeout)."""
+    from http.server import ThreadingHTTPServer
+
+    class Server(ThreadingHTTPServer):
+        slots = threading.BoundedSemaphore(guard.max_connections)
+
+        def process_request(self, request, client_address):
+            if not self.slots.acquire(blocking=False):
+                self.shutdown_request(request)
+                return
+            try:
+                super().process_request(request, client_address)
+            except BaseException:
+                self.slots.release()
+                raise
+
+        def process_request_thread(self, request, client_address):
+            try:
+                super().process_request_thread(request, client_address)
+            finally:
+                self.slots.release()
+
+    return Server(address, None)
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -482,20 +568,54 @@ def parse_args(argv=None):
     )
     p.add_argument("--initial-version", type=int, default=0, help="version tag of the model-dir weights")
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is no longer our parent")
+    d = Limits()
+    p.add_argument("--max-n", type=int, default=d.n, help="largest n (samples per prompt) of a request")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="largest max_new_tokens")
+    p.add_argument("--max-prompts", type=int, default=d.prompts, help="most prompts in one request")
+    p.add_argument("--max-prompt-len", type=int, default=d.prompt_len, help="longest prompt, in tokens")
+    p.add_argument(
+        "--stall-s", type=float, default=600.0, help="/health answers 503 after this long with no engine answer"
+    )
+    p.add_argument("--socket-timeout-s", type=float, default=30.0, help="idle seconds before a connection closes")
+    p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host (sampler.allow_remote)")
     return p.parse_args(argv)
+
+
+def guard_from_args(args, token: str) -> Guard:
+    limits = Limits(args.max_n, args.max_new_tokens, args.max_prompts, args.max_prompt_len)
+    return Guard(token, limits, stall_s=args.stall_s, socket_timeout_s=args.socket_timeout_s)
 
 
 def serve(args) -> int:
     """Bind first (a busy port fails in milliseconds, not after engine start), then start the engine and serve."""
     import signal
-    from http.server import ThreadingHTTPServer
 
+    token = os.environ.pop(TOKEN_ENV, "")  # out of the environment before vLLM starts: nothing below inherits it
+    if not args.allow_remote and not is_loopback(args.host):
+        print(
+            f"error: --host {args.host} is not a loopback address; pass --allow-remote (sampler.allow_remote) to "
+            "accept connections from other machines",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
+    guard = guard_from_args(args, token)
     try:
-        httpd = ThreadingHTTPServer((args.host, args.port), None)
+        httpd = _server((args.host, args.port), guard)
     except OSError as e:
         print(
             f"error: cannot listen on {args.host}:{args.port}: port {args.port} is already in use or not "
             f"available ({e.strerror})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
+    if not token:  # checked after the bind only so that a busy port is reported first; nothing was served
+        httpd.server_close()
+        print(
+            f"error: {TOKEN_ENV} is not set; the sampler answers only requests that carry this secret "
+            "(Authorization: Bearer <secret>). The trainer sets it; to run the server yourself, export a secret "
+            "of your own, e.g. from `python -c 'import secrets; print(secrets.token_urlsafe(32))'`",
             file=sys.stderr,
             flush=True,
         )
@@ -506,7 +626,7 @@ def serve(args) -> int:
     _prepare_process_env()
     engine = Engine(args)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # again: engine start may install its own handler
-    httpd.RequestHandlerClass = _handler(engine)
+    httpd.RequestHandlerClass = _handler(engine, guard)
     host, port = httpd.server_address[:2]
     print(f"READY {host}:{port}", flush=True)
     try:
@@ -518,7 +638,9 @@ def serve(args) -> int:
 
 def serve_from_config(run_config, model_dir: str = "", export_root: str = "") -> int:
     """`twocircuit serve-sampler`: serve `model_dir` (default run_config.base_model, an HF folder) with the
-    sampler section's host/port/memory settings, loading versions from `export_root` (default sampler.export_dir)."""
+    sampler section's host/port/memory settings, loading versions from `export_root` (default sampler.export_dir).
+    Requests must carry the secret in TWOCIRCUIT_SAMPLER_TOKEN (exit 2 when unset) and stay within the limits of
+    the run config (http_guard.limits_for_run)."""
     sc = run_config.sampler
     model_dir = model_dir or run_config.base_model
     export_root = export_root or sc.export_dir
@@ -545,6 +667,8 @@ def serve_from_config(run_config, model_dir: str = "", export_root: str = "") ->
             run_config.model.param_dtype,
             "--weight-update",
             sc.weight_update,
+            *server_args(limits_for_run(run_config), sc.stall_timeout_s or sc.request_timeout_s),
+            *(["--allow-remote"] if sc.allow_remote else []),
         ]
     )
 

@@ -141,6 +141,7 @@ def make_sampler(run_cfg, model_cfg, params, tokenizer, run_dir: str):
         )
     from twocircuit_jax.model.hf_io import save_hf
     from twocircuit_jax.sampler.export import make_shm_root
+    from twocircuit_jax.sampler.http_guard import limits_for_run
     from twocircuit_jax.sampler.vllm_client import VLLMSampler, untie_for_vllm
 
     # The engine starts from a Hugging Face folder of the run's own initial weights (version 0); every update
@@ -168,6 +169,7 @@ def make_sampler(run_cfg, model_cfg, params, tokenizer, run_dir: str):
         full_every=sc.full_every,
         remove_exports=shm,
         log_path=os.path.join(run_dir, "sampler", "sampler.log"),
+        limits=limits_for_run(run_cfg),  # the server refuses requests larger than this trainer's
     )
 
 
