@@ -88,7 +88,7 @@ def test_heldout_size_beyond_the_task_is_an_error():
     big = _task(train_size=64, eval_size=5000)
     n = len(big.eval_problems())
     assert n < 5000
-    with pytest.raises(ConfigError, match=rf"has only {n} distinct held-out problems"):
+    with pytest.raises(ConfigError, match=rf"yielded only {n} distinct held-out problems"):
         heldout_problems(big, 5000)
 
 

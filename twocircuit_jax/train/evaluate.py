@@ -46,9 +46,10 @@ def heldout_problems(task, size: int) -> list:
         )
     raise ConfigError(
         "train.eval_size",
-        f"got {size}; {tc.dataset} with options {task.options} has only {len(problems)} distinct held-out problems "
-        f"that are not training problems (task.train_size = {tc.train_size}): lower train.eval_size and "
-        f"task.eval_size to {len(problems)}, lower task.train_size, or widen the options",
+        f"got {size}; {tc.dataset} with options {task.options} yielded only {len(problems)} distinct held-out "
+        f"problems that are not training problems (task.train_size = {tc.train_size}; the task stops after drawing "
+        f"10x task.eval_size): lower train.eval_size and task.eval_size to {len(problems)} or less, lower "
+        "task.train_size, or widen the options",
     )
 
 
