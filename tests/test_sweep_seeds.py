@@ -66,6 +66,8 @@ def test_bad_seeds_exit_2_naming_them(tmp_path, capsys):
     assert main(["sweep", "--config", str(sweep), "--out", str(out), "--seeds", "4-0"]) == 2
     err = capsys.readouterr().err
     assert "--seeds" in err and "backwards" in err and not out.exists()
+    assert main(["sweep", "--config", str(sweep), "--out", str(out), "--last-k", "0"]) == 2
+    assert "--last-k" in capsys.readouterr().err and not out.exists()
     sweep.write_text(yaml.safe_dump({"base": "base.yaml", "seeds": "0-x", "arms": {"a": {}}}))
     assert main(["sweep", "--config", str(sweep), "--out", str(out)]) == 2
     err = capsys.readouterr().err
@@ -110,7 +112,7 @@ def test_sweep_arms_by_seeds_resumed_in_parallel(tmp_path, capsys):
     common = ["sweep", "--config", str(tmp_path / "sweep.yaml"), "--out", str(out)]
     assert main(common + ["--seeds", "0,1"]) == 0
     first = (out / "a" / "seed_0" / "metrics.jsonl").read_text()
-    assert main(common + ["--seeds", "0-2", "--jobs", "2", "--resume"]) == 0
+    assert main(common + ["--seeds", "0-2", "--jobs", "2", "--resume", "--last-k", "2"]) == 0
     text = capsys.readouterr().out
     assert "arm a/seed_0 -> " in text and "finished: read" in text
     assert (out / "a" / "seed_0" / "metrics.jsonl").read_text() == first
@@ -125,7 +127,7 @@ def test_sweep_arms_by_seeds_resumed_in_parallel(tmp_path, capsys):
         for r in evals:
             assert r["eval/n"] == 8 and r["eval/accuracy_se"] == pytest.approx(binomial_se(r["eval/accuracy"], 8))
         summary = json.load(open(run / "summary.json"))
-        want = accuracy_summary([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], 3)
+        want = accuracy_summary([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], 2)
         assert {key: summary[key] for key in want} == pytest.approx(want)
         assert summary["eval_n"] == 8 and summary["steps"] == 2
         step1[k] = next(r for r in rows if r["step"] == 1)["policy/entropy"]

@@ -82,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument(
         "--seeds", default="", metavar="0-4", help="run every arm once per seed (0-4, 0,2,5): OUT/ARM/seed_K"
     )
+    w.add_argument("--last-k", type=int, default=3, help="evaluations averaged into each run's last_k_accuracy")
     w.add_argument("--resume", action="store_true", help="skip finished arms, resume interrupted ones")
     w.add_argument("--overwrite", action="store_true", help=_OVERWRITE_HELP)
     g = sub.add_parser("plot", help="figures + one HTML page comparing runs (PNGs, index.html, fidelity map)")
@@ -199,6 +200,7 @@ def _dispatch(args) -> int:
             resume=args.resume,
             overwrite=args.overwrite,
             seeds=args.seeds or None,
+            last_k=args.last_k,
         )
         return 0
     if args.cmd == "compare":

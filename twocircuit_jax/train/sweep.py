@@ -237,7 +237,9 @@ class Unit(NamedTuple):
     cfg: object  # the resolved RunConfig
 
 
-def _run_unit(u: Unit, run_dir: str, plan: str, show_progress: bool, log_path: str | None = None) -> dict:
+def _run_unit(
+    u: Unit, run_dir: str, plan: str, show_progress: bool, log_path: str | None = None, last_k: int = LAST_K
+) -> dict:
     """Runs one unit (in this process, or in a worker with its output sent to `log_path`) and returns its row."""
     with contextlib.ExitStack() as stack:
         if log_path:  # a worker process: its prints and warnings go to the arm's log, not interleaved on the console
@@ -254,7 +256,7 @@ def _run_unit(u: Unit, run_dir: str, plan: str, show_progress: bool, log_path: s
         elif os.path.isfile(os.path.join(run_dir, DONE)):
             with open(os.path.join(run_dir, DONE)) as fh:
                 trainer = json.load(fh)
-        _write_json(os.path.join(run_dir, SUMMARY), run_summary(run_dir, trainer))
+        _write_json(os.path.join(run_dir, SUMMARY), run_summary(run_dir, trainer, last_k))
     return {"arm": u.arm, "seed": u.seed, "run_dir": run_dir, **_final(os.path.join(run_dir, "metrics.jsonl"))}
 
 
@@ -269,6 +271,7 @@ def run_sweep(
     show_progress: bool = False,
     overwrite: bool = False,
     seeds=None,
+    last_k: int = LAST_K,
 ) -> list[dict]:
     """Runs the arms into `out_dir`/ARM (with `seeds`, a spec for parse_seeds or the sweep file's `seeds:`, into
     `out_dir`/ARM/seed_K). Someone else's non-empty `out_dir` is refused unless `overwrite` or `resume` (the sweep's
@@ -277,6 +280,8 @@ def run_sweep(
 
     if jobs < 1:
         raise ConfigError("--jobs", f"must be >= 1, got {jobs}")
+    if last_k < 1:
+        raise ConfigError("--last-k", f"must be >= 1, got {last_k}")
     seed_list = parse_seeds(seeds) if seeds is not None else None  # the flag is checked before the file is read
     if not resume:
         outdir.check_out(out_dir, overwrite)
@@ -298,16 +303,16 @@ def run_sweep(
             print(
                 f"sweep: arm {u.key} -> {run_dir}" + (" (finished: read)" if plans[u.key] == "done" else ""), flush=True
             )
-            rows[u.key] = _run_unit(u, run_dir, plans[u.key], show_progress)
+            rows[u.key] = _run_unit(u, run_dir, plans[u.key], show_progress, None, last_k)
     if jobs > 1:
-        rows.update(_run_parallel([u for u in todo if u.key not in rows], plans, out_dir, jobs))
+        rows.update(_run_parallel([u for u in todo if u.key not in rows], plans, out_dir, jobs, last_k))
     ordered = [rows[u.key] for u in todo]
     print(format_table(ordered), flush=True)
     _merge_summary(os.path.join(out_dir, SUMMARY), ordered, [a for a, _ in all_arms])
     return ordered
 
 
-def _run_parallel(todo: list[Unit], plans, out_dir, jobs) -> dict:
+def _run_parallel(todo: list[Unit], plans, out_dir, jobs, last_k: int = LAST_K) -> dict:
     """Up to `jobs` runs at once, each in a fresh (spawned) process: JAX state is not shared across a fork. The first
     run to fail stops new runs from starting; those running finish, then the failure is raised naming its log."""
     rows, failed = {}, None
@@ -321,7 +326,7 @@ def _run_parallel(todo: list[Unit], plans, out_dir, jobs) -> dict:
                 run_dir, log = os.path.join(out_dir, u.key), os.path.join(out_dir, f"{u.key}.log")
                 os.makedirs(os.path.dirname(log), exist_ok=True)  # OUT/ARM for OUT/ARM/seed_K.log
                 print(f"sweep: arm {u.key} -> {run_dir} (log: {log})", flush=True)
-                pending[pool.submit(_run_unit, u, run_dir, plans[u.key], False, log)] = (u.key, log)
+                pending[pool.submit(_run_unit, u, run_dir, plans[u.key], False, log, last_k)] = (u.key, log)
             if not pending:
                 break
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
