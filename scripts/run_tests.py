@@ -69,6 +69,8 @@ WEIGHTS = {
     "test_anchor_owned_basis.py": (40, 0),
     "test_probe.py": (40, 0),
     "test_sweep.py": (70, 1),
+    "test_sweep_seeds.py": (40, 5),
+    "test_compare.py": (10, 10),
     "test_anchor_loop.py": (35, 0),
     "test_fast_powersgd.py": (32, 28),
     "test_vllm_sampler.py": (60, 0),

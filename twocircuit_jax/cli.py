@@ -79,11 +79,21 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="applied to every arm")
     w.add_argument("--arms", default="", metavar="A,B", help="run only these arms (default: all)")
     w.add_argument("--jobs", type=int, default=1, help="arms run at once, each in its own process (default 1)")
+    w.add_argument(
+        "--seeds", default="", metavar="0-4", help="run every arm once per seed (0-4, 0,2,5): OUT/ARM/seed_K"
+    )
+    w.add_argument("--last-k", type=int, default=3, help="evaluations averaged into each run's last_k_accuracy")
     w.add_argument("--resume", action="store_true", help="skip finished arms, resume interrupted ones")
     w.add_argument("--overwrite", action="store_true", help=_OVERWRITE_HELP)
     g = sub.add_parser("plot", help="figures + one HTML page comparing runs (PNGs, index.html, fidelity map)")
     g.add_argument("runs", nargs="+", metavar="RUN", help="run folder, or sweep folder (expanded into its arms)")
     g.add_argument("--out", required=True, help="output folder for the PNGs, map.json/map.md and index.html")
+    c = sub.add_parser("compare", help="arms over seeds: B - A with bootstrap intervals, IQM, P(B > A)")
+    c.add_argument("groups", nargs="+", metavar="GROUP", help="SWEEP_DIR:ARM, a folder of runs, or RUN,RUN,...")
+    c.add_argument("--out", default="", metavar="FILE.md", help="also write the markdown table here")
+    c.add_argument("--figure", default="", metavar="FILE.png", help="learning curves with 95%% bootstrap bands")
+    c.add_argument("--last-k", type=int, default=3, help="evaluations averaged into the last-k accuracy")
+    c.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples (default 10000)")
     h = sub.add_parser("health", help="replay the health gauges over finished runs: first warn/alarm per gauge")
     h.add_argument("runs", nargs="+", metavar="RUN", help="run folder, or sweep folder (expanded into its arms)")
     h.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="e.g. health.gap_ratio_alarm=1.3")
@@ -182,8 +192,21 @@ def _dispatch(args) -> int:
 
         names = [a.strip() for a in args.arms.split(",") if a.strip()] or None
         run_sweep(
-            args.config, args.out, args.set, arms=names, jobs=args.jobs, resume=args.resume, overwrite=args.overwrite
+            args.config,
+            args.out,
+            args.set,
+            arms=names,
+            jobs=args.jobs,
+            resume=args.resume,
+            overwrite=args.overwrite,
+            seeds=args.seeds or None,
+            last_k=args.last_k,
         )
+        return 0
+    if args.cmd == "compare":
+        from twocircuit_jax.metrics.compare import run_compare
+
+        print(run_compare(args.groups, args.out, args.figure, args.last_k, args.resamples), end="")
         return 0
     if args.cmd == "health":
         return _health(args)

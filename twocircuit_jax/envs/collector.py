@@ -13,6 +13,7 @@ import numpy as np
 from twocircuit_jax.config.sections import SamplingConfig
 from twocircuit_jax.envs.episodes import episode_metrics, run_episodes
 from twocircuit_jax.envs.rows import pack_episodes
+from twocircuit_jax.train.evaluate import binomial_se
 from twocircuit_jax.train.rollout import Collected
 
 
@@ -93,6 +94,7 @@ class EpisodeEvaluator:
         lengths = [len(x.tokens) for x in ep.turns]
         return {
             "eval/accuracy": m["eval/success"],
+            "eval/accuracy_se": binomial_se(float(m["eval/success"]), len(self.problems)),
             "eval/score_mean": m["eval/return"],
             "eval/n": len(self.problems),
             "eval/length_mean": float(np.mean(lengths)) if lengths else 0.0,

@@ -13,6 +13,7 @@ import html
 import json
 import math
 import os
+import re
 import warnings
 from dataclasses import dataclass, field
 
@@ -132,14 +133,38 @@ def load_run(path: str, name: str | None = None) -> Run:
 
 
 def _arms(folder: str) -> list[str]:
-    """A sweep folder's arm subfolders: summary.json's order first (the sweep file's order), then by name."""
-    arms = sorted(d for d in os.listdir(folder) if os.path.isfile(os.path.join(folder, d, "metrics.jsonl")))
+    """A sweep folder's run subfolders, relative to it: ARM, or ARM/seed_K for a sweep run with seeds (an arm's own
+    folder gives its seed_K). summary.json's arm order first (the sweep file's order), then by name; seeds in order."""
+
+    def runs_in(d: str) -> list[str]:
+        return [x for x in os.listdir(d) if os.path.isfile(os.path.join(d, x, "metrics.jsonl"))]
+
+    def by_seed(x: str):
+        m = re.fullmatch(r"seed_(\d+)", x)
+        return (0, int(m.group(1)), x) if m else (1, 0, x)
+
+    top = sorted(runs_in(folder), key=by_seed)
+    nested = sorted(
+        d
+        for d in os.listdir(folder)
+        if d not in top and os.path.isdir(os.path.join(folder, d)) and runs_in(os.path.join(folder, d))
+    )
     try:
         with open(os.path.join(folder, "summary.json")) as fh:
-            order = [r["arm"] for r in json.load(fh) if isinstance(r, dict) and "arm" in r]
+            order = list(dict.fromkeys(r["arm"] for r in json.load(fh) if isinstance(r, dict) and "arm" in r))
     except (OSError, ValueError, TypeError):
         order = []
-    return [a for a in order if a in arms] + [a for a in arms if a not in order]
+    arms = [a for a in order if a in top or a in nested] + [a for a in top + nested if a not in order]
+    return [
+        x
+        for a in arms
+        for x in ([a] if a in top else [f"{a}/{r}" for r in sorted(runs_in(os.path.join(folder, a)), key=by_seed)])
+    ]
+
+
+def group_name(run: "Run") -> str:
+    """The group a run belongs to: its name without a trailing /seed_K (sweep ARM/seed_K runs share ARM)."""
+    return re.sub(r"/seed_\d+$", "", run.name)
 
 
 def expand_runs(paths: list[str]) -> list[Run]:
@@ -343,6 +368,7 @@ def plot_runs(runs: list[Run], out_dir: str) -> list[str]:
             xlabel="step",
         )
         cv.save(fig, "accuracy_reward.png", "Held-out accuracy and reward")
+    _bands(cv)
     collapse_anatomy(cv)
     if cv.want("Sampler-trainer mismatch", GAP, "mismatch/prob_corr", KL_K3):
         fig, axes = cv.panels(3, 5.0)
@@ -381,6 +407,26 @@ def plot_runs(runs: list[Run], out_dir: str) -> list[str]:
         cv.sections.append(("Fidelity map", None, "needs a dense run (codec none, anchor off) and a codec run"))
     cv.written.append(_write_html(runs, cv.sections, os.path.join(out_dir, "index.html")))
     return cv.written
+
+
+def _bands(cv: Canvas) -> None:
+    """Held-out accuracy per group of seeds (runs named GROUP/seed_K): the mean over seeds with its 95% bootstrap
+    band (metrics/compare.py). Only when some group has two seeds or more."""
+    from twocircuit_jax.metrics.compare import Group, draw_bands
+
+    groups: dict = {}
+    for r in cv.runs:
+        groups.setdefault(group_name(r), []).append(r)
+    title = "Held-out accuracy over seeds (mean, 95% bootstrap band)"
+    if not any(len(rs) > 1 and any(r.series(ACC)[0] for r in rs) for rs in groups.values()):
+        cv.sections.append(
+            (title, None, "no group of two or more seeds (runs named GROUP/seed_K) logged eval/accuracy")
+        )
+        return
+    fig, (ax,) = cv.panels(1, 7.0)
+    draw_bands(ax, [Group(g, rs) for g, rs in groups.items()])
+    ax.set_title("held-out accuracy: mean over seeds, 95% bootstrap band")
+    cv.save(fig, "accuracy_bands.png", title)
 
 
 def _write_html(runs: list[Run], sections: list[tuple], path: str) -> str:

@@ -33,6 +33,7 @@ from twocircuit_jax.train import rollout as ro
 from twocircuit_jax.train.checkpoint import CheckpointManager
 from twocircuit_jax.train.circuit_state import place, set_clock
 from twocircuit_jax.train.collect import make_collector
+from twocircuit_jax.train.evaluate import heldout_problems
 from twocircuit_jax.train.grpo_step import OLD, REF
 from twocircuit_jax.train.guard import Guard, apply_mitigations, mitigate
 from twocircuit_jax.train.programs import build_circuits, build_programs
@@ -123,7 +124,7 @@ class GRPOTrainer(TrainerCheckpoints):
                 "train.train_batch",
                 f"got {t.train_batch}; the task has only {len(self.train_problems)} training problems",
             )
-        self.eval_problems = list(self.task.eval_problems())[: t.eval_size]
+        self.eval_problems = heldout_problems(self.task, t.eval_size)  # a short generated split: an error
         model_cfg, params = load_model(cfg, t.seed)
         self.model_cfg = check_vocab(model_cfg, self.tokenizer)
         self.mesh = pmesh.make_mesh(cfg.mesh)

@@ -16,6 +16,15 @@ arm's final reward, held-out accuracy, reference KL and sampler-trainer gap, rea
 OUT/ARM.log: on a machine whose cores one arm cannot fill (a CPU, a small model) the sweep finishes sooner, at the
 cost of memory N times one arm's. `--resume` continues an interrupted sweep: a finished arm (its folder holds
 `sweep_done.json`) is read, not rerun; an arm with checkpoints resumes from its latest; the rest start fresh.
+
+Seeds. `--seeds 0-4` (or `0,2,5`, or `seeds: 0-4` / `seeds: [0, 1, 2]` in the sweep file; the flag wins) runs every
+arm once per seed, each into OUT/ARM/seed_K (its log, with --jobs, OUT/ARM/seed_K.log). Seed K sets `train.seed`
+(model init when there is no base model, problem order, rollout sampling, the environment's RNG) and, when the arm's
+codecs have one, `fast.codec.seed` and `fast.grad_codec.seed` (PRF masks, the low-rank frame): the same K in two arms
+is the same data order and sampling, so `twocircuit compare` pairs runs by seed. The problem sets (task.train_seed,
+task.eval_seed) are not touched: every seed is scored on the same held-out problems. Without seeds the layout is
+OUT/ARM and the configs' own seeds are used. Every run folder gets `summary.json`: the trainer's summary, its
+final, last-k-mean and AUC held-out accuracy (metrics/stats.py), and the held-out set's size.
 """
 
 from __future__ import annotations
@@ -24,8 +33,10 @@ import contextlib
 import json
 import multiprocessing
 import os
+import re
 import sys
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from typing import NamedTuple
 
 import yaml
 
@@ -33,6 +44,9 @@ from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.config.run import load_config
 
 DONE = "sweep_done.json"  # written into an arm's folder when its run returns: `--resume` skips that arm
+SUMMARY = "summary.json"  # each run folder's verdict numbers (and the sweep folder's table of all runs)
+LAST_K = 3  # evaluations averaged into a run's last_k_accuracy
+MAX_SEEDS = 1000  # a typo guard: "0-99999" is not a sweep anyone means
 
 COLUMNS = (
     ("reward", "reward/mean"),
@@ -50,8 +64,65 @@ def _sets(d, where) -> list[str]:
     return [f"{k}={json.dumps(v)}" for k, v in d.items()]  # JSON is YAML: the value parses back unchanged
 
 
-def load_sweep(path: str, overrides=None) -> tuple[str, list[tuple[str, object]]]:
-    """(sweep name, [(arm name, resolved RunConfig)]). Raises ConfigError naming the file and the arm."""
+def parse_seeds(spec, where: str = "--seeds") -> list[int]:
+    """Seeds from "0-4", "0,2,5", "0-2,7", an int, or a list of ints: distinct, >= 0, in the order given."""
+    if isinstance(spec, bool):
+        raise ConfigError(where, f"got {spec!r}; expected a seed range like 0-4 or a list like 0,2,5")
+    if isinstance(spec, int):
+        spec = [spec]
+    if isinstance(spec, (list, tuple)):
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in spec):
+            raise ConfigError(where, f"got {spec!r}; every seed must be an integer")
+        seeds = list(spec)
+    elif isinstance(spec, str):
+        seeds = []
+        for part in (p.strip() for p in spec.split(",")):
+            m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+            if not m:
+                raise ConfigError(where, f"got {spec!r}; expected seeds like 0-4, 0,2,5 or 0-2,7 ({part!r} is not)")
+            lo, hi = int(m.group(1)), int(m.group(2) if m.group(2) is not None else m.group(1))
+            if hi < lo:
+                raise ConfigError(where, f"got {spec!r}; the range {part} runs backwards")
+            if hi - lo >= MAX_SEEDS:
+                raise ConfigError(where, f"got {spec!r}; at most {MAX_SEEDS} seeds")
+            seeds += range(lo, hi + 1)
+    else:
+        raise ConfigError(where, f"got {spec!r}; expected a seed range like 0-4 or a list like 0,2,5")
+    if not seeds:
+        raise ConfigError(where, "no seeds given")
+    if any(x < 0 for x in seeds):
+        raise ConfigError(where, f"got {spec!r}; seeds must be >= 0")
+    dup = sorted({x for x in seeds if seeds.count(x) > 1})
+    if dup:
+        raise ConfigError(where, f"got {spec!r}; seed {dup[0]} given twice")
+    if len(seeds) > MAX_SEEDS:
+        raise ConfigError(where, f"got {len(seeds)} seeds; at most {MAX_SEEDS}")
+    return seeds
+
+
+def seed_sets(cfg, seed: int) -> list[str]:
+    """The overrides that make `cfg` seed `seed`: train.seed, and the codecs' own seeds where they have one."""
+    sets = [f"train.seed={seed}"]
+    for sec in ("codec", "grad_codec"):
+        if hasattr(getattr(cfg.fast, sec, None), "seed"):
+            sets.append(f"fast.{sec}.seed={seed}")
+    return sets
+
+
+def sweep_seeds(path: str) -> list[int] | None:
+    """The sweep file's `seeds:` (None when it has none)."""
+    with open(path) as fh:
+        spec = yaml.safe_load(fh) or {}
+    if not isinstance(spec, dict) or spec.get("seeds") is None:
+        return None
+    try:
+        return parse_seeds(spec["seeds"], "seeds")
+    except ConfigError as e:
+        raise e.with_source(path) from None
+
+
+def _spec(path: str) -> tuple[str, str, list[str], dict]:
+    """(base config path, sweep name, common sets, {arm: its sets}) of a sweep file."""
     if not os.path.isfile(path):
         raise ConfigError("", "sweep file not found", source=path)
     with open(path) as fh:
@@ -59,16 +130,38 @@ def load_sweep(path: str, overrides=None) -> tuple[str, list[tuple[str, object]]
     if not isinstance(spec, dict) or "base" not in spec or not isinstance(spec.get("arms"), dict) or not spec["arms"]:
         raise ConfigError("arms", "a sweep file needs `base: CONFIG.yaml` and a non-empty `arms:` mapping", source=path)
     base = os.path.join(os.path.dirname(os.path.abspath(path)), spec["base"])
-    common = _sets(spec.get("set"), "set")
     name = spec.get("name") or os.path.splitext(os.path.basename(path))[0]
-    arms = []
-    for arm, over in spec["arms"].items():
-        try:
-            sets = common + _sets(over, f"arms.{arm}") + list(overrides or []) + [f"name={json.dumps(f'{name}/{arm}')}"]
-            arms.append((str(arm), load_config(base, sets)))
-        except ConfigError as e:
-            raise ConfigError(f"arms.{arm}: {e.path}" if e.path else f"arms.{arm}", e.message, source=path) from None
-    return name, arms
+    try:
+        arms = {str(arm): _sets(over, f"arms.{arm}") for arm, over in spec["arms"].items()}
+        return base, name, _sets(spec.get("set"), "set"), arms
+    except ConfigError as e:
+        raise e.with_source(path) from None
+
+
+def _load_arm(path, base, arm, sets) -> object:
+    try:
+        return load_config(base, sets)
+    except ConfigError as e:
+        raise ConfigError(f"arms.{arm}: {e.path}" if e.path else f"arms.{arm}", e.message, source=path) from None
+
+
+def load_sweep(path: str, overrides=None) -> tuple[str, list[tuple[str, object]]]:
+    """(sweep name, [(arm name, resolved RunConfig)]). Raises ConfigError naming the file and the arm."""
+    base, name, common, arms = _spec(path)
+    sets = {a: common + over + list(overrides or []) for a, over in arms.items()}
+    return name, [(a, _load_arm(path, base, a, sets[a] + [f"name={json.dumps(f'{name}/{a}')}"])) for a in arms]
+
+
+def load_seeded(path: str, seeds: list[int], overrides=None, arms: list[str] | None = None) -> list[tuple]:
+    """[(arm, seed, RunConfig)] for every selected arm x seed, arm-major: the arm's config with `seed_sets`."""
+    name, all_arms = load_sweep(path, overrides)
+    base, _, common, arm_sets = _spec(path)
+    out = []
+    for arm, cfg in select_arms(all_arms, arms, path):
+        for k in seeds:
+            sets = common + arm_sets[arm] + list(overrides or []) + seed_sets(cfg, k)
+            out.append((arm, k, _load_arm(path, base, arm, sets + [f"name={json.dumps(f'{name}/{arm}/seed_{k}')}"])))
+    return out
 
 
 def _final(metrics_path: str) -> dict:
@@ -83,9 +176,33 @@ def _final(metrics_path: str) -> dict:
     return out
 
 
+def run_summary(run_dir: str, trainer: dict | None = None, last_k: int = LAST_K) -> dict:
+    """A run folder's summary.json: the trainer's summary (when this process ran it), the held-out accuracy's
+    final / last-k mean / AUC (metrics/stats.py) and the last evaluation's size and binomial standard error."""
+    from twocircuit_jax.metrics.stats import accuracy_summary
+
+    steps, acc, last = [], [], {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        for line in fh:
+            row = json.loads(line)
+            if "eval/accuracy" in row:
+                steps.append(row["step"])
+                acc.append(float(row["eval/accuracy"]))
+                last = row
+    out = {**(trainer or {}), **accuracy_summary(steps, acc, last_k), "eval_steps": steps}
+    out["eval_n"], out["eval_accuracy_se"] = last.get("eval/n"), last.get("eval/accuracy_se")
+    return out
+
+
 def format_table(rows: list[dict]) -> str:
-    head = ["arm"] + [c for c, _ in COLUMNS]
-    cells = [[r["arm"]] + ["-" if r[c] is None else f"{r[c]:.4f}" for c, _ in COLUMNS] for r in rows]
+    seeded = any(r.get("seed") is not None for r in rows)
+    head = ["arm"] + (["seed"] if seeded else []) + [c for c, _ in COLUMNS]
+    cells = [
+        [r["arm"]]
+        + ([str(r.get("seed", "-"))] if seeded else [])
+        + ["-" if r[c] is None else f"{r[c]:.4f}" for c, _ in COLUMNS]
+        for r in rows
+    ]
     widths = [max(len(x) for x in col) for col in zip(head, *cells)]
     fmt = lambda xs: "  ".join(x.ljust(w) for x, w in zip(xs, widths))  # noqa: E731
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(c) for c in cells])
@@ -111,20 +228,36 @@ def _arm_plan(run_dir: str, resume: bool) -> str:
     return "done" if os.path.isfile(os.path.join(run_dir, DONE)) else "resume"
 
 
-def _run_arm(arm: str, cfg, run_dir: str, plan: str, show_progress: bool, log_path: str | None = None) -> dict:
-    """Runs one arm (in this process, or in a worker with its output sent to `log_path`) and returns its row."""
+class Unit(NamedTuple):
+    """One run of the sweep: an arm, or an arm at one seed."""
+
+    key: str  # ARM, or ARM/seed_K: its folder under OUT, and its name in messages
+    arm: str
+    seed: int | None  # None: no --seeds (the config's own seeds)
+    cfg: object  # the resolved RunConfig
+
+
+def _run_unit(
+    u: Unit, run_dir: str, plan: str, show_progress: bool, log_path: str | None = None, last_k: int = LAST_K
+) -> dict:
+    """Runs one unit (in this process, or in a worker with its output sent to `log_path`) and returns its row."""
     with contextlib.ExitStack() as stack:
         if log_path:  # a worker process: its prints and warnings go to the arm's log, not interleaved on the console
             fh = stack.enter_context(open(log_path, "a", buffering=1))
             stack.enter_context(contextlib.redirect_stdout(fh))
             stack.enter_context(contextlib.redirect_stderr(fh))
+        trainer = None
         if plan != "done":
             from twocircuit_jax.train.loop import GRPOTrainer
 
-            summary = GRPOTrainer(cfg, run_dir, resume=plan == "resume", show_progress=show_progress).run()
+            trainer = GRPOTrainer(u.cfg, run_dir, resume=plan == "resume", show_progress=show_progress).run()
             with open(os.path.join(run_dir, DONE), "w") as out:
-                json.dump(summary, out)
-    return {"arm": arm, "run_dir": run_dir, **_final(os.path.join(run_dir, "metrics.jsonl"))}
+                json.dump(trainer, out)
+        elif os.path.isfile(os.path.join(run_dir, DONE)):
+            with open(os.path.join(run_dir, DONE)) as fh:
+                trainer = json.load(fh)
+        _write_json(os.path.join(run_dir, SUMMARY), run_summary(run_dir, trainer, last_k))
+    return {"arm": u.arm, "seed": u.seed, "run_dir": run_dir, **_final(os.path.join(run_dir, "metrics.jsonl"))}
 
 
 def run_sweep(
@@ -137,38 +270,51 @@ def run_sweep(
     resume: bool = False,
     show_progress: bool = False,
     overwrite: bool = False,
+    seeds=None,
+    last_k: int = LAST_K,
 ) -> list[dict]:
-    """Runs the arms into `out_dir`/ARM. Someone else's non-empty `out_dir` is refused unless `overwrite` or `resume`
-    (the sweep's own folder, marked by outdir.py, takes more arms; an arm's folder still needs --resume)."""
+    """Runs the arms into `out_dir`/ARM (with `seeds`, a spec for parse_seeds or the sweep file's `seeds:`, into
+    `out_dir`/ARM/seed_K). Someone else's non-empty `out_dir` is refused unless `overwrite` or `resume` (the sweep's
+    own folder, marked by outdir.py, takes more arms; a run's folder still needs --resume)."""
     from twocircuit_jax import outdir
 
     if jobs < 1:
         raise ConfigError("--jobs", f"must be >= 1, got {jobs}")
+    if last_k < 1:
+        raise ConfigError("--last-k", f"must be >= 1, got {last_k}")
+    seed_list = parse_seeds(seeds) if seeds is not None else None  # the flag is checked before the file is read
     if not resume:
         outdir.check_out(out_dir, overwrite)
     _, all_arms = load_sweep(sweep_yaml, overrides)
-    todo = select_arms(all_arms, arms, sweep_yaml)
-    plans = {arm: _arm_plan(os.path.join(out_dir, arm), resume) for arm, _ in todo}  # every folder checked first
+    if seed_list is None:
+        seed_list = sweep_seeds(sweep_yaml)
+    if seed_list is None:
+        todo = [Unit(a, a, None, c) for a, c in select_arms(all_arms, arms, sweep_yaml)]
+    else:
+        todo = [Unit(f"{a}/seed_{k}", a, k, c) for a, k, c in load_seeded(sweep_yaml, seed_list, overrides, arms)]
+    plans = {u.key: _arm_plan(os.path.join(out_dir, u.key), resume) for u in todo}  # every folder checked first
     os.makedirs(out_dir, exist_ok=True)
     if outdir.marker(out_dir) is None:
         outdir.write_marker(out_dir, "sweep")
     rows = {}
-    for arm, cfg in todo:
-        run_dir = os.path.join(out_dir, arm)
-        if plans[arm] == "done" or jobs == 1:
-            print(f"sweep: arm {arm} -> {run_dir}" + (" (finished: read)" if plans[arm] == "done" else ""), flush=True)
-            rows[arm] = _run_arm(arm, cfg, run_dir, plans[arm], show_progress)
+    for u in todo:
+        run_dir = os.path.join(out_dir, u.key)
+        if plans[u.key] == "done" or jobs == 1:
+            print(
+                f"sweep: arm {u.key} -> {run_dir}" + (" (finished: read)" if plans[u.key] == "done" else ""), flush=True
+            )
+            rows[u.key] = _run_unit(u, run_dir, plans[u.key], show_progress, None, last_k)
     if jobs > 1:
-        rows.update(_run_parallel([(a, c) for a, c in todo if a not in rows], plans, out_dir, jobs))
-    ordered = [rows[a] for a, _ in todo]
+        rows.update(_run_parallel([u for u in todo if u.key not in rows], plans, out_dir, jobs, last_k))
+    ordered = [rows[u.key] for u in todo]
     print(format_table(ordered), flush=True)
-    _merge_summary(os.path.join(out_dir, "summary.json"), ordered, [a for a, _ in all_arms])
+    _merge_summary(os.path.join(out_dir, SUMMARY), ordered, [a for a, _ in all_arms])
     return ordered
 
 
-def _run_parallel(todo, plans, out_dir, jobs) -> dict:
-    """Up to `jobs` arms at once, each in a fresh (spawned) process: JAX state is not shared across a fork. The first
-    arm to fail stops new arms from starting; those running finish, then the failure is raised naming its log."""
+def _run_parallel(todo: list[Unit], plans, out_dir, jobs, last_k: int = LAST_K) -> dict:
+    """Up to `jobs` runs at once, each in a fresh (spawned) process: JAX state is not shared across a fork. The first
+    run to fail stops new runs from starting; those running finish, then the failure is raised naming its log."""
     rows, failed = {}, None
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
@@ -176,35 +322,41 @@ def _run_parallel(todo, plans, out_dir, jobs) -> dict:
         queue = list(todo)
         while queue or pending:
             while queue and len(pending) < jobs and failed is None:
-                arm, cfg = queue.pop(0)
-                run_dir, log = os.path.join(out_dir, arm), os.path.join(out_dir, f"{arm}.log")
-                print(f"sweep: arm {arm} -> {run_dir} (log: {log})", flush=True)
-                pending[pool.submit(_run_arm, arm, cfg, run_dir, plans[arm], False, log)] = (arm, log)
+                u = queue.pop(0)
+                run_dir, log = os.path.join(out_dir, u.key), os.path.join(out_dir, f"{u.key}.log")
+                os.makedirs(os.path.dirname(log), exist_ok=True)  # OUT/ARM for OUT/ARM/seed_K.log
+                print(f"sweep: arm {u.key} -> {run_dir} (log: {log})", flush=True)
+                pending[pool.submit(_run_unit, u, run_dir, plans[u.key], False, log, last_k)] = (u.key, log)
             if not pending:
                 break
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
             for fut in done:
-                arm, log = pending.pop(fut)
+                key, log = pending.pop(fut)
                 try:
-                    rows[arm] = fut.result()
-                    print(f"sweep: arm {arm} finished", flush=True)
-                except Exception as e:  # noqa: BLE001 -- reported with the arm's log, re-raised below
-                    print(f"sweep: arm {arm} failed: {e} (see {log})", file=sys.stderr, flush=True)
-                    failed = failed or (arm, log, e)
+                    rows[key] = fut.result()
+                    print(f"sweep: arm {key} finished", flush=True)
+                except Exception as e:  # noqa: BLE001 -- reported with the run's log, re-raised below
+                    print(f"sweep: arm {key} failed: {e} (see {log})", file=sys.stderr, flush=True)
+                    failed = failed or (key, log, e)
     if failed:
         raise RuntimeError(f"sweep arm {failed[0]} failed: {failed[2]} (its output: {failed[1]})") from failed[2]
     return rows
 
 
+def _write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=1)
+    os.replace(tmp, path)  # never a half-written file
+
+
 def _merge_summary(path: str, rows: list[dict], order: list[str]):
-    """summary.json keeps every arm run so far (a sweep run in parts adds up), in the sweep file's order."""
+    """summary.json keeps every run so far (a sweep run in parts adds up), in the sweep file's arm order, then by
+    seed. A row is keyed by (arm, seed); seed is None for a sweep run without seeds."""
     old = {}
     if os.path.isfile(path):
         with open(path) as fh:
-            old = {r["arm"]: r for r in json.load(fh)}
-    old.update({r["arm"]: r for r in rows})
-    merged = [old[a] for a in order if a in old] + [r for a, r in old.items() if a not in order]
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(merged, fh, indent=1)
-    os.replace(tmp, path)  # never a half-written summary
+            old = {(r["arm"], r.get("seed")): r for r in json.load(fh)}
+    old.update({(r["arm"], r.get("seed")): r for r in rows})
+    rank = lambda k: (order.index(k[0]) if k[0] in order else len(order), k[0], -1 if k[1] is None else k[1])  # noqa: E731
+    _write_json(path, [old[k] for k in sorted(old, key=rank)])

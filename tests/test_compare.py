@@ -1,0 +1,204 @@
+"""Verdict statistics (metrics/stats.py) against hand-computed values, and `twocircuit compare` on synthetic run
+folders with planted effects (written by the trainer's own MetricsLogger): no training, seconds."""
+
+import os
+
+import numpy as np
+import pytest
+import yaml
+
+from twocircuit_jax.cli import main
+from twocircuit_jax.metrics import stats
+from twocircuit_jax.metrics.compare import compare, parse_group, run_scalars
+from twocircuit_jax.metrics.logger import MetricsLogger
+from twocircuit_jax.metrics.plot import expand_runs, load_run
+
+# --- stats: known values ---------------------------------------------------------------------------------------
+
+
+def test_iqm_known_values_and_scipy():
+    # 8 values: cut 2 from each end of the sorted [1..7, 100] -> mean(3, 4, 5, 6) = 4.5; the outlier does not count
+    assert stats.iqm([1, 2, 3, 4, 100, 5, 6, 7]) == pytest.approx(4.5)
+    assert stats.iqm([4.0, 1.0, 2.0]) == pytest.approx(7.0 / 3.0)  # n < 4: nothing cut
+    from scipy.stats import trim_mean
+
+    x = np.random.default_rng(3).normal(size=(7, 13))
+    np.testing.assert_allclose(stats.iqm(x, axis=-1), trim_mean(x, 0.25, axis=-1), rtol=1e-12)
+    np.testing.assert_allclose(stats.iqm(x, axis=0), trim_mean(x, 0.25, axis=0), rtol=1e-12)
+
+
+def test_prob_improvement_counts_pairs_with_ties_half():
+    # pairs (b, a): (2,1) 1, (2,2) 1/2, (3,1) 1, (3,2) 1 -> 3.5 / 4
+    assert stats.prob_improvement([1.0, 2.0], [2.0, 3.0]) == pytest.approx(0.875)
+    assert stats.prob_improvement([1.0, 2.0], [1.0, 2.0]) == pytest.approx(0.5)
+    assert stats.prob_improvement([0.0], [1.0]) == 1.0 and stats.prob_improvement([1.0], [0.0]) == 0.0
+
+
+def test_bootstrap_ci_degenerate_and_percentiles():
+    ci = stats.bootstrap_ci(stats.mean, [0.3] * 6)
+    assert ci.point == pytest.approx(0.3) and ci.lo == pytest.approx(0.3) and ci.hi == pytest.approx(0.3)
+    # a two-point sample {0, 1}: the resampled mean of n=2 is 0, 1/2 or 1 with probabilities 1/4, 1/2, 1/4, so the
+    # 95% interval is [0, 1] and about a quarter of the resamples are 0
+    ci = stats.bootstrap_ci(stats.mean, [0.0, 1.0])
+    assert (ci.point, ci.lo, ci.hi) == (0.5, 0.0, 1.0)
+    # fixed RNG seed: the same interval twice; a different seed, a (slightly) different one
+    x = np.random.default_rng(0).normal(size=8)
+    assert stats.bootstrap_ci(stats.mean, x) == stats.bootstrap_ci(stats.mean, x)
+    assert stats.bootstrap_ci(stats.mean, x, seed=1) != stats.bootstrap_ci(stats.mean, x)
+
+
+def test_paired_difference_aligns_by_seed():
+    p = stats.paired_difference({0: 0.5, 1: 0.6, 2: 0.7}, {2: 0.75, 0: 0.55, 1: 0.65, 9: 0.0})
+    assert p.paired and p.seeds == (0, 1, 2) and "left out" in p.note
+    np.testing.assert_allclose(p.b - p.a, [0.05, 0.05, 0.05])
+    ci = stats.difference_ci(p)  # every pair differs by exactly 0.05: a degenerate interval at 0.05
+    assert ci.point == pytest.approx(0.05) and ci.lo == pytest.approx(0.05) and ci.hi == pytest.approx(0.05)
+    u = stats.paired_difference({0: 0.5}, {1: 0.7, 2: 0.9})
+    assert not u.paired and u.note == "unpaired, 1 vs 2"
+    assert stats.difference_ci(u).point == pytest.approx(0.3)
+
+
+def test_auc_and_accuracy_summary():
+    # trapezoids over steps 0, 10, 30: (0.2+0.4)/2*10 + (0.4+0.6)/2*20 = 3 + 10 = 13, over the span 30
+    assert stats.auc([0, 10, 30], [0.2, 0.4, 0.6]) == pytest.approx(13 / 30)
+    s = stats.accuracy_summary([0, 10, 30], [0.2, 0.4, 0.6], last_k=2)
+    assert s["final_accuracy"] == 0.6 and s["last_k_accuracy"] == pytest.approx(0.5)
+    assert stats.accuracy_summary([5], [0.3])["auc_accuracy"] == 0.3
+
+
+def test_curve_band_brackets_mean():
+    v = np.array([[0.1, 0.2], [0.3, 0.2], [0.2, 0.2]])
+    mean, lo, hi = stats.curve_band(v)
+    np.testing.assert_allclose(mean, [0.2, 0.2])
+    assert lo[0] < 0.2 < hi[0] and lo[1] == pytest.approx(0.2) and hi[1] == pytest.approx(0.2)
+
+
+# --- synthetic run folders -------------------------------------------------------------------------------------
+
+STEPS = (0, 10, 20, 30)
+
+
+def _write_run(path, seed: int, final: float, gap: float = 1e-3, grad_cos: float | None = None):
+    """A run folder as the trainer leaves it: config.yaml with train.seed, metrics.jsonl through MetricsLogger.
+    Accuracy climbs linearly from final - 0.1 at step 0 to `final` at the last evaluation."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.yaml"), "w") as fh:
+        yaml.safe_dump(
+            {"name": os.path.basename(path), "train": {"seed": seed}, "fast": {"codec": {"type": "none"}}}, fh
+        )
+    with MetricsLogger(path, STEPS[-1], show_progress=False) as log:
+        for s in range(STEPS[-1] + 1):
+            m = {}
+            if s > 0:
+                m["mismatch/prob_gap_mean"] = gap
+                if grad_cos is not None:
+                    m["fidelity/grad_cos"] = grad_cos
+            if s in STEPS:
+                acc = final - 0.1 * (1 - s / STEPS[-1])
+                m["eval/accuracy"] = acc
+            log.log(s, m)
+
+
+def _arm(root, arm: str, finals, seeds=None, **kw):
+    for i, f in zip(seeds or range(len(finals)), finals):
+        _write_run(os.path.join(root, arm, f"seed_{i}"), i, float(f), **kw)
+    return os.path.join(root, arm)
+
+
+def _planted(n: int, effect: float, rng_seed: int = 0):
+    """Per-seed finals of A and B: a shared seed effect (sd 0.01, what pairing removes) plus noise (sd 0.01)."""
+    rng = np.random.default_rng(rng_seed)
+    shared = rng.normal(0, 0.01, n)
+    a = 0.5 + shared + rng.normal(0, 0.01, n)
+    b = 0.5 + effect + shared + rng.normal(0, 0.01, n)
+    return a, b
+
+
+def _diff(rows, key):
+    return next(r for r in rows if r["key"] == key)
+
+
+def test_run_scalars_from_metrics(tmp_path):
+    _write_run(tmp_path / "r", 3, 0.6, gap=2e-3, grad_cos=0.9)
+    s = run_scalars(load_run(str(tmp_path / "r")), last_k=2)
+    assert s["final_accuracy"] == pytest.approx(0.6)
+    assert s["last_k_accuracy"] == pytest.approx((0.6 + (0.6 - 0.1 / 3)) / 2)
+    assert s["auc_accuracy"] == pytest.approx(0.55)  # a straight line from 0.5 to 0.6: its mean height
+    assert s["gap_mean"] == pytest.approx(2e-3) and s["grad_cos_mean"] == pytest.approx(0.9)
+
+
+def test_planted_effect_detected_and_identical_groups_not(tmp_path):
+    a, b = _planted(5, 0.05)
+    ga = parse_group(_arm(tmp_path, "dense", a))
+    gb = parse_group(_arm(tmp_path, "compressed", b))
+    rows = compare([ga, gb], n_resamples=10_000)
+    d = _diff(rows, "final_accuracy")
+    assert d["pairing"] == "paired, 5 seeds"
+    assert d["diff"].point == pytest.approx(np.mean(b - a))
+    assert 0.0 < d["diff"].lo < 0.05 < d["diff"].hi  # excludes 0, contains the planted effect
+    assert d["p_improve"].point == pytest.approx(1.0)
+    assert d["iqm_a"].point == pytest.approx(stats.iqm(a)) and d["iqm_b"].point == pytest.approx(stats.iqm(b))
+    # the same group twice: difference exactly 0, P(B > A) exactly 1/2
+    same = _diff(compare([ga, parse_group(str(tmp_path / "dense"))]), "final_accuracy")
+    assert same["diff"].lo <= 0.0 <= same["diff"].hi and same["p_improve"].point == pytest.approx(0.5)
+    # two groups from one distribution (no planted effect): the interval holds 0, P(B > A)'s interval holds 1/2
+    a0, b0 = _planted(5, 0.0, rng_seed=1)
+    null = compare([parse_group(_arm(tmp_path / "n", "a", a0)), parse_group(_arm(tmp_path / "n", "b", b0))])
+    n = _diff(null, "final_accuracy")
+    assert n["diff"].lo < 0.0 < n["diff"].hi and n["p_improve"].lo < 0.5 < n["p_improve"].hi
+    # the gap (logged constant 1e-3 in both) and grad_cos (never logged) rows
+    assert _diff(rows, "gap_mean")["diff"].point == pytest.approx(0.0)
+    assert _diff(rows, "grad_cos_mean")["diff"] is None
+
+
+def test_interval_narrows_as_seeds_are_added(tmp_path):
+    """3 -> 10 seeds: the interval of B - A narrows (about as 1/sqrt(n)). One draw of 3 seeds can happen to agree
+    closely, so the widths are averaged over 20 independent sweeps; the first goes through run folders."""
+    widths = {3: [], 10: []}
+    for rep in range(20):
+        a, b = _planted(10, 0.05, rng_seed=100 + rep)
+        for n in (3, 10):
+            if rep == 0:
+                ga = parse_group(_arm(tmp_path / str(n), "a", a[:n]))
+                gb = parse_group(_arm(tmp_path / str(n), "b", b[:n]))
+                d = _diff(compare([ga, gb], n_resamples=2000), "final_accuracy")["diff"]
+            else:
+                p = stats.paired_difference(dict(enumerate(a[:n])), dict(enumerate(b[:n])))
+                d = stats.difference_ci(p, n_resamples=2000)
+            widths[n].append(d.hi - d.lo)
+    w3, w10 = np.mean(widths[3]), np.mean(widths[10])
+    assert w10 < 0.75 * w3, (w3, w10)
+
+
+def test_cli_compare_writes_table_and_figure_and_names_a_bad_group(tmp_path, capsys):
+    a, b = _planted(4, 0.05)
+    sweep = tmp_path / "sweep"
+    _arm(sweep, "dense", a)
+    _arm(sweep, "compressed", b, gap=5e-3)
+    md, png = tmp_path / "v.md", tmp_path / "v.png"
+    args = ["compare", f"{sweep}:dense", f"{sweep}:compressed", "--out", str(md), "--figure", str(png)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert md.read_text() == out
+    assert "### compressed vs dense" in out and "| final accuracy |" in out and "| last-3 accuracy |" in out
+    assert "paired, 4 seeds" in out and png.stat().st_size > 10_000
+    # a list of run folders with a label is a group too
+    runs = ",".join(str(sweep / "compressed" / f"seed_{i}") for i in range(4))
+    assert main(["compare", f"{sweep}/dense", f"B={runs}"]) == 0
+    assert "### B vs dense" in capsys.readouterr().out
+    assert main(["compare", f"{sweep}:dense", f"{sweep}:nope"]) == 2
+    err = capsys.readouterr().err
+    assert "nope" in err and "compressed, dense" in err
+    assert main(["compare", f"{sweep}:dense", str(tmp_path / "missing")]) == 2
+    assert "missing" in capsys.readouterr().err
+
+
+def test_plot_expands_seeded_sweep_and_draws_bands(tmp_path):
+    a, b = _planted(3, 0.05)
+    sweep = tmp_path / "sw"
+    _arm(sweep, "dense", a)
+    _arm(sweep, "compressed", b)
+    names = [r.name for r in expand_runs([str(sweep)])]
+    assert names == [f"sw/compressed/seed_{i}" for i in range(3)] + [f"sw/dense/seed_{i}" for i in range(3)]
+    assert main(["plot", str(sweep), "--out", str(tmp_path / "fig")]) == 0
+    assert (tmp_path / "fig" / "accuracy_bands.png").stat().st_size > 10_000

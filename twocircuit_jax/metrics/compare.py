@@ -1,0 +1,237 @@
+"""`twocircuit compare GROUP_A GROUP_B [...]`: does arm B differ from arm A, by how much, how sure?
+
+A group is the runs of one arm over seeds, given as
+- `SWEEP_DIR:ARM` (the arm's folder in a sweep run with `--seeds`: SWEEP_DIR/ARM/seed_K),
+- a folder whose subfolders are runs (an arm's folder, e.g. runs/sweep/compressed), or one run folder,
+- a comma-separated list of run folders (`runs/a,runs/b,runs/c`);
+optionally prefixed `LABEL=` (the table's name for it; default: the spec).
+
+Each run is reduced to scalars (metrics/stats.py): final held-out accuracy, the mean of its last k evaluations,
+the AUC accuracy, the mean sampler-trainer gap over its GRPO steps, the mean `fidelity/grad_cos` where logged. The
+first group is the baseline A; every other group B gets, per scalar, the difference B - A paired by seed (the seed
+is the run's `train.seed`, read from its config.yaml) with a 95% stratified bootstrap interval, each group's IQM
+with its interval, and P(B > A) with its interval. `--figure` draws each group's held-out accuracy curve (mean over
+seeds) with its bootstrap band.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from twocircuit_jax.config.base import ConfigError
+from twocircuit_jax.metrics import stats
+from twocircuit_jax.metrics.plot import ACC, GAP, GRAD_COS, Run, load_run
+
+SEED_DIR = re.compile(r"seed_(\d+)$")  # a sweep's run folder for one seed: SWEEP/ARM/seed_K
+METRICS = (
+    ("final accuracy", "final_accuracy"),
+    ("last-k accuracy", "last_k_accuracy"),
+    ("AUC accuracy", "auc_accuracy"),
+    ("mismatch gap (mean)", "gap_mean"),
+    ("grad_cos (mean)", "grad_cos_mean"),
+)
+
+
+@dataclass
+class Group:
+    label: str
+    runs: list[Run]
+
+    def seeds(self) -> list[int]:
+        return [run_seed(r) for r in self.runs]
+
+
+def run_seed(run: Run) -> int:
+    """The run's `train.seed` (its config.yaml; the library default 0 when absent)."""
+    train = run.config.get("train") if isinstance(run.config.get("train"), dict) else {}
+    return int(train.get("seed", 0))
+
+
+def _mean_of(run: Run, key: str, from_step: int = 0) -> float | None:
+    vals = [v for s, v in zip(*run.series(key)) if s >= from_step]
+    return float(np.mean(vals)) if vals else None
+
+
+def run_scalars(run: Run, last_k: int = 3) -> dict:
+    """The scalars a verdict compares, None where the run never logged them. The gap is averaged over GRPO steps
+    (step >= 1: step 0 is the base model's evaluation)."""
+    steps, acc = run.series(ACC)
+    out = stats.accuracy_summary(steps, acc, last_k)
+    out["gap_mean"] = _mean_of(run, GAP, 1)
+    out["grad_cos_mean"] = _mean_of(run, GRAD_COS)
+    return out
+
+
+def _run_folders(folder: str) -> list[str]:
+    """A folder's runs: itself if it is one, else its subfolders that are, seed_K ones in seed order."""
+    if os.path.isfile(os.path.join(folder, "metrics.jsonl")):
+        return [folder]
+    subs = [d for d in os.listdir(folder) if os.path.isfile(os.path.join(folder, d, "metrics.jsonl"))]
+    key = lambda d: (0, int(m.group(1)), d) if (m := SEED_DIR.match(d)) else (1, 0, d)  # noqa: E731
+    return [os.path.join(folder, d) for d in sorted(subs, key=key)]
+
+
+def parse_group(spec: str) -> Group:
+    """A Group from a command-line spec (module doc). Raises ConfigError naming the spec."""
+    label, body = "", spec
+    if "=" in spec and not os.path.exists(spec):
+        label, body = spec.split("=", 1)
+    if "," in body:
+        paths = [p for p in body.split(",") if p]
+        bad = [p for p in paths if not os.path.isfile(os.path.join(p, "metrics.jsonl"))]
+        if bad:
+            raise ConfigError(f"group {spec!r}", f"{bad[0]} is not a run folder (no metrics.jsonl)")
+    else:
+        folder = body
+        if not os.path.isdir(folder) and ":" in body:
+            sweep, arm = body.rsplit(":", 1)
+            folder = os.path.join(sweep, arm)
+            label = label or arm
+            if not os.path.isdir(folder):
+                arms = sorted(os.listdir(sweep)) if os.path.isdir(sweep) else []
+                arms = [
+                    a for a in arms if os.path.isdir(os.path.join(sweep, a)) and _run_folders(os.path.join(sweep, a))
+                ]
+                raise ConfigError(
+                    f"group {spec!r}",
+                    f"no arm {arm!r} in {sweep}" + (f"; its arms: {', '.join(arms)}" if arms else ""),
+                )
+        if not os.path.isdir(folder):
+            raise ConfigError(f"group {spec!r}", "not found: give SWEEP_DIR:ARM, a folder of runs or RUN,RUN,...")
+        paths = _run_folders(folder)
+        if not paths:
+            raise ConfigError(f"group {spec!r}", f"no run folder (metrics.jsonl) in {folder} or its subfolders")
+    runs = [load_run(p, os.path.basename(os.path.normpath(p))) for p in paths]
+    name = lambda p: os.path.basename(os.path.normpath(p))  # noqa: E731
+    default = name(body) if len(paths) == 1 or "," not in body else f"{name(paths[0])}+{len(paths) - 1}"
+    group = Group(label or default, runs)
+    seeds = group.seeds()
+    dup = sorted({s for s in seeds if seeds.count(s) > 1})
+    if dup:
+        raise ConfigError(f"group {spec!r}", f"two runs with train.seed {dup[0]}: a group is one run per seed")
+    return group
+
+
+def _by_seed(group: Group, key: str, last_k: int) -> dict:
+    vals = {run_seed(r): run_scalars(r, last_k)[key] for r in group.runs}
+    return {s: v for s, v in vals.items() if v is not None}
+
+
+def compare(groups: list[Group], last_k: int = 3, n_resamples: int = stats.N_RESAMPLES, seed: int = 0) -> list[dict]:
+    """One row per (group B != A, metric): the IQMs, B - A and P(B > A), each with its 95% interval (None where a
+    group never logged the metric). groups[0] is A."""
+    if len(groups) < 2:
+        raise ConfigError("compare", f"needs at least two groups, got {len(groups)}")
+    kw = dict(n_resamples=n_resamples, seed=seed)
+    base, rows = groups[0], []
+    for other in groups[1:]:
+        for name, key in METRICS:
+            a, b = _by_seed(base, key, last_k), _by_seed(other, key, last_k)
+            row = {"a": base.label, "b": other.label, "metric": name, "key": key}
+            row["iqm_a"] = stats.bootstrap_ci(stats.iqm, list(a.values()), **kw) if a else None
+            row["iqm_b"] = stats.bootstrap_ci(stats.iqm, list(b.values()), **kw) if b else None
+            if a and b:
+                p = stats.paired_difference(a, b)
+                row.update(diff=stats.difference_ci(p, **kw), p_improve=stats.improvement_ci(p, **kw), pairing=p.note)
+            else:
+                missing = " and ".join(g.label for g, v in ((base, a), (other, b)) if not v)
+                row.update(diff=None, p_improve=None, pairing=f"not logged by {missing}")
+            rows.append(row)
+    return rows
+
+
+def _ci(x, signed: bool = False) -> str:
+    if x is None:
+        return "-"
+    f = "{:+.4f}" if signed else "{:.4f}"
+    return f"{f.format(x.point)} [{f.format(x.lo)}, {f.format(x.hi)}]"
+
+
+def markdown(rows: list[dict], last_k: int, n_resamples: int) -> str:
+    """The table: one section per B, one line per metric."""
+    out = []
+    for b in dict.fromkeys(r["b"] for r in rows):
+        sel = [r for r in rows if r["b"] == b]
+        a = sel[0]["a"]
+        out += [
+            f"### {b} vs {a}",
+            "",
+            f"| metric | IQM {a} [95% CI] | IQM {b} [95% CI] | {b} − {a} [95% CI] | P({b} > {a}) [95% CI] | pairing |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in sel:
+            name = r["metric"].replace("last-k", f"last-{last_k}")
+            cells = [name, _ci(r["iqm_a"]), _ci(r["iqm_b"]), _ci(r["diff"], True), _ci(r["p_improve"]), r["pairing"]]
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    out.append(
+        f"Intervals: 95% percentile bootstrap, {n_resamples} resamples of the seeds within each group (paired: the "
+        "seeds resampled jointly); IQM: mean of the middle half of the seeds; P(B > A): over pairs of runs, ties 1/2."
+    )
+    return "\n".join(out) + "\n"
+
+
+def group_curve(group: Group, key: str = ACC) -> tuple[list[int], np.ndarray] | None:
+    """(steps every run of the group logged `key` at, values [runs, steps]), or None if no common step."""
+    series = [dict(zip(*r.series(key))) for r in group.runs]
+    common = sorted(set.intersection(*(set(s) for s in series))) if series else []
+    if not common:
+        return None
+    return common, np.array([[s[t] for t in common] for s in series])
+
+
+def draw_bands(ax, groups: list[Group], key: str = ACC, colors=None, n_resamples: int = stats.N_RESAMPLES) -> None:
+    """Each group's mean curve over seeds with its 95% bootstrap band (a group of one: its line, no band)."""
+    for i, g in enumerate(groups):
+        curve = group_curve(g, key)
+        if curve is None:
+            continue
+        steps, vals = curve
+        mean, lo, hi = stats.curve_band(vals, n_resamples=n_resamples)
+        color = colors[i] if colors else f"C{i % 10}"
+        ax.plot(steps, mean, "o-", color=color, markersize=3, label=f"{g.label} ({vals.shape[0]} seeds)")
+        if vals.shape[0] > 1:
+            ax.fill_between(steps, lo, hi, color=color, alpha=0.2, linewidth=0)
+    ax.set(xlabel="step", ylabel=key)
+
+
+def write_figure(groups: list[Group], path: str, n_resamples: int = stats.N_RESAMPLES) -> str:
+    """Held-out accuracy (and the mismatch gap when logged) per group: mean over seeds, 95% bootstrap band."""
+    from matplotlib.figure import Figure
+
+    keys = [ACC] + ([GAP] if any(r.series(GAP)[0] for g in groups for r in g.runs) else [])
+    fig = Figure(figsize=(6.5 * len(keys), 4.5), layout="constrained")
+    for i, key in enumerate(keys):
+        ax = fig.add_subplot(1, len(keys), i + 1)
+        draw_bands(ax, groups, key, n_resamples=n_resamples)
+        ax.set_title(f"{key}: mean over seeds, 95% bootstrap band")
+        if key == GAP:
+            ax.set_yscale("log")
+        ax.legend(fontsize="small")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def run_compare(specs: list[str], out: str = "", figure: str = "", last_k: int = 3, resamples: int = 10_000) -> str:
+    """The CLI's body: every group parsed (and checked) first, then the table (returned, and written to `out`)."""
+    if last_k < 1:
+        raise ConfigError("--last-k", f"got {last_k}; must be >= 1")
+    if resamples < 100:
+        raise ConfigError("--resamples", f"got {resamples}; must be >= 100")
+    groups = [parse_group(s) for s in specs]
+    labels = [g.label for g in groups]
+    for g, spec in zip(groups, specs):  # two arms of the same name from two sweeps: the full spec tells them apart
+        if labels.count(g.label) > 1:
+            g.label = spec
+    text = markdown(compare(groups, last_k, resamples), last_k, resamples)
+    if out:
+        with open(out, "w") as fh:
+            fh.write(text)
+    if figure:
+        write_figure(groups, figure, resamples)
+    return text
