@@ -124,6 +124,7 @@ class GRPOTrainer(TrainerCheckpoints):
                 f"got {t.train_batch}; the task has only {len(self.train_problems)} training problems",
             )
         self.eval_problems = list(self.task.eval_problems())[: t.eval_size]
+        self.collector.check_prompts(self.train_problems, self.eval_problems)  # exit 2 naming a too-long row
         model_cfg, params = load_model(cfg, t.seed)
         self.model_cfg = check_vocab(model_cfg, self.tokenizer)
         self.mesh = pmesh.make_mesh(cfg.mesh)
