@@ -86,6 +86,7 @@ WEIGHTS = {
     "test_anchor_nonfinite.py": (3, 0),
     "test_cli_repeats.py": (1, 0),
     "test_prompt_length_check.py": (1, 0),
+    "test_resume_config.py": (25, 0),
     "test_fast_circuit.py": (17, 15),
     "test_train_step.py": (15, 19),
     "test_anchor_dense_view.py": (12, 14),

@@ -35,6 +35,12 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in --out")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="with --resume: accept a config that changes the training against the checkpoint's "
+        "(refused otherwise; docs/reliability.md lists what may change freely)",
+    )
+    t.add_argument(
         "--overwrite",
         action="store_true",
         help="start afresh in a non-empty --out: a previous run's own files there are replaced, other files kept",
@@ -269,7 +275,13 @@ def _train(args) -> int:
 
         # Every process has looked at --out before any writes into it (process 0 creates files there first).
         multihost_utils.sync_global_devices("twocircuit_out_checked")
-    summary = GRPOTrainer(cfg, args.out, resume=args.resume, show_progress=not args.no_progress).run()
+    summary = GRPOTrainer(
+        cfg,
+        args.out,
+        resume=args.resume,
+        show_progress=not args.no_progress,
+        allow_config_change=args.allow_config_change,
+    ).run()
     if distributed.is_primary():
         print(json.dumps(summary))
     return 0
