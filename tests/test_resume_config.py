@@ -5,6 +5,7 @@ may change freely. Before, `--resume --set optim.lr=…` silently continued as a
 import json
 import os
 
+import pytest
 import yaml
 from tiny_run import tiny_config
 
@@ -39,6 +40,7 @@ def test_which_changes_are_allowed():
     assert config_changes(old, to_dict(load_config(data=CFG))) == []
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_changed_config_unless_allowed(tmp_path, capsys):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump(CFG))
