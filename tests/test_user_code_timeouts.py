@@ -127,6 +127,7 @@ def test_a_hung_environment_step_ends_its_trajectory_with_reward_0(capsys):
     assert ep.rewards == [ref.rewards[0], [0.0]] and ep.rewards[0] == [0.0, 0.0, 1.0]  # state advanced in the worker
     assert ep.success == [True, False] and ep.conversations[0] == ref.conversations[0]
     assert ep.step_timeouts == 1 and episode_metrics(ep)["env/step_timeouts"] == 1.0
+    assert "env/step_timeouts" not in episode_metrics(ref)  # no bound: not logged
     assert "env.step_timeout_s=1" in capsys.readouterr().err
 
 
@@ -164,4 +165,5 @@ def test_a_training_step_completes_with_a_reward_function_that_never_returns(tmp
     rows = 2 * 4
     assert time.perf_counter() - t0 < 120
     assert m["reward/fn_errors"] == rows and m["reward/score_errors"] == rows and m["reward/mean"] == 0.0
+    assert "reward/timeouts" not in m  # a batch scorer's stopped calls are its fn_errors
     assert os.path.isfile(os.path.join(run, "metrics.jsonl"))

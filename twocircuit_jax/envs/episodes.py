@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -38,7 +38,9 @@ class Episodes(NamedTuple):
     timed_out: list  # list[bool]: used every turn without the environment ending it
     weight_version: int  # the oldest weight version any turn was sampled with
     gen_s: float  # seconds inside the rollout engine
-    step_timeouts: int = 0  # environment steps stopped at env.step_timeout_s (reward 0, trajectory ended)
+    step_timeouts: Optional[int] = (
+        None  # steps stopped at env.step_timeout_s (reward 0, trajectory ended); None: no bound
+    )
 
 
 def encode_conversation(tokenizer, text: str, prompt_len: int) -> tuple[list[int], bool]:
@@ -116,7 +118,7 @@ def run_episodes(
             file=sys.stderr,
         )
     v = 0 if version is None else version
-    return Episodes(turns, rewards, success, conv, [not d for d in done], v, gen_s, timeouts)
+    return Episodes(turns, rewards, success, conv, [not d for d in done], v, gen_s, timeouts if limit > 0 else None)
 
 
 def step_envs(envs, active, texts, timeout_s: float) -> list:
@@ -146,14 +148,16 @@ def step_envs(envs, active, texts, timeout_s: float) -> list:
 def episode_metrics(ep: Episodes, prefix: str = "env/") -> dict:
     """`env/return` (mean trajectory return), `env/turns_mean`, `env/success`, `env/format_penalty_frac` (share of
     actions the environment could not read), `env/prompt_truncated_frac`, `env/timeout_frac` (trajectories that
-    used every turn without finishing)."""
+    used every turn without finishing), `env/step_timeouts` (with env.step_timeout_s set)."""
     n_turns = [len(r) for r in ep.rewards]
-    return {
+    out = {
         f"{prefix}return": float(np.mean([sum(r) for r in ep.rewards])),
         f"{prefix}turns_mean": float(np.mean(n_turns)),
         f"{prefix}success": float(np.mean(ep.success)),
         f"{prefix}format_penalty_frac": float(np.mean([not x.format_ok for x in ep.turns])) if ep.turns else 0.0,
         f"{prefix}prompt_truncated_frac": float(np.mean([x.prompt_cut for x in ep.turns])) if ep.turns else 0.0,
         f"{prefix}timeout_frac": float(np.mean(ep.timed_out)),
-        f"{prefix}step_timeouts": float(ep.step_timeouts),
     }
+    if ep.step_timeouts is not None:  # with env.step_timeout_s set: steps stopped at the bound
+        out[f"{prefix}step_timeouts"] = float(ep.step_timeouts)
+    return out

@@ -130,11 +130,13 @@ def score_batch(
         "reward/std": float(rewards.std()) if n else 0.0,
         "reward/raw_mean": float(raw.mean()) if n else 0.0,
         "reward/score_errors": float(errors),
-        "reward/timeouts": float(timeouts),  # per-row scorers; counted in score_errors too
         "reward/unparsed_frac": unparsed / n if n else 0.0,
         "reward/loss_mask_frac": float(mask.mean()) if n else 0.0,
     }
     metrics.update(extra)
+    if many is None and reward_timeout(task) > 0:  # per-row scorers stopped at the bound (in score_errors too); a
+        # batch scorer (python task) counts its stopped calls as reward/fn_errors, like its raises
+        metrics["reward/timeouts"] = float(timeouts)
     if first_error is not None:
         metrics["reward/first_score_error"] = first_error  # a string: the logger may print it, not plot it
     return rewards, mask, raw, metrics

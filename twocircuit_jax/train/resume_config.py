@@ -25,6 +25,7 @@ backend, dtype, `n` and sampling, seeds, batch sizes, `train.max_prompt_len`, `t
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 
@@ -82,7 +83,7 @@ def _normalise(raw: dict) -> dict:
     from twocircuit_jax.config.run import RunConfig
 
     try:
-        raw = to_dict(from_dict(RunConfig, raw))
+        raw = to_dict(from_dict(RunConfig, copy.deepcopy(raw)))  # from_dict pops `type:` keys from what it reads
     except (ConfigError, TypeError, ValueError):
         pass
     return _flat(yaml.safe_load(yaml.safe_dump(raw, sort_keys=False)))  # tuples, numbers: as YAML gives them back
