@@ -35,6 +35,12 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in --out")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="with --resume: accept a config that changes the training against the checkpoint's "
+        "(refused otherwise; docs/reliability.md lists what may change freely)",
+    )
+    t.add_argument(
         "--overwrite",
         action="store_true",
         help="start afresh in a non-empty --out: a previous run's own files there are replaced, other files kept",
@@ -50,8 +56,10 @@ def _parser() -> argparse.ArgumentParser:
         "--checkpoint",
         required=True,
         nargs="+",
+        action="extend",  # `--checkpoint base=A --checkpoint dense=B` is the same as `--checkpoint base=A dense=B`
         metavar="[LABEL=]DIR",
-        help="HF dir, native dir, or run checkpoint (…/checkpoints/best); several with --suite, side by side",
+        help="HF dir, native dir, or run checkpoint (…/checkpoints/best); several with --suite, side by side "
+        "(one flag with several values, or the flag repeated)",
     )
     e.add_argument("--config", default="", help="run config whose task to evaluate (without --suite)")
     e.add_argument("--suite", default="", help="benchmark suite YAML (configs/eval/suite10.yaml)")
@@ -110,7 +118,55 @@ def _parser() -> argparse.ArgumentParser:
         help="tpu:v5e-4, tpu:v5e-8, tpu:v5p-8, tpu:v5p-16, tpu:v6e-4, tpu:v6e-8, or cpu:N (N fake host devices)",
     )
     n.add_argument("--json", default="", metavar="FILE", help="also write the plan as JSON")
+    refuse_repeats(p)
     return p
+
+
+# Flags that add up when repeated (--set, --checkpoint); every other flag may be given once.
+_ACCUMULATE = (argparse._AppendAction, argparse._ExtendAction, argparse._CountAction, argparse._HelpAction)
+_ONCE = (argparse._StoreAction, argparse._StoreConstAction)  # store_true/false are _StoreConstAction subclasses
+_GIVEN = "_twocircuit_given"  # namespace attribute: the dests set so far (removed after parsing)
+
+
+def _once(cls):
+    """A subclass of the argparse action `cls` that exits 2 ("flag --x given twice") on a second use, where argparse
+    would silently keep the last value (`--out A --out B` wrote to B and said nothing)."""
+
+    class Once(cls):
+        def __call__(self, parser, namespace, values, option_string=None):
+            given = getattr(namespace, _GIVEN, None)
+            if given is None:
+                given = set()
+                setattr(namespace, _GIVEN, given)
+            if self.dest in given:
+                parser.error(f"flag {'/'.join(self.option_strings)} given twice; give it once")
+            given.add(self.dest)
+            super().__call__(parser, namespace, values, option_string)
+
+    Once.__name__ = f"Once{cls.__name__}"
+    return Once
+
+
+def refuse_repeats(parser: argparse.ArgumentParser) -> None:
+    """Every option of `parser` and of its sub-commands either accumulates (append/extend/count) or refuses a
+    repeat. An action kind that is neither is an error here, so a new kind of flag cannot slip past."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sp in set(action.choices.values()):
+                refuse_repeats(sp)
+        elif not action.option_strings or isinstance(action, _ACCUMULATE):
+            continue
+        elif isinstance(action, _ONCE):
+            action.__class__ = _once(type(action))
+        else:
+            raise TypeError(f"cli: flag {action.option_strings} has action {type(action).__name__}; decide its repeat")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    args = _parser().parse_args(argv)
+    if hasattr(args, _GIVEN):
+        delattr(args, _GIVEN)
+    return args
 
 
 def _bad_input_types():
@@ -128,7 +184,7 @@ def _stop_types():
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    args = parse_args(argv)
     created = None
     out = getattr(args, "out", "")
     if args.cmd in ("train", "sft", "sweep") and out and not os.path.exists(out):
@@ -242,7 +298,13 @@ def _train(args) -> int:
 
         # Every process has looked at --out before any writes into it (process 0 creates files there first).
         multihost_utils.sync_global_devices("twocircuit_out_checked")
-    summary = GRPOTrainer(cfg, args.out, resume=args.resume, show_progress=not args.no_progress).run()
+    summary = GRPOTrainer(
+        cfg,
+        args.out,
+        resume=args.resume,
+        show_progress=not args.no_progress,
+        allow_config_change=args.allow_config_change,
+    ).run()
     if distributed.is_primary():
         print(json.dumps(summary))
     return 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -29,12 +30,23 @@ from twocircuit_jax.anchor.loss import anchor_batch_keys, make_anchor_grad
 from twocircuit_jax.anchor.merger import init_merger, merge, merger_shardings, path_str, update_ema
 from twocircuit_jax.anchor.projection import SnapshotWindow
 from twocircuit_jax.anchor.retention import ReplayBuffer, _Snapshot
-from twocircuit_jax.anchor.swap import init_anchor_moments, swap_optimizer_moments, update_anchor_moments
+from twocircuit_jax.anchor.swap import (
+    all_finite,
+    init_anchor_moments,
+    swap_optimizer_moments,
+    update_anchor_moments,
+)
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
 from twocircuit_jax.parallel.host import to_global, to_host
 from twocircuit_jax.parallel.mesh_context import under
 from twocircuit_jax.train import accumulate
+
+
+def _new_step() -> dict:
+    """Per-step accumulators: fire ticks, swap ρs, (delay, staleness) pairs, skip flags (device int32 scalars)."""
+    return {"fire_ticks": [], "rhos": [], "replays": [], "skips": []}
+
 
 _ZERO_COUNTERS = ("anchor/optimizer_steps", "anchor/rollouts_generated", "anchor/rewards_recomputed")
 
@@ -102,7 +114,8 @@ class AnchorCircuit:
         self.fires = self.swaps = self.rank1_bypass_ticks = self.warmup_fires = 0
         self.anchor_rows = self.fast_rows = 0
         self._gen_tick = None
-        self._step: dict = {"fire_ticks": [], "rhos": [], "replays": []}
+        self.skipped = 0  # cumulative non-finite fires and swaps that were not applied (`anchor/skipped`)
+        self._step: dict = _new_step()
 
     # --- circuit state and the jitted pieces ----------------------------------------------------------------
     @property
@@ -148,6 +161,11 @@ class AnchorCircuit:
             out["merger"] = update_ema(carry["merger"], grads, self.cfg)
         if carry.get("moments") is not None:
             out["moments"] = update_anchor_moments(carry["moments"], grads, self.cfg.swap_beta1, self.cfg.swap_beta2)
+        # A non-finite gradient, EMA or moment is never applied: the whole carry stays as it was (fired counts too).
+        # A select inside the program: no host sync here; the flag is read with the step's metrics (step_metrics).
+        ok = all_finite((grads, out))
+        out = jax.tree.map(lambda new, old: jnp.where(ok, new, old), out, carry)
+        metrics = {**metrics, "anchor/fire_skipped": (~ok).astype(jnp.int32)}
         return out, metrics, sketch if basis is not None else None
 
     def grad_transform(self, grads, cs):
@@ -228,6 +246,7 @@ class AnchorCircuit:
         self.anchor_rows += int(fire_batch["tokens"].shape[0])
         self._step["fire_ticks"].append(tau)
         self._step["replays"].append((rep.data_delay, rep.weight_staleness))
+        self._step["skips"].append(fm.pop("anchor/fire_skipped"))  # a device scalar: read in step_metrics
         metrics.update(fm)
         return cs, metrics, sketch
 
@@ -248,6 +267,7 @@ class AnchorCircuit:
             state = state._replace(opt_state=opt)
             self.swaps += 1
             self._step["rhos"].append(sm["swap/rho"])
+            self._step["skips"].append(sm["swap/skipped"])
             out["swap/applied"] = sm["swap/applied"]
         return state, out
 
@@ -255,6 +275,14 @@ class AnchorCircuit:
     def step_metrics(self, cs) -> dict:
         """Per GRPO step; resets the per-step accumulators. Reading ρ is a host sync (once per step)."""
         s = self._step
+        skipped_now = int(sum(int(x) for x in s["skips"]))  # host sync, beside the ρ read below (once per step)
+        self.skipped += skipped_now
+        if skipped_now:
+            print(
+                f"warning: anchor: {skipped_now} fire(s)/swap(s) this step had a non-finite gradient, EMA or moment "
+                f"and were skipped (anchor/skipped={self.skipped}); the EMA, moments and AdamW state were kept",
+                file=sys.stderr,
+            )
         out = {
             "anchor/fires": self.fires,
             "anchor/backwards": self.fires,
@@ -264,6 +292,7 @@ class AnchorCircuit:
             "anchor/batch_fraction": self.anchor_rows / max(self.fast_rows, 1),
             "anchor/retained_batches": self.buffer.num_batches,
             "anchor/retained_snapshots": self.buffer.num_snapshots,
+            "anchor/skipped": self.skipped,
             **{k: 0 for k in _ZERO_COUNTERS},
         }
         if cs.merger is not None:
@@ -276,7 +305,7 @@ class AnchorCircuit:
             out["swap/count"] = self.swaps
             if s["rhos"]:
                 out["swap/rho"] = float(np.mean([float(r) for r in s["rhos"]]))
-        self._step = {"fire_ticks": [], "rhos": [], "replays": []}
+        self._step = _new_step()
         return out
 
     def dump_buffers(self) -> dict:
@@ -313,6 +342,7 @@ class AnchorCircuit:
             "warmup_fires": self.warmup_fires,
             "anchor_rows": self.anchor_rows,
             "fast_rows": self.fast_rows,
+            "skipped": self.skipped,
         }
 
     def load(self, host_state, buffers: dict | None = None):
@@ -324,3 +354,4 @@ class AnchorCircuit:
         self.rank1_bypass_ticks = int(h.get("rank1_bypass_ticks", 0))
         self.warmup_fires = int(h.get("warmup_fires", 0))
         self.anchor_rows, self.fast_rows = int(h.get("anchor_rows", 0)), int(h.get("fast_rows", 0))
+        self.skipped = int(h.get("skipped", 0))

@@ -50,6 +50,15 @@ def update_anchor_moments(mom: AnchorMoments, g_anchor, beta1=0.8, beta2=0.95) -
     )
 
 
+def all_finite(tree) -> jax.Array:
+    """bool []: every floating leaf of `tree` is finite (integer leaves always are). One reduction per leaf."""
+    leaves = [x for x in jax.tree_util.tree_leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    ok = jnp.ones((), bool)
+    for x in leaves:
+        ok = ok & jnp.all(jnp.isfinite(x))
+    return ok
+
+
 def _is_adam(x) -> bool:
     return isinstance(x, optax.ScaleByAdamState)
 
@@ -58,7 +67,7 @@ def _norm(x):
     return jnp.sqrt(jnp.sum(jnp.square(jnp.asarray(x, jnp.float32))))
 
 
-def _swap_adam(st: optax.ScaleByAdamState, mom: AnchorMoments, kappa, scale_match, mode, applied, rhos):
+def _swap_adam(st: optax.ScaleByAdamState, mom: AnchorMoments, kappa, scale_match, mode, applied, rhos, oks):
     mu_flat, treedef = jax.tree_util.tree_flatten_with_path(st.mu)
     nu_leaves = jax.tree_util.tree_leaves(st.nu)
     if len(nu_leaves) != len(mu_flat):
@@ -82,6 +91,7 @@ def _swap_adam(st: optax.ScaleByAdamState, mom: AnchorMoments, kappa, scale_matc
             mu_t, nu_t = rho * ma, jnp.maximum(jnp.square(rho) * va, 0.0)
         mu_b = (1 - kappa) * mu32 + kappa * mu_t
         nu_b = (1 - kappa) * nu32 + kappa * nu_t
+        oks.append(all_finite((mu_b, nu_b)))
         # jnp.where (not arithmetic) so κ=0 and "never fired" are exact bitwise identities.
         new_mu.append(jnp.where(applied, mu_b.astype(mu.dtype), mu))
         new_nu.append(jnp.where(applied, nu_b.astype(nu.dtype), nu))
@@ -95,25 +105,38 @@ def swap_optimizer_moments(
 ):
     """(opt_state′, metrics): μ ← (1−κ)μ + κρm_a, ν ← (1−κ)ν + κ·max(ρ²v_a, 0) per target, κ = alpha,
     ρ = ‖μ‖₂/(‖m_a‖₂ + 1e-12) over the whole tensor (1 without scale_match). mode='zero' blends toward zero
-    moments instead (κ=1 zeroes both). Identity while the anchor has never fired."""
+    moments instead (κ=1 zeroes both). Identity while the anchor has never fired, and when any blended target moment
+    would be non-finite (`swap/skipped` = 1 then)."""
     if mode not in SWAP_MODES:
         raise ValueError(f"swap mode must be one of {SWAP_MODES}, got {mode!r}")
     kappa = jnp.asarray(alpha, jnp.float32)
-    applied = (jnp.asarray(anchor_moments.fired) > 0) & (kappa > 0)
-    rhos, found = [], []
+    due = (jnp.asarray(anchor_moments.fired) > 0) & (kappa > 0)
+    rhos, found, oks = [], [], []
 
-    def visit(node):
+    def visit(node, applied):
         if not _is_adam(node):
             return node
         found.append(1)
-        return _swap_adam(node, anchor_moments, kappa, scale_match, mode, applied, rhos)
+        return _swap_adam(node, anchor_moments, kappa, scale_match, mode, applied, rhos, oks)
 
-    new_state = jax.tree_util.tree_map(visit, opt_state, is_leaf=_is_adam)
+    # Two passes over the (cheap, elementwise) blend: the first only to learn whether every blended target moment
+    # is finite; a swap that would write a NaN/inf into AdamW is skipped whole (`swap/skipped`), never applied.
+    jax.tree_util.tree_map(lambda n: visit(n, due), opt_state, is_leaf=_is_adam)
+    finite = jnp.ones((), bool)
+    for ok in oks:
+        finite = finite & ok
+    applied = due & finite
+    rhos, found, oks = [], [], []
+    new_state = jax.tree_util.tree_map(lambda n: visit(n, applied), opt_state, is_leaf=_is_adam)
     if not found:
         raise ValueError(
             "no optax ScaleByAdamState (mu, nu, count) found in the optimizer state; "
             "the swap needs an Adam-family optimizer such as optax.adamw"
         )
     rho_mean = (sum(rhos) / len(rhos)) if rhos else jnp.ones((), jnp.float32)
-    metrics = {"swap/rho": jnp.asarray(rho_mean, jnp.float32), "swap/applied": applied.astype(jnp.float32)}
+    metrics = {
+        "swap/rho": jnp.asarray(rho_mean, jnp.float32),
+        "swap/applied": applied.astype(jnp.float32),
+        "swap/skipped": (due & ~finite).astype(jnp.int32),  # due but non-finite: the opt state was left as it was
+    }
     return new_state, metrics

@@ -34,8 +34,17 @@ class EnvConfig:
     expert_noise: float = field(
         default=0.3, metadata=doc("share of the expert's SFT actions replaced by a legal but unguided one")
     )
+    # Off by default, like task.reward_timeout_s (the bound forks a worker per turn, envs/episodes.py).
+    step_timeout_s: float = field(
+        default=0.0,
+        metadata=doc(
+            "seconds one environment step may take; a slower one is stopped, its action gets reward 0 and ends the "
+            "trajectory (counted as env/step_timeouts); 0 = no bound"
+        ),
+    )
 
     def check(self):
+        require(self.step_timeout_s >= 0, "step_timeout_s", f"got {self.step_timeout_s}; must be >= 0 (0 = none)")
         require(1 <= self.max_turns <= MAX_TURNS, "max_turns", f"got {self.max_turns}; allowed 1..{MAX_TURNS}")
         require(0.0 < self.gamma <= 1.0, "gamma", f"got {self.gamma}; must be in (0, 1]")
         require(self.train_size >= 1 and self.eval_size >= 0, "train_size", "train_size >= 1 and eval_size >= 0")

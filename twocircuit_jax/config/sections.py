@@ -636,6 +636,19 @@ class TaskConfig:
             "appended to the reference solution in SFT targets; reasoning_gym cuts the answer there ('' = newline)"
         ),
     )
+    # Off by default: the bound runs the scoring in a forked worker (tasks/bounded.py), which costs a fork per step
+    # and drops state a scorer keeps between calls; the built-in verifiers do not hang (math-verify has its own
+    # timeout). Set it for one's own reward functions (60 is a reasonable bound).
+    reward_timeout_s: float = field(
+        default=0.0,
+        metadata=doc(
+            "seconds one scoring call (a row; a python task's function call) may take; a slower one is stopped and "
+            "counts as a failed score (reward 0, reward/score_errors, reward/timeouts); 0 = no bound"
+        ),
+    )
+
+    def check(self):
+        require(self.reward_timeout_s >= 0, "reward_timeout_s", f"got {self.reward_timeout_s}; must be >= 0 (0 = none)")
 
 
 @register(TaskConfig, "reasoning_gym")
@@ -678,6 +691,7 @@ class MathFilesTask(TaskConfig):
     )
 
     def check(self):
+        super().check()
         require(len(self.train_files) > 0, "train_files", "at least one local .jsonl or .parquet file is required")
 
 
@@ -702,6 +716,7 @@ class PythonTask(TaskConfig):
     )
 
     def check(self):
+        super().check()
         require(
             self.answer_suffix == "",
             "answer_suffix",

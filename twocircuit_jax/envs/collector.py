@@ -38,6 +38,10 @@ class MultiTurn:
             seed_of_turn=lambda k: seed + 104_729 * (k + 1),
         )
 
+    def check_prompts(self, train_problems, eval_problems) -> None:
+        """Nothing to check: a turn's conversation is left-truncated to train.max_prompt_len and the cut counted
+        (`env/prompt_truncated_frac`)."""
+
     def collect(self, gs: int, problems, sampler, seed: int) -> Collected:
         e, t, n = self.cfg.env, self.cfg.train, self.cfg.sampler.n
         t0 = time.perf_counter()

@@ -7,12 +7,15 @@ The response is the sampled tokens themselves, with the sampler's log-probs: wha
 
 from __future__ import annotations
 
+import sys
 import time
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from twocircuit_jax.envs.base import StepResult
 from twocircuit_jax.tasks.base import Problem
+from twocircuit_jax.tasks.bounded import ERROR, TIMEOUT, bounded_map
 
 
 class Turn(NamedTuple):
@@ -35,6 +38,9 @@ class Episodes(NamedTuple):
     timed_out: list  # list[bool]: used every turn without the environment ending it
     weight_version: int  # the oldest weight version any turn was sampled with
     gen_s: float  # seconds inside the rollout engine
+    step_timeouts: Optional[int] = (
+        None  # steps stopped at env.step_timeout_s (reward 0, trajectory ended); None: no bound
+    )
 
 
 def encode_conversation(tokenizer, text: str, prompt_len: int) -> tuple[list[int], bool]:
@@ -74,6 +80,7 @@ def run_episodes(
     rewards: list[list[float]] = [[] for _ in range(B)]
     success = [False] * B
     turns, version, gen_s = [], None, 0.0
+    limit, timeouts = float(getattr(family.cfg, "step_timeout_s", 0.0)), 0
     pads = getattr(sampler, "pads_batch", False)
     for t in range(max_turns):
         active = [i for i in range(B) if not done[i]]
@@ -87,10 +94,14 @@ def run_episodes(
         out = sampler.generate(prompts, 1, sampling, seed=seed_of_turn(t))
         gen_s += time.perf_counter() - t0
         version = out.weight_version if version is None else min(version, out.weight_version)
+        texts = [tokenizer.decode(list(out.tokens[j])) for j in range(len(active))]
+        results = step_envs(envs, active, texts, limit)
         for j, i in enumerate(active):
             toks = list(out.tokens[j])
-            text = tokenizer.decode(toks)
-            res = envs[i].step(text)
+            text, res = texts[j], results[j]
+            if res is None:  # stopped at env.step_timeout_s: reward 0, the trajectory ends here
+                timeouts += 1
+                res = StepResult("", 0.0, True, {"format_ok": True, "success": False, "timed_out": True})
             ok = bool(res.info.get("format_ok", True))
             r = float(res.reward) if ok else format_penalty
             turns.append(Turn(i, t, enc[j][0], toks, list(out.logprobs[j]), bool(out.truncated[j]), enc[j][1], r, ok))
@@ -100,15 +111,46 @@ def run_episodes(
                 done[i] = True
                 success[i] = bool(res.info.get("success", False))
     turns.sort(key=lambda x: (x.traj, x.turn))
-    return Episodes(turns, rewards, success, conv, [not d for d in done], 0 if version is None else version, gen_s)
+    if timeouts:
+        print(
+            f"warning: {timeouts} environment step(s) took longer than env.step_timeout_s={limit:g} and were "
+            "stopped; those actions got reward 0 and ended their trajectories",
+            file=sys.stderr,
+        )
+    v = 0 if version is None else version
+    return Episodes(turns, rewards, success, conv, [not d for d in done], v, gen_s, timeouts if limit > 0 else None)
+
+
+def step_envs(envs, active, texts, timeout_s: float) -> list:
+    """envs[i].step(texts[j]) for each active trajectory i (j its position): the StepResult, or None when the step
+    was stopped at `timeout_s` (> 0: the steps run in a forked worker, tasks/bounded.py, and each environment comes
+    back with its result, so its state advances as if stepped here). An environment's exception is raised here, as
+    without a bound."""
+    if timeout_s <= 0:
+        return [envs[i].step(t) for i, t in zip(active, texts)]
+
+    def step(k):
+        env = envs[active[k]]
+        return env.step(texts[k]), env
+
+    out = []
+    for k, (kind, value) in enumerate(bounded_map(step, range(len(active)), timeout_s)):
+        if kind == TIMEOUT:
+            out.append(None)
+        elif kind == ERROR:
+            raise value
+        else:
+            res, envs[active[k]] = value
+            out.append(res)
+    return out
 
 
 def episode_metrics(ep: Episodes, prefix: str = "env/") -> dict:
     """`env/return` (mean trajectory return), `env/turns_mean`, `env/success`, `env/format_penalty_frac` (share of
     actions the environment could not read), `env/prompt_truncated_frac`, `env/timeout_frac` (trajectories that
-    used every turn without finishing)."""
+    used every turn without finishing), `env/step_timeouts` (with env.step_timeout_s set)."""
     n_turns = [len(r) for r in ep.rewards]
-    return {
+    out = {
         f"{prefix}return": float(np.mean([sum(r) for r in ep.rewards])),
         f"{prefix}turns_mean": float(np.mean(n_turns)),
         f"{prefix}success": float(np.mean(ep.success)),
@@ -116,3 +158,6 @@ def episode_metrics(ep: Episodes, prefix: str = "env/") -> dict:
         f"{prefix}prompt_truncated_frac": float(np.mean([x.prompt_cut for x in ep.turns])) if ep.turns else 0.0,
         f"{prefix}timeout_frac": float(np.mean(ep.timed_out)),
     }
+    if ep.step_timeouts is not None:  # with env.step_timeout_s set: steps stopped at the bound
+        out[f"{prefix}step_timeouts"] = float(ep.step_timeouts)
+    return out

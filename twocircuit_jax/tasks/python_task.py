@@ -28,6 +28,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.tasks.base import DataError, Problem, ScoreResult, render_template
+from twocircuit_jax.tasks.bounded import bounded_call
 
 
 class RewardError(RuntimeError):
@@ -188,7 +189,8 @@ class PythonTask:
     def _call(self, rf: RewardFn, prompts, completions, fields):
         """(values, failures): one batched call; on failure, one call per row so only failing rows get 0."""
         try:
-            return _values(rf.fn(prompts, completions, **fields), len(prompts)), 0
+            call = lambda: rf.fn(prompts, completions, **fields)  # noqa: E731 - bounded by task.reward_timeout_s
+            return _values(bounded_call(call, self.cfg.reward_timeout_s), len(prompts)), 0
         except Exception:  # noqa: BLE001 - a user function's failure is counted, never fatal by itself
             if len(prompts) == 1:
                 self._report(rf)

@@ -1,7 +1,7 @@
 """Reward shaping (design §5): format penalty, the overlong policy, and a verifier that may fail.
 
-Order for one sample: score (a raising scorer gives 0 and is counted) -> an unparsable answer gets
-`format_penalty` instead of its score -> the overlong policy:
+Order for one sample: score (a raising scorer, or one slower than `task.reward_timeout_s`, gives 0 and is
+counted) -> an unparsable answer gets `format_penalty` instead of its score -> the overlong policy:
   zero  a truncated sample's reward is 0 (whatever it scored), and it stays in the loss;
   mask  the reward is kept (the group statistics still see it) but the sample leaves the loss (loss_mask 0);
   soft  for limit - buffer < length <= limit, add ((limit - buffer) - length) / buffer, from 0 down to -1 at the
@@ -16,6 +16,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from twocircuit_jax.tasks.base import Problem, ScoreResult, Task
+from twocircuit_jax.tasks.bounded import OK, TIMEOUT, bounded_map
 
 
 class Shaped(NamedTuple):
@@ -30,6 +31,35 @@ def safe_score(task: Task, problem: Problem, completion_text: str) -> ScoreResul
     except Exception as e:  # noqa: BLE001 - any verifier failure must not end the run; it is counted instead
         return ScoreResult(0.0, False, f"{type(e).__name__}: {e}")
     return ScoreResult(float(res.reward), bool(res.parsed), res.error)
+
+
+def reward_timeout(task) -> float:
+    """`task.reward_timeout_s` of the task's config; 0 (no bound) for a task object built without one."""
+    return float(getattr(getattr(task, "cfg", None), "reward_timeout_s", 0) or 0)
+
+
+def score_rows(task: Task, problems: Sequence[Problem], completions: Sequence[str]) -> list[ScoreResult]:
+    """`safe_score` per row; with `task.reward_timeout_s` > 0 each row's scoring is bounded (tasks/bounded.py): a row
+    that takes longer gets reward 0 with a TimeoutError as its error, counted like a raising scorer."""
+    return _score_rows(task, problems, completions)[0]
+
+
+def _score_rows(task, problems, completions) -> tuple[list[ScoreResult], int]:
+    """(scores, rows stopped at the bound)."""
+    limit = reward_timeout(task)
+    out = bounded_map(lambda pt: safe_score(task, *pt), list(zip(problems, completions)), limit)
+    res, timeouts = [], 0
+    for kind, value in out:
+        if kind == OK:
+            res.append(value)
+        elif kind == TIMEOUT:
+            timeouts += 1
+            res.append(
+                ScoreResult(0.0, False, f"TimeoutError: the scorer took longer than task.reward_timeout_s={limit:g}")
+            )
+        else:  # the worker died inside the scorer
+            res.append(ScoreResult(0.0, False, f"{type(value).__name__}: {value}"))
+    return res, timeouts
 
 
 def overlong_penalty(length: int, limit: int, buffer: int) -> float:
@@ -81,12 +111,12 @@ def score_batch(
     errors = unparsed = 0
     first_error = None
     many = getattr(task, "score_many", None)  # a task that scores the whole step at once (tasks/python_task.py)
-    extra = {}
+    extra, timeouts = {}, 0
     if many is not None:
         scores, extra = many(list(problems), list(completions))
         errors += int(extra.get("reward/fn_errors", 0))
     else:
-        scores = [safe_score(task, p, text) for p, text in zip(problems, completions)]
+        scores, timeouts = _score_rows(task, problems, completions)
     for i, (p, s) in enumerate(zip(problems, scores)):
         if s.error is not None:
             errors += 1
@@ -104,6 +134,9 @@ def score_batch(
         "reward/loss_mask_frac": float(mask.mean()) if n else 0.0,
     }
     metrics.update(extra)
+    if many is None and reward_timeout(task) > 0:  # per-row scorers stopped at the bound (in score_errors too); a
+        # batch scorer (python task) counts its stopped calls as reward/fn_errors, like its raises
+        metrics["reward/timeouts"] = float(timeouts)
     if first_error is not None:
         metrics["reward/first_score_error"] = first_error  # a string: the logger may print it, not plot it
     return rewards, mask, raw, metrics

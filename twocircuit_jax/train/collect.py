@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.train import rollout as ro
 from twocircuit_jax.train.evaluate import Evaluator
 from twocircuit_jax.train.rollout import Collected
@@ -34,6 +35,24 @@ class SingleTurn:
         batch["advantages"], batch["loss_mask"] = adv, loss_mask
         lengths = [len(x) for x in out.tokens]
         return Collected(batch, metrics, lengths, list(out.truncated), out.weight_version, gen_s, None, score_s)
+
+    def check_prompts(self, train_problems, eval_problems) -> None:
+        """Before step 1: every training and held-out prompt fits `train.max_prompt_len`; a longer one is a
+        ConfigError (exit 2) naming its file and row, instead of a ValueError hours in, when it is drawn. Costs one
+        encoding of both sets at start (the sets are held in memory already)."""
+        limit = self.cfg.train.max_prompt_len
+        for split, problems in (("train", train_problems), ("eval", eval_problems)):
+            for i, p in enumerate(problems):
+                n = len(ro.encode_prompts(self.tokenizer, self.task, [p], 1 << 62)[0])
+                if n > limit:
+                    files = getattr(self.cfg.task, f"{split}_files", ())
+                    src = p.meta.get("source") if isinstance(p.meta, dict) else None
+                    where = f"{src}, problem {p.id}" if src else f"problem {p.id} (files {list(files)})"
+                    raise ConfigError(
+                        "train.max_prompt_len",
+                        f"{split} row {i}: {where}: the prompt has {n} tokens; the limit is {limit} "
+                        "(raise train.max_prompt_len or remove the row)",
+                    )
 
     def evaluator(self, problems, greedy: bool) -> Evaluator:
         t = self.cfg.train

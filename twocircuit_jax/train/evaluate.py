@@ -14,7 +14,7 @@ import numpy as np
 
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.config.sections import SamplingConfig
-from twocircuit_jax.tasks.rewards import safe_score
+from twocircuit_jax.tasks.rewards import score_rows
 from twocircuit_jax.train.rollout import encode_prompts
 
 # Prompts per generate call. On the demo model (2,000 held-out problems, 8 new tokens, a loaded 2-core CPU) 64, 128
@@ -77,7 +77,7 @@ class Evaluator:
             if many is not None:
                 scores += [s.reward for s in many([self.problems[i] for i in idx], texts, check_failures=False)[0]]
             else:
-                scores += [safe_score(self.task, self.problems[i], t).reward for i, t in zip(idx, texts)]
+                scores += [s.reward for s in score_rows(self.task, [self.problems[i] for i in idx], texts)]
             for j in range(len(idx)):
                 lengths.append(len(out.tokens[j]))
                 truncated.append(out.truncated[j])

@@ -37,6 +37,7 @@ from twocircuit_jax.train.evaluate import heldout_problems
 from twocircuit_jax.train.grpo_step import OLD, REF
 from twocircuit_jax.train.guard import Guard, apply_mitigations, mitigate
 from twocircuit_jax.train.programs import build_circuits, build_programs
+from twocircuit_jax.train.resume_config import check_resume_config
 from twocircuit_jax.train.rollout_ahead import RolloutAhead
 from twocircuit_jax.train.setup import (
     check_vocab,
@@ -91,6 +92,7 @@ class GRPOTrainer(TrainerCheckpoints):
         eval_dataset=None,
         resume: bool = False,
         show_progress: bool = True,
+        allow_config_change: bool = False,
     ):
         cfg = as_config(cfg)
         task = None
@@ -100,6 +102,8 @@ class GRPOTrainer(TrainerCheckpoints):
         os.makedirs(run_dir, exist_ok=True)
         self.ckpt = CheckpointManager(os.path.join(run_dir, "checkpoints"), keep_last=2)
         self.user_cfg = cfg  # as given; the guard's mitigations in force are applied on top (and saved in the meta)
+        if resume:  # before any work: a config that changes the training is refused (exit 2) unless allowed
+            check_resume_config(cfg, self.ckpt, run_dir, allow_config_change)
         self.guard = Guard(cfg.guard, run_dir, write=is_primary()) if cfg.guard.enabled else None
         if resume and self.guard and self.ckpt.latest() is not None:  # the mitigations shape what gets compiled
             self.guard.load_state_dict(self.ckpt.read_meta(self.ckpt.latest()).get("guard"))
@@ -125,6 +129,7 @@ class GRPOTrainer(TrainerCheckpoints):
                 f"got {t.train_batch}; the task has only {len(self.train_problems)} training problems",
             )
         self.eval_problems = heldout_problems(self.task, t.eval_size)  # a short generated split: an error
+        self.collector.check_prompts(self.train_problems, self.eval_problems)  # exit 2 naming a too-long row
         model_cfg, params = load_model(cfg, t.seed)
         self.model_cfg = check_vocab(model_cfg, self.tokenizer)
         self.mesh = pmesh.make_mesh(cfg.mesh)

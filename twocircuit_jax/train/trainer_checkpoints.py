@@ -39,6 +39,7 @@ class TrainerCheckpoints:
             "circuit_fields": [k for k, v in zip(self.cs._fields, self.cs) if v is not None],
             "history": self.history,
             "model_config": to_dict(self.model_cfg),
+            "config": to_dict(self.user_cfg),  # a resume compares its config with this one (train/resume_config.py)
         }
         if self.anchor:
             meta["anchor"] = self.anchor.host_state()

@@ -1,0 +1,169 @@
+"""`task.reward_timeout_s` and `env.step_timeout_s` bound user code: a reward function or an environment step that
+never returns is stopped (its worker process killed) and counts as a failure, as a raise does; the run goes on.
+Before, such a call stalled the run forever."""
+
+import os
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from test_envs import TOK, ScriptedSampler
+from tiny_run import tiny_config
+
+from twocircuit_jax.config import load_config
+from twocircuit_jax.config.base import ConfigError
+from twocircuit_jax.config.env import GuessEnv
+from twocircuit_jax.config.sections import GRPOConfig, PythonTask as PyCfg, SamplingConfig
+from twocircuit_jax.envs import make_env
+from twocircuit_jax.envs.episodes import episode_metrics, run_episodes
+from twocircuit_jax.envs.guess import GuessGame
+from twocircuit_jax.tasks.base import Problem, ScoreResult
+from twocircuit_jax.tasks.bounded import ERROR, OK, TIMEOUT, bounded_map
+from twocircuit_jax.tasks.python_task import PythonTask, reward_fns
+from twocircuit_jax.tasks.rewards import score_batch
+
+FOREVER = 10**6
+
+
+def _hang_on(x, bad):
+    if x == bad:
+        time.sleep(FOREVER)
+    if x == "raise":
+        raise KeyError(x)
+    return x * 2
+
+
+def test_bounded_map_stops_a_hung_call_and_goes_on_from_a_thread():
+    """From a background thread (where async rollouts collect) as well as the main one: a hung call is stopped
+    after the bound and the next calls run in a fresh worker."""
+    got = {}
+    t0 = time.perf_counter()
+    th = threading.Thread(
+        target=lambda: got.update(r=bounded_map(lambda x: _hang_on(x, "b"), ["a", "b", "raise", "c"], 1.0))
+    )
+    th.start()
+    th.join(60)
+    assert not th.is_alive() and time.perf_counter() - t0 < 30
+    kinds = [k for k, _ in got["r"]]
+    assert kinds == [OK, TIMEOUT, ERROR, OK] and got["r"][0][1] == "aa" and got["r"][3][1] == "cc"
+    assert isinstance(got["r"][2][1], KeyError)
+    assert bounded_map(lambda x: x + 1, [1, 2], 0) == [(OK, 2), (OK, 3)]  # 0: no bound, run here
+
+
+class _Task:
+    """A per-row scorer (tasks/base.py interface) that hangs on one completion."""
+
+    cfg = SimpleNamespace(reward_timeout_s=1.0)
+
+    def score(self, problem, text):
+        if text == "hang":
+            time.sleep(FOREVER)
+        return ScoreResult(float(text == problem.answer), True)
+
+
+def test_a_hung_scorer_gives_the_failure_reward_and_is_counted():
+    probs = [Problem(f"p{i}", "q", "4", "4", {}) for i in range(4)]
+    texts = ["4", "hang", "5", "4"]
+    t0 = time.perf_counter()
+    rewards, mask, _, m = score_batch(_Task(), probs, texts, [1] * 4, [False] * 4, 8, GRPOConfig())
+    assert time.perf_counter() - t0 < 30
+    assert list(rewards) == [1.0, 0.0, 0.0, 1.0] and list(mask) == [1.0] * 4
+    assert m["reward/score_errors"] == 1 and m["reward/timeouts"] == 1
+    assert (
+        "TimeoutError" in m["reward/first_score_error"] and "task.reward_timeout_s=1" in m["reward/first_score_error"]
+    )
+
+
+def starts_right(prompts, completions, answer, **_):
+    if any(c == "hang" for c in completions):
+        time.sleep(FOREVER)
+    return [float(c.startswith(a)) for c, a in zip(completions, answer)]
+
+
+def test_a_hung_python_reward_function_fails_only_its_rows():
+    """The batched call hangs, so (as after a raise) every row is scored alone: only the hung row gets 0."""
+    rows = [{"prompt": f"q{i}", "answer": "7"} for i in range(4)]
+    task = PythonTask(PyCfg(reward_timeout_s=1.0, max_reward_failure_frac=0.5), reward_fns([starts_right]), rows)
+    res, m = task.score_many(task.train_problems(), ["7", "hang", "8", "77"])
+    assert [r.reward for r in res] == [1.0, 0.0, 0.0, 1.0] and m["reward/fn_errors"] == 1
+
+
+class HangingGame(GuessGame):
+    """The guessing game with a bug: the action "13" never returns."""
+
+    def step(self, action_text):
+        if action_text == "13":
+            time.sleep(FOREVER)
+        return super().step(action_text)
+
+
+def _episodes(timeout, problems, policy):
+    fam = make_env(GuessEnv(low=1, high=31, train_size=4, eval_size=2, max_turns=4, step_timeout_s=timeout))
+    fam.make = lambda rng: HangingGame(1, 31, 0.0, rng)
+    return run_episodes(
+        fam,
+        problems,
+        1,
+        ScriptedSampler(policy),
+        TOK,
+        SamplingConfig(max_new_tokens=8),
+        max_turns=4,
+        prompt_len=32,
+        format_penalty=-1.0,
+        rng=np.random.default_rng(0),
+        seed_of_turn=lambda k: k,
+    )
+
+
+def test_a_hung_environment_step_ends_its_trajectory_with_reward_0(capsys):
+    script = {"A?": "16", "A?16>": "24", "A?16>24<": "20", "B?": "13"}
+    a, b = Problem("a", "A?", "20", "20", {}), Problem("b", "B?", "5", "5", {})
+    t0 = time.perf_counter()
+    ep = _episodes(1.0, [a, b], lambda text: script[text])
+    assert time.perf_counter() - t0 < 30
+    ref = _episodes(0, [a], lambda text: script[text])  # trajectory A alone, stepped in this process
+    assert ep.rewards == [ref.rewards[0], [0.0]] and ep.rewards[0] == [0.0, 0.0, 1.0]  # state advanced in the worker
+    assert ep.success == [True, False] and ep.conversations[0] == ref.conversations[0]
+    assert ep.step_timeouts == 1 and episode_metrics(ep)["env/step_timeouts"] == 1.0
+    assert "env/step_timeouts" not in episode_metrics(ref)  # no bound: not logged
+    assert "env.step_timeout_s=1" in capsys.readouterr().err
+
+
+def test_the_bounds_validate():
+    for key in ("task.reward_timeout_s", "env.step_timeout_s"):
+        data = tiny_config(env={"type": "guess"}) if key.startswith("env") else tiny_config()
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config(data=data, overrides=[f"{key}=-1"])
+
+
+HANG_ROWS = [{"prompt": f"{i}+1", "answer": str(i + 1)} for i in range(8)]
+
+
+def hang_always(prompts, completions, **_):
+    time.sleep(FOREVER)
+
+
+@pytest.mark.slow
+def test_a_training_step_completes_with_a_reward_function_that_never_returns(tmp_path, capsys):
+    from twocircuit_jax.train.loop import GRPOTrainer
+
+    data = tiny_config(
+        task={"type": "python", "reward_timeout_s": 0.5, "max_reward_failure_frac": 1.0},
+        eval={"at_start": False, "at_end": False},
+        train={"steps": 1, "train_batch": 2, "eval_every": 0},
+    )
+    data["task"] = {"type": "python", "reward_timeout_s": 0.5, "max_reward_failure_frac": 1.0}
+    run = str(tmp_path / "run")
+    tr = GRPOTrainer(
+        load_config(data=data), run, reward_fns=[hang_always], train_dataset=HANG_ROWS, show_progress=False
+    )
+    t0 = time.perf_counter()
+    with tr:
+        m = tr.step()
+    rows = 2 * 4
+    assert time.perf_counter() - t0 < 120
+    assert m["reward/fn_errors"] == rows and m["reward/score_errors"] == rows and m["reward/mean"] == 0.0
+    assert "reward/timeouts" not in m  # a batch scorer's stopped calls are its fn_errors
+    assert os.path.isfile(os.path.join(run, "metrics.jsonl"))
