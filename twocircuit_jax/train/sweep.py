@@ -15,7 +15,8 @@ arm's final reward, held-out accuracy, reference KL and sampler-trainer gap, rea
 `--arms a,b` runs a subset. `--jobs N` runs up to N arms at once, each in its own process with its output in
 OUT/ARM.log: on a machine whose cores one arm cannot fill (a CPU, a small model) the sweep finishes sooner, at the
 cost of memory N times one arm's. `--resume` continues an interrupted sweep: a finished arm (its folder holds
-`sweep_done.json`) is read, not rerun; an arm with checkpoints resumes from its latest; the rest start fresh.
+`sweep_done.json`) is read, not rerun; an arm with checkpoints resumes from its latest; the rest start fresh (an arm
+killed before its first checkpoint has its partial files removed first).
 """
 
 from __future__ import annotations
@@ -108,7 +109,27 @@ def _arm_plan(run_dir: str, resume: bool) -> str:
         return "fresh"
     if not resume:
         raise ConfigError("--out", f"{run_dir} exists and is not empty; use --resume or a new folder")
-    return "done" if os.path.isfile(os.path.join(run_dir, DONE)) else "resume"
+    if os.path.isfile(os.path.join(run_dir, DONE)):
+        return "done"
+    from twocircuit_jax.train.checkpoint import committed_steps
+
+    if committed_steps(os.path.join(run_dir, "checkpoints")):
+        return "resume"
+    return "restart"  # killed before its first checkpoint: nothing to resume from, so it starts again
+
+
+def _restart(run_dir: str) -> None:
+    """An arm killed before its first checkpoint: its own files (a partial metrics.jsonl, events, config.yaml) are
+    removed so the fresh run does not append to them; anything else in its folder is kept. Refused while another
+    process's trainer holds the folder (train/faults.py lock)."""
+    from twocircuit_jax import outdir
+    from twocircuit_jax.train import faults
+
+    key = faults.lock_run_folder(run_dir)
+    try:
+        outdir.remove_run_files(run_dir)
+    finally:
+        faults.unlock_run_folder(key)
 
 
 def _run_arm(arm: str, cfg, run_dir: str, plan: str, show_progress: bool, log_path: str | None = None) -> dict:
@@ -149,6 +170,10 @@ def run_sweep(
     _, all_arms = load_sweep(sweep_yaml, overrides)
     todo = select_arms(all_arms, arms, sweep_yaml)
     plans = {arm: _arm_plan(os.path.join(out_dir, arm), resume) for arm, _ in todo}  # every folder checked first
+    for arm, plan in plans.items():
+        if plan == "restart":
+            _restart(os.path.join(out_dir, arm))
+            plans[arm] = "fresh"
     os.makedirs(out_dir, exist_ok=True)
     if outdir.marker(out_dir) is None:
         outdir.write_marker(out_dir, "sweep")
