@@ -168,3 +168,19 @@ def test_the_default_config_checkpoints_periodically():
     from twocircuit_jax.config.sections import TrainConfig
 
     assert 0 < TrainConfig().checkpoint_every <= 100
+
+
+def test_the_resumed_metrics_file_is_fsynced_before_its_rename(tmp_path, monkeypatch):
+    """A resume rewrites metrics.jsonl up to its checkpoint's step (temp file, then rename): the temp file is on disk
+    before the rename, and the folder after it."""
+    from twocircuit_jax.metrics.logger import MetricsLogger
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(4)))
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(a), str(b))), real_replace(a, b)))
+    MetricsLogger(tmp_path, 4, show_progress=False, resume_from_step=2).close()
+    at = events.index(("replace", str(tmp_path / "metrics.jsonl.tmp"), str(tmp_path / "metrics.jsonl")))
+    assert str(tmp_path / "metrics.jsonl.tmp") in events[:at] and str(tmp_path) in events[at + 1 :], events
+    assert [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")] == [0, 1, 2]
