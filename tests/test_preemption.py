@@ -103,3 +103,15 @@ def test_a_sweep_arm_killed_before_its_first_checkpoint_restarts_on_resume(tmp_p
     assert again.returncode == 0, again.stderr[-3000:]
     n, diffs = _chaos().compare(str(ref / "a"), str(cut / "a"), 2)
     assert not diffs and n > 100, diffs[:5]
+    # SIGTERM in an arm: its checkpoint is written, the sweep stops (exit 0) without marking the arm done, and
+    # `--resume` finishes it exactly (before: the arm was marked done at the signal and never finished)
+    term = tmp_path / "term"
+    stopped = subprocess.run(
+        argv + ["--out", str(term)], env=_env("metrics/after_line:1:TERM"), capture_output=True, text=True
+    )
+    assert stopped.returncode == 0 and "stopped by a signal in arm a" in stopped.stdout, stopped.stderr[-3000:]
+    assert not (term / "a" / "sweep_done.json").exists() and (term / "a" / "checkpoints" / "step_00000001").is_dir()
+    again = subprocess.run(argv + ["--out", str(term), "--resume"], env=_env(), capture_output=True, text=True)
+    assert again.returncode == 0 and (term / "a" / "sweep_done.json").is_file(), again.stderr[-3000:]
+    n, diffs = _chaos().compare(str(ref / "a"), str(term / "a"), 2)
+    assert not diffs and n > 100, diffs[:5]

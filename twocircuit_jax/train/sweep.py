@@ -143,6 +143,8 @@ def _run_arm(arm: str, cfg, run_dir: str, plan: str, show_progress: bool, log_pa
             from twocircuit_jax.train.loop import GRPOTrainer
 
             summary = GRPOTrainer(cfg, run_dir, resume=plan == "resume", show_progress=show_progress).run()
+            if "preempted_at" in summary:  # stopped by SIGTERM/SIGINT with a checkpoint: not done, resumable
+                return {"arm": arm, "run_dir": run_dir, "preempted_at": summary["preempted_at"]}
             with open(os.path.join(run_dir, DONE), "w") as out:
                 json.dump(summary, out)
     return {"arm": arm, "run_dir": run_dir, **_final(os.path.join(run_dir, "metrics.jsonl"))}
@@ -183,6 +185,9 @@ def run_sweep(
         if plans[arm] == "done" or jobs == 1:
             print(f"sweep: arm {arm} -> {run_dir}" + (" (finished: read)" if plans[arm] == "done" else ""), flush=True)
             rows[arm] = _run_arm(arm, cfg, run_dir, plans[arm], show_progress)
+            if "preempted_at" in rows[arm]:
+                print(f"sweep: stopped by a signal in arm {arm}; continue with --resume", flush=True)
+                return []
     if jobs > 1:
         rows.update(_run_parallel([(a, c) for a, c in todo if a not in rows], plans, out_dir, jobs))
     ordered = [rows[a] for a, _ in todo]
@@ -212,6 +217,12 @@ def _run_parallel(todo, plans, out_dir, jobs) -> dict:
                 arm, log = pending.pop(fut)
                 try:
                     rows[arm] = fut.result()
+                    if "preempted_at" in rows[arm]:  # stopped by a signal: no new arms; --resume goes on
+                        failed = failed or (
+                            arm,
+                            log,
+                            RuntimeError(f"stopped by a signal at step {rows[arm]['preempted_at']}"),
+                        )
                     print(f"sweep: arm {arm} finished", flush=True)
                 except Exception as e:  # noqa: BLE001 -- reported with the arm's log, re-raised below
                     print(f"sweep: arm {arm} failed: {e} (see {log})", file=sys.stderr, flush=True)

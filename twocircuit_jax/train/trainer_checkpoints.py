@@ -201,8 +201,8 @@ class TrainerCheckpoints:
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
-            asked = bool(np.any(multihost_utils.process_allgather(np.int32(asked))))
-            signals.requested = signals.requested or "SIGTERM"
+            if bool(np.any(multihost_utils.process_allgather(np.int32(asked)))) and not asked:
+                signals.requested, asked = "a signal to another process", True
         return asked
 
     def _preempt(self, signame: str) -> None:
