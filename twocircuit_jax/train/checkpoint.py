@@ -9,8 +9,9 @@ Layout under `root`:
 
 A save writes everything into a fresh `.tmp-*` directory, writes the `COMMITTED` marker last, fsyncs every file and
 folder in it, then renames the directory into place (one atomic rename on a POSIX filesystem) and fsyncs `root`, so
-the rename is durable too (train/faults.py; one fsync per file and folder, milliseconds against the write itself). A directory without the marker is never returned by
-`latest()` and is deleted on the next `CheckpointManager(...)` or `save`. `state` is any pytree of arrays (params,
+the rename is durable too (train/faults.py; one fsync per file and folder, milliseconds against the write itself).
+A directory without the marker is never returned by `latest()` and is deleted on the next `CheckpointManager(...)`
+or `save`; retention renames a folder to `.tmp-*` before deleting it, so a half-deleted one never looks committed. `state` is any pytree of arrays (params,
 optimizer state, codec/anchor state; PRNG keys as raw uint32 arrays); `meta` is JSON-able host state (seeds and
 counters, tick, data cursor, metric history, best score). Saving is synchronous: it blocks until the files are on
 disk (orbax's device-to-host copy plus the write), so call it between steps, not inside a jitted region.
