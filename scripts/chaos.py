@@ -87,8 +87,12 @@ def _env(point: str | None = None) -> dict:
     return env
 
 
+WALL = {"full": None}  # seconds of the quickest attempt that ran to its end (after the first, which compiled)
+
+
 def _train(cfg: str, run: str, resume: bool, point: str | None = None, kill_after_s: float | None = None):
     """One `twocircuit train` attempt. Returns (exit status, stderr tail); -9 is a SIGKILL."""
+    t0 = time.time()
     argv = [sys.executable, "-m", "twocircuit_jax.cli", "train", "--config", cfg, "--out", run, "--no-progress"]
     argv += ["--resume"] if resume else (["--overwrite"] if os.path.isdir(run) else [])
     with open(os.path.join(os.path.dirname(run), "attempt.log"), "w") as log:
@@ -99,6 +103,8 @@ def _train(cfg: str, run: str, resume: bool, point: str | None = None, kill_afte
             except subprocess.TimeoutExpired:
                 p.send_signal(signal.SIGKILL)
         rc = p.wait()
+    if rc == 0:  # a whole run or the rest of one: a bound on how long an attempt lives
+        WALL["full"] = min(WALL["full"] or 1e9, time.time() - t0)
     with open(os.path.join(os.path.dirname(run), "attempt.log")) as fh:
         return rc, fh.read()[-3000:]
 
@@ -200,7 +206,7 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(run))
     t_ref = time.time()
     rc, tail = _train(cfg, ref, resume=False)
-    t_ref = time.time() - t_ref
+    t_ref, WALL["full"] = time.time() - t_ref, None  # the first run compiled everything: not a restart's time
     if rc != 0:
         print(f"chaos: the uninterrupted run failed (exit {rc}):\n{tail}")
         return 1
@@ -233,7 +239,8 @@ def main(argv=None) -> int:
             continue
         timed = rng.random() < args.timing_share
         if timed:
-            delay = rng.uniform(0.3, 0.9) * t_ref
+            # within a whole fresh run's time (the uninterrupted run's until one ran with the compile cache warm)
+            delay = rng.uniform(0.3, 0.95) * (WALL["full"] or t_ref)
             rc, tail = _train(cfg, run, resume, kill_after_s=delay)
             what = f"SIGKILL at {delay:.1f} s"
         else:
