@@ -8,8 +8,9 @@ train` in a subprocess), then again under chaos: each attempt is a fresh subproc
 checkpoint, or a fresh start when there is none) that is SIGKILLed at a random instant drawn from the seed:
 
 - at a fault-injection point (train/faults.py: inside a checkpoint commit before or after its rename, between the
-  deletions of retention, inside a best update, before or after a step's metrics line), the count-th time it is
-  reached, with the count drawn among the times the attempt will reach it (known from the uninterrupted run);
+  deletions of retention, inside a best update, before or after a step's metrics line; the least used of those the
+  attempt will reach), the count-th time it is reached, the count drawn among the times the attempt will reach it
+  (known from the uninterrupted run);
 - or (a `--timing-share` of the kills) after a random number of seconds from the start, from outside.
 
 After the kills, one last attempt runs to the end. The final metrics.jsonl (time/* fields, which measure the
@@ -212,6 +213,7 @@ def main(argv=None) -> int:
         return 1
     ref_rows = _rows(ref)
     survived, rounds, compared, diffs = 0, 0, 0, []
+    used: dict[str, int] = {}
 
     def finish_round() -> bool:
         """Run the chaos run to its end (a last --resume, or nothing when it is done) and compare it; then it is
@@ -245,7 +247,9 @@ def main(argv=None) -> int:
             what = f"SIGKILL at {delay:.1f} s"
         else:
             counts = _point_counts(ref_rows, args.steps, start, have)
-            name = rng.choice(sorted(counts))
+            fewest = min(used.get(k, 0) for k in counts)  # every reachable point gets its turn
+            name = rng.choice(sorted(k for k in counts if used.get(k, 0) == fewest))
+            used[name] = used.get(name, 0) + 1
             count = rng.randint(1, counts[name])
             rc, tail = _train(cfg, run, resume, point=f"{name}:{count}")
             what = f"SIGKILL at {name} #{count}"
