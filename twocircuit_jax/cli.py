@@ -289,8 +289,11 @@ def _train(args) -> int:
     launch = distributed.resolve(args)  # flags and environment checked before anything starts
     cfg = load_config(args.config, args.set)
     distributed.initialize(launch)  # before the first JAX computation (the model init in the trainer)
+    from twocircuit_jax.train import faults
     from twocircuit_jax.train.loop import GRPOTrainer
 
+    if distributed.is_primary() and os.path.isfile(os.path.join(args.out, faults.LOCK_FILE)):
+        faults.lock_run_folder(args.out)  # a live trainer there: exit 2 before --overwrite could remove its files
     if not args.resume:
         _claim_run_folder(args.out, args.overwrite, distributed.is_primary())
     if launch.source != "single":

@@ -558,7 +558,13 @@ class TrainConfig:
         default=0,
         metadata=doc("seed of init, problem order, rollout sampling and the env RNG (codecs have their own seed)"),
     )
-    checkpoint_every: int = field(default=0, metadata=doc("steps between periodic checkpoints; 0 = none"))
+    checkpoint_every: int = field(
+        default=50,
+        metadata=doc(
+            "steps between periodic checkpoints (a crash loses at most this many steps; SIGTERM/SIGINT also save "
+            "one at the next step boundary); 0 = none"
+        ),
+    )
     final_checkpoint: bool = field(default=True, metadata=doc("checkpoint after the last step"))
     compile_cache: str = field(
         default="~/.cache/twocircuit_jax/xla",

@@ -62,8 +62,16 @@ def _truncate_jsonl(path: Path, last_step: int) -> list[dict]:
                 kept.append(rec)
                 lines.append(line)
     tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(x + "\n" for x in lines))
+    with open(tmp, "w") as fh:  # on disk before the rename makes it the record (a power loss: old or new, not empty)
+        fh.write("".join(x + "\n" for x in lines))
+        fh.flush()
+        os.fsync(fh.fileno())
     os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY)  # and the rename itself
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
     return kept
 
 

@@ -7,9 +7,11 @@ Layout under `root`:
     best/            state/   meta.json   COMMITTED        best held-out score so far (higher is better)
     .tmp-*           a save in progress, or the debris of a crashed one
 
-A save writes everything into a fresh `.tmp-*` directory, writes the `COMMITTED` marker last, then renames the
-directory into place (one atomic rename on a POSIX filesystem). A directory without the marker is never returned by
-`latest()` and is deleted on the next `CheckpointManager(...)` or `save`. `state` is any pytree of arrays (params,
+A save writes everything into a fresh `.tmp-*` directory, writes the `COMMITTED` marker last, fsyncs every file and
+folder in it, then renames the directory into place (one atomic rename on a POSIX filesystem) and fsyncs `root`, so
+the rename is durable too (train/faults.py; one fsync per file and folder, milliseconds against the write itself).
+A directory without the marker is never returned by `latest()` and is deleted on the next `CheckpointManager(...)`
+or `save`; retention renames a folder to `.tmp-*` before deleting it, so a half-deleted one never looks committed. `state` is any pytree of arrays (params,
 optimizer state, codec/anchor state; PRNG keys as raw uint32 arrays); `meta` is JSON-able host state (seeds and
 counters, tick, data cursor, metric history, best score). Saving is synchronous: it blocks until the files are on
 disk (orbax's device-to-host copy plus the write), so call it between steps, not inside a jitted region.
@@ -34,7 +36,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from twocircuit_jax.model.hf_io import CheckpointError
-from twocircuit_jax.train import safe_blob
+from twocircuit_jax.train import faults, safe_blob
 
 _MARKER = "COMMITTED"
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
@@ -46,6 +48,25 @@ _PICKLED = (".pkl", ".pickle")
 
 def _step_dir(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def committed_steps(root) -> list[int]:
+    """The committed periodic checkpoint steps under `root`, ascending (read only: nothing created or cleaned)."""
+    root, out = Path(root), []
+    if root.is_dir():
+        for d in root.iterdir():
+            m = _STEP_RE.match(d.name)
+            if m and (d / _MARKER).is_file():
+                out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def _remove(d: Path) -> None:
+    """Delete a committed folder: renamed to `.tmp-*` debris first (one atomic step), so a crash while deleting never
+    leaves a folder that still looks committed with half its files gone; `_clean` finishes the job."""
+    trash = d.parent / f".tmp-drop-{d.name}-{uuid.uuid4().hex[:8]}"
+    os.rename(d, trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _abstract(x):
@@ -77,13 +98,7 @@ class CheckpointManager:
     # ----- queries -----
     def steps(self) -> list[int]:
         """Committed periodic checkpoint steps, ascending."""
-        out = []
-        if self.root.is_dir():
-            for d in self.root.iterdir():
-                m = _STEP_RE.match(d.name)
-                if m and (d / _MARKER).is_file():
-                    out.append(int(m.group(1)))
-        return sorted(out)
+        return committed_steps(self.root)
 
     def latest(self) -> int | None:
         steps = self.steps()
@@ -102,8 +117,10 @@ class CheckpointManager:
         self._clean()
         final = self._write(state, dict(meta), {"step": int(step)}, _step_dir(int(step)), blobs)
         if self._primary:
+            faults.point("ckpt/after_commit")
             for old in self.steps()[: -self.keep_last]:
-                shutil.rmtree(self.root / _step_dir(old), ignore_errors=True)
+                _remove(self.root / _step_dir(old))
+                faults.point("ckpt/retention")
         self._sync("ckpt_retention")
         return final
 
@@ -163,6 +180,20 @@ class CheckpointManager:
                     "start a new run"
                 )
 
+    def set_aside(self, step) -> Path:
+        """Rename an unreadable periodic checkpoint `step` to `step_N.unreadable` (`-2`, `-3`, ... if taken): out of
+        `steps()`, out of retention and `_clean`, kept for the user to inspect. Never deleted. Returns the new path."""
+        d = self.root / _step_dir(int(step))
+        aside, k = d.with_name(d.name + ".unreadable"), 1
+        while aside.exists():
+            k += 1
+            aside = d.with_name(f"{d.name}.unreadable-{k}")
+        if self._primary:
+            os.rename(d, aside)
+            faults.fsync_path(self.root)
+        self._sync("ckpt_set_aside")
+        return aside
+
     def restore_best(self, target_like):
         return self.restore(_BEST, target_like)
 
@@ -184,13 +215,19 @@ class CheckpointManager:
                         raise ValueError(f"checkpoint blob name {fname!r}: a plain file name is required")
                     (tmp / "blobs" / fname).write_bytes(data)
             (tmp / _MARKER).write_text(json.dumps(marker))  # written last: its presence means complete
+            faults.fsync_tree(tmp)  # the contents on disk before the rename that makes them the checkpoint
+            faults.point("best/before_commit" if name == _BEST else "ckpt/before_commit")
             if final.exists():  # same step again (resume), or the old best
                 trash = self.root / f".tmp-old-{name}-{uuid.uuid4().hex[:8]}"
                 os.rename(final, trash)
+                if name == _BEST:
+                    faults.point("best/swapped_out")
                 os.rename(tmp, final)
+                faults.fsync_path(self.root)
                 shutil.rmtree(trash, ignore_errors=True)
             else:
                 os.rename(tmp, final)
+                faults.fsync_path(self.root)
         self._sync("ckpt_commit")
         return final
 

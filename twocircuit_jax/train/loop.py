@@ -29,7 +29,7 @@ from twocircuit_jax.metrics.probe import dense_probe_metrics
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
 from twocircuit_jax.parallel.distributed import is_primary
 from twocircuit_jax.parallel.host import to_global, to_host
-from twocircuit_jax.train import rollout as ro
+from twocircuit_jax.train import faults, rollout as ro
 from twocircuit_jax.train.checkpoint import CheckpointManager
 from twocircuit_jax.train.circuit_state import place, set_clock
 from twocircuit_jax.train.collect import make_collector
@@ -100,13 +100,14 @@ class GRPOTrainer(TrainerCheckpoints):
             cfg, task = python_task(cfg, reward_fns, reward_weights, train_dataset, eval_dataset)
         run_dir = os.path.abspath(run_dir or os.path.join("runs", cfg.name))  # orbax wants absolute paths
         os.makedirs(run_dir, exist_ok=True)
+        self._lock = faults.lock_run_folder(run_dir) if is_primary() else None  # before anything writes there
         self.ckpt = CheckpointManager(os.path.join(run_dir, "checkpoints"), keep_last=2)
         self.user_cfg = cfg  # as given; the guard's mitigations in force are applied on top (and saved in the meta)
         if resume:  # before any work: a config that changes the training is refused (exit 2) unless allowed
             check_resume_config(cfg, self.ckpt, run_dir, allow_config_change)
         self.guard = Guard(cfg.guard, run_dir, write=is_primary()) if cfg.guard.enabled else None
-        if resume and self.guard and self.ckpt.latest() is not None:  # the mitigations shape what gets compiled
-            self.guard.load_state_dict(self.ckpt.read_meta(self.ckpt.latest()).get("guard"))
+        if resume and self.guard and self._resume_step() is not None:  # the mitigations shape what gets compiled
+            self.guard.load_state_dict(self.ckpt.read_meta(self._resume_step()).get("guard"))
             cfg = apply_mitigations(cfg, self.guard.applied)
         self.cfg, self.run_dir, self.resume = cfg, run_dir, resume
         enable_compile_cache(cfg.train.compile_cache)  # before the first compile of this process
@@ -482,18 +483,25 @@ class GRPOTrainer(TrainerCheckpoints):
         with self.timer("checkpoint"):
             self._maybe_checkpoint(gs, metrics, force=act in ("rollback", "stop", "final"))
         metrics.update(self.timer.take())
+        faults.point("metrics/before_line")
         if self.logger:
             self.logger.log(gs, metrics)
+        faults.point("metrics/after_line")
         return metrics
 
     def run(self) -> dict:
         """Every remaining step (`step()` in a loop), then `close()`. Returns the summary: base and final held-out
         accuracy, the steps, `stopped_by_guard` when the guard ended the run."""
+        signals = faults.StopSignals()  # SIGTERM / SIGINT: a checkpoint at the next step boundary, then return
         try:
             self.begin()
             while self.gs < self.cfg.train.steps and self.stopped is None:
                 self.step()
+                if self._stop_requested(signals):
+                    self._preempt(signals.requested)
+                    break
         finally:
+            signals.restore()
             self.close()
         return {**self.summary, "steps": self.cfg.train.steps}
 
@@ -509,6 +517,8 @@ class GRPOTrainer(TrainerCheckpoints):
                 self.logger.close()
         finally:
             self.sampler.close()
+            if self._lock is not None:
+                faults.unlock_run_folder(self._lock)
 
     def __enter__(self):
         return self

@@ -15,7 +15,8 @@ arm's final reward, held-out accuracy, reference KL and sampler-trainer gap, rea
 `--arms a,b` runs a subset. `--jobs N` runs up to N arms at once, each in its own process with its output in
 OUT/ARM.log: on a machine whose cores one arm cannot fill (a CPU, a small model) the sweep finishes sooner, at the
 cost of memory N times one arm's. `--resume` continues an interrupted sweep: a finished arm (its folder holds
-`sweep_done.json`) is read, not rerun; an arm with checkpoints resumes from its latest; the rest start fresh.
+`sweep_done.json`) is read, not rerun; an arm with checkpoints resumes from its latest; the rest start fresh (an arm
+killed before its first checkpoint has its partial files removed first).
 
 Seeds. `--seeds 0-4` (or `0,2,5`, or `seeds: 0-4` / `seeds: [0, 1, 2]` in the sweep file; the flag wins) runs every
 arm once per seed, each into OUT/ARM/seed_K (its log, with --jobs, OUT/ARM/seed_K.log). Seed K sets `train.seed`
@@ -225,7 +226,27 @@ def _arm_plan(run_dir: str, resume: bool) -> str:
         return "fresh"
     if not resume:
         raise ConfigError("--out", f"{run_dir} exists and is not empty; use --resume or a new folder")
-    return "done" if os.path.isfile(os.path.join(run_dir, DONE)) else "resume"
+    if os.path.isfile(os.path.join(run_dir, DONE)):
+        return "done"
+    from twocircuit_jax.train.checkpoint import committed_steps
+
+    if committed_steps(os.path.join(run_dir, "checkpoints")):
+        return "resume"
+    return "restart"  # killed before its first checkpoint: nothing to resume from, so it starts again
+
+
+def _restart(run_dir: str) -> None:
+    """An arm killed before its first checkpoint: its own files (a partial metrics.jsonl, events, config.yaml) are
+    removed so the fresh run does not append to them; anything else in its folder is kept. Refused while another
+    process's trainer holds the folder (train/faults.py lock)."""
+    from twocircuit_jax import outdir
+    from twocircuit_jax.train import faults
+
+    key = faults.lock_run_folder(run_dir)
+    try:
+        outdir.remove_run_files(run_dir)
+    finally:
+        faults.unlock_run_folder(key)
 
 
 class Unit(NamedTuple):
@@ -251,6 +272,8 @@ def _run_unit(
             from twocircuit_jax.train.loop import GRPOTrainer
 
             trainer = GRPOTrainer(u.cfg, run_dir, resume=plan == "resume", show_progress=show_progress).run()
+            if "preempted_at" in trainer:  # stopped by SIGTERM/SIGINT with a checkpoint: not done, resumable
+                return {"arm": u.arm, "seed": u.seed, "run_dir": run_dir, "preempted_at": trainer["preempted_at"]}
             with open(os.path.join(run_dir, DONE), "w") as out:
                 json.dump(trainer, out)
         elif os.path.isfile(os.path.join(run_dir, DONE)):
@@ -293,6 +316,10 @@ def run_sweep(
     else:
         todo = [Unit(f"{a}/seed_{k}", a, k, c) for a, k, c in load_seeded(sweep_yaml, seed_list, overrides, arms)]
     plans = {u.key: _arm_plan(os.path.join(out_dir, u.key), resume) for u in todo}  # every folder checked first
+    for key, plan in plans.items():
+        if plan == "restart":
+            _restart(os.path.join(out_dir, key))
+            plans[key] = "fresh"
     os.makedirs(out_dir, exist_ok=True)
     if outdir.marker(out_dir) is None:
         outdir.write_marker(out_dir, "sweep")
@@ -304,6 +331,9 @@ def run_sweep(
                 f"sweep: arm {u.key} -> {run_dir}" + (" (finished: read)" if plans[u.key] == "done" else ""), flush=True
             )
             rows[u.key] = _run_unit(u, run_dir, plans[u.key], show_progress, None, last_k)
+            if "preempted_at" in rows[u.key]:
+                print(f"sweep: stopped by a signal in arm {u.key}; continue with --resume", flush=True)
+                return []
     if jobs > 1:
         rows.update(_run_parallel([u for u in todo if u.key not in rows], plans, out_dir, jobs, last_k))
     ordered = [rows[u.key] for u in todo]
@@ -334,6 +364,12 @@ def _run_parallel(todo: list[Unit], plans, out_dir, jobs, last_k: int = LAST_K) 
                 key, log = pending.pop(fut)
                 try:
                     rows[key] = fut.result()
+                    if "preempted_at" in rows[key]:  # stopped by a signal: no new arms; --resume goes on
+                        failed = failed or (
+                            key,
+                            log,
+                            RuntimeError(f"stopped by a signal at step {rows[key]['preempted_at']}"),
+                        )
                     print(f"sweep: arm {key} finished", flush=True)
                 except Exception as e:  # noqa: BLE001 -- reported with the run's log, re-raised below
                     print(f"sweep: arm {key} failed: {e} (see {log})", file=sys.stderr, flush=True)

@@ -12,10 +12,14 @@ writes the trainer's fields and nothing else.
 from __future__ import annotations
 
 import json
+import sys
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from twocircuit_jax.config.base import ConfigError, to_dict
+from twocircuit_jax.model.hf_io import CheckpointError
 from twocircuit_jax.train import safe_blob
 from twocircuit_jax.train.circuit_state import CircuitState, Clock, place
 
@@ -55,11 +59,47 @@ class TrainerCheckpoints:
             meta["metrics"] = json.loads(json.dumps(metrics, default=float))  # numpy scalars as JSON numbers
         return meta
 
+    def _resume_step(self) -> int | None:
+        """The newest committed checkpoint whose meta.json reads (None: there is none)."""
+        for step in reversed(self.ckpt.steps()):
+            try:
+                self.ckpt.read_meta(step)
+                return step
+            except (OSError, ValueError):  # a torn or corrupted meta.json (json's errors are ValueErrors)
+                continue
+        return None
+
     def _restore(self):
-        step = self.ckpt.latest()
-        if step is None:
+        # Newest first: a checkpoint whose files are torn or missing (a disk fault, a copy cut short) falls back to
+        # the previous one, and only once an older one has loaded are the unreadable ones renamed aside
+        # (`step_N.unreadable`, never deleted; a mismatch every checkpoint shares renames nothing). A refused
+        # checkpoint (a pickled part, a newer layout: CheckpointError, ConfigError) is not skipped: that is a
+        # decision for the user, not a fault.
+        steps = self.ckpt.steps()
+        if not steps:
             raise ConfigError("--resume", f"no complete checkpoint under {self.ckpt.root}")
-        meta = self._load(step)
+        bad = []
+        for step in reversed(steps):
+            try:
+                meta = self._load(step)
+                break
+            except (CheckpointError, ConfigError):
+                raise
+            except Exception as e:  # noqa: BLE001 -- orbax and the file system raise many kinds; all mean unreadable
+                bad.append((step, e))
+        else:
+            step, e = bad[0]
+            raise CheckpointError(
+                f"no checkpoint under {self.ckpt.root} can be read; the newest, step_{step:08d}: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        for s, e in bad:
+            aside = self.ckpt.set_aside(s)
+            print(
+                f"warning: checkpoint {self.ckpt.root}/step_{s:08d} is unreadable ({type(e).__name__}: {e}); "
+                f"set aside as {aside.name}; resuming from step_{step:08d}",
+                file=sys.stderr,
+            )
         self.start_step = int(meta["step"])
         self._resume_row = meta.get("metrics")
         self._ahead_blob = self.ckpt.read_part(step, AHEAD_BLOB)  # the finished rollouts of step `step` + 1
@@ -154,3 +194,29 @@ class TrainerCheckpoints:
         if ahead is not None:
             blobs[AHEAD_BLOB] = safe_blob.dumps(ahead)
         return blobs or None
+
+    def _stop_requested(self, signals) -> bool:
+        """Whether a stop signal arrived (faults.StopSignals). Several processes agree first (one tiny all-gather a
+        step, multi-process runs only): a checkpoint is written by all of them or by none."""
+        asked = signals.requested is not None
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            if bool(np.any(multihost_utils.process_allgather(np.int32(asked)))) and not asked:
+                signals.requested, asked = "a signal to another process", True
+        return asked
+
+    def _preempt(self, signame: str) -> None:
+        """A stop signal at step `self.gs`'s boundary: checkpoint that step (unless it has just been written), say
+        where and how to go on. The step's metrics line is already written; the run then returns as a finished one
+        would (exit 0)."""
+        gs = self.gs
+        if self.ckpt.latest() != gs:
+            self.ckpt.save(gs, self._ckpt_state(), self._meta(gs), self._blobs())
+        self.summary["preempted_at"] = gs
+        if jax.process_index() == 0:
+            print(
+                f"twocircuit: stopped by {signame} after step {gs}: checkpoint {self.ckpt.root}/step_{gs:08d}; "
+                f"continue with: twocircuit train --config CONFIG --out {self.run_dir} --resume",
+                flush=True,
+            )

@@ -1,0 +1,282 @@
+"""Kill a training run over and over and check that it still ends exactly where an uninterrupted run ends.
+
+    python scripts/chaos.py --kills 20 [--seed 0] [--steps 8] [--out /tmp/chaos] [--timing-share 0.25]
+
+A tiny demo-like config (random char-level model on chain_sum, a checkpoint every 2 steps, an evaluation every 3, so
+periodic checkpoints, retention and best updates all happen) is trained once without interruption (`twocircuit
+train` in a subprocess), then again under chaos: each attempt is a fresh subprocess (`--resume` from the newest
+checkpoint, or a fresh start when there is none) that is SIGKILLed at a random instant drawn from the seed:
+
+- at a fault-injection point (train/faults.py: inside a checkpoint commit before or after its rename, between the
+  deletions of retention, inside a best update, before or after a step's metrics line; the least used of those the
+  attempt will reach), the count-th time it is reached, the count drawn among the times the attempt will reach it
+  (known from the uninterrupted run);
+- or (a `--timing-share` of the kills) after a random number of seconds from the start, from outside.
+
+After the kills, one last attempt runs to the end. The final metrics.jsonl (time/* fields, which measure the
+machine, left out) and every parameter of the final checkpoint must equal the uninterrupted run's bit for bit.
+Prints the kills survived and the values compared; exit 1 on any difference, or if a run fails in a way a kill
+does not explain. The persistent compile cache (`train.compile_cache`, in --out) keeps each restart to seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+CHECKPOINT_EVERY, KEEP_LAST = 2, 2  # KEEP_LAST: GRPOTrainer's CheckpointManager(keep_last=2)
+# Not compared: wall-clock measurements, and the compile counters of the steps a (re)started process compiled on.
+IGNORED_PREFIXES = ("time/",)
+
+
+def tiny_config(steps: int, cache: str) -> dict:
+    return {
+        "name": "chaos",
+        "tokenizer": "char",
+        "mesh": {"data": -1},
+        "optim": {"lr": 1e-3},
+        "model": {
+            "vocab_size": 100,
+            "hidden_size": 32,
+            "num_layers": 2,
+            "num_heads": 2,
+            "num_kv_heads": 1,
+            "head_dim": 16,
+            "intermediate_size": 64,
+            "eos_token_id": 2,
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+        },
+        "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 64, "eval_size": 8},
+        "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
+        "grpo": {"format_penalty": -1.0},  # reward variance on a random model: the updates are not all zero
+        "fast": {"pp_size": 2},
+        "train": {
+            "steps": steps,
+            "train_batch": 4,
+            "mini_batch": 2,
+            "eval_every": 3,
+            "eval_size": 8,
+            "max_prompt_len": 16,
+            "checkpoint_every": CHECKPOINT_EVERY,
+            "compile_cache": cache,
+        },
+    }
+
+
+def _env(point: str | None = None) -> dict:
+    env = dict(os.environ)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    env.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    env.pop("TWOCIRCUIT_CHAOS_POINT", None)
+    if point:
+        env["TWOCIRCUIT_CHAOS_POINT"] = point
+    return env
+
+
+WALL = {"full": None}  # seconds of the quickest attempt that ran to its end (after the first, which compiled)
+
+
+def _train(cfg: str, run: str, resume: bool, point: str | None = None, kill_after_s: float | None = None):
+    """One `twocircuit train` attempt. Returns (exit status, stderr tail); -9 is a SIGKILL."""
+    t0 = time.time()
+    argv = [sys.executable, "-m", "twocircuit_jax.cli", "train", "--config", cfg, "--out", run, "--no-progress"]
+    argv += ["--resume"] if resume else (["--overwrite"] if os.path.isdir(run) else [])
+    with open(os.path.join(os.path.dirname(run), "attempt.log"), "w") as log:
+        p = subprocess.Popen(argv, env=_env(point), stdout=log, stderr=subprocess.STDOUT)
+        if kill_after_s is not None:
+            try:
+                p.wait(timeout=kill_after_s)
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGKILL)
+        rc = p.wait()
+    if rc == 0:  # a whole run or the rest of one: a bound on how long an attempt lives
+        WALL["full"] = min(WALL["full"] or 1e9, time.time() - t0)
+    with open(os.path.join(os.path.dirname(run), "attempt.log")) as fh:
+        return rc, fh.read()[-3000:]
+
+
+def _committed(run: str) -> list[int]:
+    from twocircuit_jax.train.checkpoint import committed_steps
+
+    return committed_steps(os.path.join(run, "checkpoints"))
+
+
+def _point_counts(ref_rows: list[dict], steps: int, start: int, have: list[int]) -> dict:
+    """How many times an attempt resuming from step `start` (with committed checkpoints `have`) reaches each fault
+    point, from the uninterrupted run's rows (its evaluations decide the best updates)."""
+    counts = dict.fromkeys(
+        ("metrics/before_line", "metrics/after_line", "ckpt/before_commit", "ckpt/after_commit", "ckpt/retention"), 0
+    )
+    counts.update({"best/before_commit": 0, "best/swapped_out": 0})
+    evals = {r["step"]: r["eval/accuracy"] for r in ref_rows if "eval/accuracy" in r and r["step"] > 0}
+    best = max((a for s, a in evals.items() if s <= start), default=None)
+    kept = list(have)
+    for gs in range(start + 1, steps + 1):
+        counts["metrics/before_line"] += 1
+        counts["metrics/after_line"] += 1
+        if gs in evals and (best is None or evals[gs] > best):
+            counts["best/before_commit"] += 1
+            counts["best/swapped_out"] += best is not None
+            best = evals[gs]
+        if gs % CHECKPOINT_EVERY == 0 or gs == steps:
+            counts["ckpt/before_commit"] += 1
+            counts["ckpt/after_commit"] += 1
+            kept = sorted(set(kept) | {gs})
+            counts["ckpt/retention"] += max(0, len(kept) - KEEP_LAST)
+            kept = kept[-KEEP_LAST:]
+    return {k: v for k, v in counts.items() if v > 0}
+
+
+def _rows(run: str) -> list[dict]:
+    with open(os.path.join(run, "metrics.jsonl")) as fh:
+        return [json.loads(line) for line in fh]
+
+
+def _strip(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(IGNORED_PREFIXES)}
+
+
+def _params(run: str, step: int) -> dict:
+    import jax
+
+    from twocircuit_jax.train.policy_io import load_policy
+
+    _, params = load_policy(os.path.join(run, "checkpoints", f"step_{step:08d}"))
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return {jax.tree_util.keystr(k): np.asarray(v) for k, v in flat}
+
+
+def compare(ref: str, run: str, steps: int) -> tuple[int, list[str]]:
+    """(values compared, differences) between two finished runs: metrics rows and final parameters."""
+    diffs, n = [], 0
+    a, b = _rows(ref), _rows(run)
+    if [r["step"] for r in a] != [r["step"] for r in b]:
+        diffs.append(f"metrics.jsonl steps differ: {[r['step'] for r in a]} vs {[r['step'] for r in b]}")
+    for ra, rb in zip(a, b):
+        sa, sb = _strip(ra), _strip(rb)
+        if set(sa) != set(sb):
+            diffs.append(f"step {ra['step']}: keys differ: {sorted(set(sa) ^ set(sb))}")
+        for k in sorted(set(sa) & set(sb)):
+            n += 1
+            if sa[k] != sb[k]:
+                diffs.append(f"step {ra['step']} {k}: {sa[k]!r} != {sb[k]!r}")
+    pa, pb = _params(ref, steps), _params(run, steps)
+    for k in sorted(set(pa) | set(pb)):
+        if k not in pa or k not in pb:
+            diffs.append(f"param {k} only in one run")
+            continue
+        n += pa[k].size
+        if pa[k].dtype != pb[k].dtype or pa[k].shape != pb[k].shape or pa[k].tobytes() != pb[k].tobytes():
+            diffs.append(f"param {k}: differs (max abs {np.max(np.abs(pa[k].astype(float) - pb[k])):.3g})")
+    return n, diffs
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kills", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--out", default="/tmp/twocircuit_chaos")
+    ap.add_argument("--timing-share", type=float, default=0.25, help="share of the kills sent from outside at a time")
+    ap.add_argument("--sampler", choices=("jax",), default="jax", help="the embedded sampler (bit-for-bit check)")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    rng = random.Random(args.seed)
+    shutil.rmtree(args.out, ignore_errors=True)
+    os.makedirs(args.out)
+    cfg = os.path.join(args.out, "cfg.yaml")
+    with open(cfg, "w") as fh:
+        yaml.safe_dump(tiny_config(args.steps, os.path.join(args.out, "xla_cache")), fh)
+    ref, run = os.path.join(args.out, "ref", "run"), os.path.join(args.out, "chaos", "run")
+    os.makedirs(os.path.dirname(ref))
+    os.makedirs(os.path.dirname(run))
+    t_ref = time.time()
+    rc, tail = _train(cfg, ref, resume=False)
+    t_ref, WALL["full"] = time.time() - t_ref, None  # the first run compiled everything: not a restart's time
+    if rc != 0:
+        print(f"chaos: the uninterrupted run failed (exit {rc}):\n{tail}")
+        return 1
+    ref_rows = _rows(ref)
+    survived, rounds, compared, diffs = 0, 0, 0, []
+    used: dict[str, int] = {}
+
+    def finish_round() -> bool:
+        """Run the chaos run to its end (a last --resume, or nothing when it is done) and compare it; then it is
+        removed, and the next kill hits a fresh run. False if the last attempt fails."""
+        nonlocal rounds, compared
+        have = _committed(run)
+        rc, tail = _train(cfg, run, resume=bool(have))  # a finished run's --resume only writes what is missing
+        if rc != 0:
+            print(f"chaos: the final attempt failed (exit {rc}):\n{tail}")
+            return False
+        n, d = compare(ref, run, args.steps)
+        rounds, compared = rounds + 1, compared + n
+        diffs.extend(d)
+        print(f"chaos: round {rounds} ended after kill {survived}: {n} values compared, {len(d)} differ", flush=True)
+        shutil.rmtree(run)
+        return True
+
+    while survived < args.kills:
+        have = _committed(run) if os.path.isdir(run) else []
+        start = have[-1] if have else 0
+        resume = bool(have)
+        if start >= args.steps:  # the last kill came after the final checkpoint: this run has nothing left to kill
+            if not finish_round():
+                return 1
+            continue
+        timed = rng.random() < args.timing_share
+        if timed:
+            # within a whole fresh run's time (the uninterrupted run's until one ran with the compile cache warm)
+            delay = rng.uniform(0.3, 0.95) * (WALL["full"] or t_ref)
+            rc, tail = _train(cfg, run, resume, kill_after_s=delay)
+            what = f"SIGKILL at {delay:.1f} s"
+        else:
+            counts = _point_counts(ref_rows, args.steps, start, have)
+            fewest = min(used.get(k, 0) for k in counts)  # every reachable point gets its turn
+            name = rng.choice(sorted(k for k in counts if used.get(k, 0) == fewest))
+            used[name] = used.get(name, 0) + 1
+            count = rng.randint(1, counts[name])
+            rc, tail = _train(cfg, run, resume, point=f"{name}:{count}")
+            what = f"SIGKILL at {name} #{count}"
+        from_ = f"resumed from step {start}" if resume else "fresh start"
+        if rc == -signal.SIGKILL:
+            survived += 1
+            print(f"chaos: kill {survived}: {from_}, {what}", flush=True)
+        elif rc == 0 and timed:  # the run ended before the timer: compared like any finished run
+            print(f"chaos: {from_}, {what}: the run finished first (not counted)", flush=True)
+            rounds, n, d = rounds + 1, *compare(ref, run, args.steps)
+            compared += n
+            diffs.extend(d)
+            shutil.rmtree(run)
+        else:
+            print(f"chaos: {from_}, {what}: unexpected exit {rc}:\n{tail}")
+            return 1
+    if not finish_round():
+        return 1
+    print(
+        f"chaos: {survived}/{args.kills} kills survived; {rounds} runs compared with the uninterrupted one, "
+        f"{compared} values in all (metrics lines and final parameters)"
+    )
+    for d in diffs[:20]:
+        print(f"chaos: MISMATCH {d}")
+    print(f"chaos: {'FAIL' if diffs else 'OK'} in {time.time() - t0:.0f} s")
+    return 1 if diffs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Preemption: SIGTERM or SIGINT ends a real `twocircuit train` process at the next step boundary with a checkpoint,
+exit 0 and one line saying where; `--resume` then ends bit for bit where the uninterrupted run does. And a sweep arm
+killed before its first checkpoint restarts on `sweep --resume` instead of failing."""
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+from tiny_run import tiny_config
+
+pytestmark = pytest.mark.slow  # real training processes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# checkpoint_every 0: the only checkpoint before the end is the one the signal writes
+CFG = tiny_config(grpo={"format_penalty": -1.0}, train={"steps": 6, "checkpoint_every": 0, "eval_every": 3})
+
+
+def _chaos():
+    spec = importlib.util.spec_from_file_location("chaos", os.path.join(ROOT, "scripts", "chaos.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _env(point=None):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    env.pop("TWOCIRCUIT_CHAOS_POINT", None)
+    if point:
+        env["TWOCIRCUIT_CHAOS_POINT"] = point
+    return env
+
+
+def _argv(cfg, run, *extra):
+    return [sys.executable, "-m", "twocircuit_jax.cli", "train", "--config", str(cfg), "--out", str(run), *extra]
+
+
+def _train(cfg, run, *extra, point=None):
+    return subprocess.run(_argv(cfg, run, "--no-progress", *extra), env=_env(point), capture_output=True, text=True)
+
+
+def test_sigterm_saves_at_the_step_boundary_and_the_resume_is_exact(tmp_path):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(CFG))
+    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    assert _train(cfg, ref).returncode == 0
+    # a real SIGTERM, sent by the process to itself right after step 2's metrics line (train/faults.py)
+    stopped = _train(cfg, cut, point="metrics/after_line:2:TERM")
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    ckpt = cut / "checkpoints" / "step_00000002"
+    assert f"stopped by SIGTERM after step 2: checkpoint {ckpt}" in stopped.stdout, stopped.stdout
+    assert "--resume" in stopped.stdout and json.loads(stopped.stdout.strip().splitlines()[-1])["preempted_at"] == 2
+    assert sorted(os.listdir(cut / "checkpoints")) == ["step_00000002"]
+    resumed = _train(cfg, cut, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    n, diffs = _chaos().compare(str(ref), str(cut), 6)
+    assert not diffs and n > 1000, diffs[:5]
+
+
+def test_sigint_from_outside_stops_at_a_step_boundary(tmp_path):
+    """Ctrl-C (SIGINT) from another process while the trainer is mid-run: the step in flight ends, is checkpointed,
+    exit 0; the line names the checkpoint of the step it stopped after."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({**CFG, "train": {**CFG["train"], "steps": 40}}))
+    run = tmp_path / "run"
+    p = subprocess.Popen(_argv(cfg, run, "--no-progress"), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while not (run / "metrics.jsonl").is_file() or len(open(run / "metrics.jsonl").read().splitlines()) < 3:
+        assert p.poll() is None and time.time() < deadline, p.stderr.read().decode()[-3000:]
+        time.sleep(0.05)
+    p.send_signal(signal.SIGSTOP)  # frozen past step 2, so the signal surely lands before the run's end
+    p.send_signal(signal.SIGINT)
+    p.send_signal(signal.SIGCONT)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err.decode()[-3000:]
+    m = re.search(r"stopped by SIGINT after step (\d+): checkpoint (\S+);", out.decode())
+    assert m, out.decode()
+    step = int(m.group(1))
+    assert 2 <= step < 40 and m.group(2) == str(run / "checkpoints" / f"step_{step:08d}")
+    assert (run / "checkpoints" / f"step_{step:08d}" / "COMMITTED").is_file()
+    assert json.loads(open(run / "metrics.jsonl").read().splitlines()[-1])["step"] == step
+
+
+def test_a_sweep_arm_killed_before_its_first_checkpoint_restarts_on_resume(tmp_path):
+    """Before: `sweep --resume` took the arm's non-empty folder for a resumable run and exited 2 ("no complete
+    checkpoint"). Now the arm starts again (its partial files removed) and ends as an uninterrupted sweep's arm."""
+    base = {**CFG, "train": {**CFG["train"], "steps": 2}}
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump({"base": "base.yaml", "arms": {"a": {}}}))
+    argv = [sys.executable, "-m", "twocircuit_jax.cli", "sweep", "--config", str(tmp_path / "sweep.yaml")]
+    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    assert subprocess.run(argv + ["--out", str(ref)], env=_env(), capture_output=True).returncode == 0
+    dead = subprocess.run(argv + ["--out", str(cut)], env=_env("metrics/after_line:1"), capture_output=True)
+    assert dead.returncode == -signal.SIGKILL
+    assert (cut / "a" / "metrics.jsonl").is_file() and not os.listdir(cut / "a" / "checkpoints")
+    again = subprocess.run(argv + ["--out", str(cut), "--resume"], env=_env(), capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    n, diffs = _chaos().compare(str(ref / "a"), str(cut / "a"), 2)
+    assert not diffs and n > 100, diffs[:5]
+    # SIGTERM in an arm: its checkpoint is written, the sweep stops (exit 0) without marking the arm done, and
+    # `--resume` finishes it exactly (before: the arm was marked done at the signal and never finished)
+    term = tmp_path / "term"
+    stopped = subprocess.run(
+        argv + ["--out", str(term)], env=_env("metrics/after_line:1:TERM"), capture_output=True, text=True
+    )
+    assert stopped.returncode == 0 and "stopped by a signal in arm a" in stopped.stdout, stopped.stderr[-3000:]
+    assert not (term / "a" / "sweep_done.json").exists() and (term / "a" / "checkpoints" / "step_00000001").is_dir()
+    again = subprocess.run(argv + ["--out", str(term), "--resume"], env=_env(), capture_output=True, text=True)
+    assert again.returncode == 0 and (term / "a" / "sweep_done.json").is_file(), again.stderr[-3000:]
+    n, diffs = _chaos().compare(str(ref / "a"), str(term / "a"), 2)
+    assert not diffs and n > 100, diffs[:5]
