@@ -24,7 +24,7 @@ import numpy as np
 
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.metrics import stats
-from twocircuit_jax.metrics.plot import ACC, GAP, GRAD_COS, Run, load_run
+from twocircuit_jax.metrics.plot import ACC, GAP, GRAD_COS, Run, draw_bands, load_run
 
 SEED_DIR = re.compile(r"seed_(\d+)$")  # a sweep's run folder for one seed: SWEEP/ARM/seed_K
 METRICS = (
@@ -175,30 +175,6 @@ def markdown(rows: list[dict], last_k: int, n_resamples: int) -> str:
     return "\n".join(out) + "\n"
 
 
-def group_curve(group: Group, key: str = ACC) -> tuple[list[int], np.ndarray] | None:
-    """(steps every run of the group logged `key` at, values [runs, steps]), or None if no common step."""
-    series = [dict(zip(*r.series(key))) for r in group.runs]
-    common = sorted(set.intersection(*(set(s) for s in series))) if series else []
-    if not common:
-        return None
-    return common, np.array([[s[t] for t in common] for s in series])
-
-
-def draw_bands(ax, groups: list[Group], key: str = ACC, colors=None, n_resamples: int = stats.N_RESAMPLES) -> None:
-    """Each group's mean curve over seeds with its 95% bootstrap band (a group of one: its line, no band)."""
-    for i, g in enumerate(groups):
-        curve = group_curve(g, key)
-        if curve is None:
-            continue
-        steps, vals = curve
-        mean, lo, hi = stats.curve_band(vals, n_resamples=n_resamples)
-        color = colors[i] if colors else f"C{i % 10}"
-        ax.plot(steps, mean, "o-", color=color, markersize=3, label=f"{g.label} ({vals.shape[0]} seeds)")
-        if vals.shape[0] > 1:
-            ax.fill_between(steps, lo, hi, color=color, alpha=0.2, linewidth=0)
-    ax.set(xlabel="step", ylabel=key)
-
-
 def write_figure(groups: list[Group], path: str, n_resamples: int = stats.N_RESAMPLES) -> str:
     """Held-out accuracy (and the mismatch gap when logged) per group: mean over seeds, 95% bootstrap band."""
     from matplotlib.figure import Figure
@@ -207,7 +183,7 @@ def write_figure(groups: list[Group], path: str, n_resamples: int = stats.N_RESA
     fig = Figure(figsize=(6.5 * len(keys), 4.5), layout="constrained")
     for i, key in enumerate(keys):
         ax = fig.add_subplot(1, len(keys), i + 1)
-        draw_bands(ax, groups, key, n_resamples=n_resamples)
+        draw_bands(ax, [(g.label, g.runs) for g in groups], key, n_resamples=n_resamples)
         ax.set_title(f"{key}: mean over seeds, 95% bootstrap band")
         if key == GAP:
             ax.set_yscale("log")

@@ -21,6 +21,7 @@ import yaml
 
 from twocircuit_jax.config.base import ConfigError, ConfigWarning
 from twocircuit_jax.config.sections import FastConfig
+from twocircuit_jax.metrics import stats
 from twocircuit_jax.metrics.plot_collapse import (
     collapse_anatomy,
     guard_note,
@@ -411,9 +412,7 @@ def plot_runs(runs: list[Run], out_dir: str) -> list[str]:
 
 def _bands(cv: Canvas) -> None:
     """Held-out accuracy per group of seeds (runs named GROUP/seed_K): the mean over seeds with its 95% bootstrap
-    band (metrics/compare.py). Only when some group has two seeds or more."""
-    from twocircuit_jax.metrics.compare import Group, draw_bands
-
+    band (draw_bands). Only when some group has two seeds or more."""
     groups: dict = {}
     for r in cv.runs:
         groups.setdefault(group_name(r), []).append(r)
@@ -424,9 +423,36 @@ def _bands(cv: Canvas) -> None:
         )
         return
     fig, (ax,) = cv.panels(1, 7.0)
-    draw_bands(ax, [Group(g, rs) for g, rs in groups.items()])
+    draw_bands(ax, list(groups.items()))
     ax.set_title("held-out accuracy: mean over seeds, 95% bootstrap band")
     cv.save(fig, "accuracy_bands.png", title)
+
+
+def group_curve(runs: list, key: str = ACC):
+    """(steps every run logged `key` at, values [runs, steps]), or None if no common step."""
+    import numpy as np
+
+    series = [dict(zip(*r.series(key))) for r in runs]
+    common = sorted(set.intersection(*(set(s) for s in series))) if series else []
+    if not common:
+        return None
+    return common, np.array([[s[t] for t in common] for s in series])
+
+
+def draw_bands(ax, groups: list, key: str = ACC, colors=None, n_resamples: int = stats.N_RESAMPLES) -> None:
+    """Each (label, runs) group's mean curve over seeds with its 95% bootstrap band (a group of one: its line, no
+    band); `twocircuit plot` and `twocircuit compare` draw with it."""
+    for i, (label, runs) in enumerate(groups):
+        curve = group_curve(runs, key)
+        if curve is None:
+            continue
+        steps, vals = curve
+        mean, lo, hi = stats.curve_band(vals, n_resamples=n_resamples)
+        color = colors[i] if colors else f"C{i % 10}"
+        ax.plot(steps, mean, "o-", color=color, markersize=3, label=f"{label} ({vals.shape[0]} seeds)")
+        if vals.shape[0] > 1:
+            ax.fill_between(steps, lo, hi, color=color, alpha=0.2, linewidth=0)
+    ax.set(xlabel="step", ylabel=key)
 
 
 def _write_html(runs: list[Run], sections: list[tuple], path: str) -> str:
