@@ -36,7 +36,7 @@ lint: $(VENV)/.stamp-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# The suite in 6 pytest processes, 2 at a time (TWOCIRCUIT_TEST_JOBS=N to change); test-fast skips the end-to-end
+# The suite in 8 pytest processes, 2 at a time, lighter towards the end (TWOCIRCUIT_TEST_JOBS=N to change); test-fast skips the end-to-end
 # tests (marked slow). Both compile at XLA's LLVM optimisation level 0 (scripts/run_tests.py, xla_env): the suite is
 # dominated by compiles of small programs that run a few times, so compiling faster beats running faster (889-929 s
 # against ~1190 s of pytest here). Same HLO, same numerics checks; set XLA_FLAGS=--xla_backend_optimization_level=2

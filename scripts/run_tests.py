@@ -27,67 +27,69 @@ import sys
 import tempfile
 import time
 
-GROUPS = 6
-# Approximate seconds on one core per test file, (all its tests, its tests outside `slow`), from pytest --durations
-# runs on the 2-core reference machine. Only the balance of the groups depends on them (`-m "not slow"` plans with
+GROUPS = 8
+TAPER = 0.7  # each pair of groups (one per process slot) 0.7 of the pair before it: see taper()
+# Approximate seconds per test file, (all its tests, its tests outside `slow`), from the "heaviest test files" line a
+# `make test` prints (its files' seconds with two groups at a time on the 2-core reference machine; files below that
+# list are capped at its last entry). Only the balance of the groups depends on them (`-m "not slow"` plans with
 # the second number); a file not listed counts DEFAULT_WEIGHT. Re-measure when a file's time changes a lot.
 WEIGHTS = {
-    "test_multihost.py": (170, 1),
-    "test_plan.py": (240, 0),
-    "test_compile_matrix.py": (230, 15),
-    "test_vllm_resume.py": (210, 0),
-    "test_chunked_head.py": (180, 180),
-    "test_programs.py": (120, 0),
-    "test_micro_batch.py": (110, 110),
-    "test_fsdp_state.py": (100, 60),
-    "test_model_scale.py": (90, 90),
-    "test_out_folders.py": (90, 5),
+    "test_multihost.py": (75, 1),
+    "test_plan.py": (72, 0),
+    "test_compile_matrix.py": (200, 15),
+    "test_vllm_resume.py": (45, 0),
+    "test_chunked_head.py": (50, 50),
+    "test_programs.py": (57, 0),
+    "test_micro_batch.py": (150, 110),
+    "test_fsdp_state.py": (62, 60),
+    "test_model_scale.py": (95, 90),
+    "test_out_folders.py": (44, 5),
     "test_checkpoint_safety.py": (40, 5),
-    "test_chaos.py": (145, 12),
-    "test_preemption.py": (140, 0),
+    "test_chaos.py": (44, 12),
+    "test_preemption.py": (94, 0),
     "test_run_lock.py": (35, 0),
     "test_mesh_context.py": (25, 25),
     "test_tpu_kernel_compile.py": (10, 10),
-    "test_pipeline.py": (150, 12),
-    "test_pipeline_loop.py": (85, 0),
-    "test_fast_invariants.py": (95, 0),
-    "test_guard.py": (90, 0),
-    "test_agentic.py": (75, 0),
-    "test_vllm_agentic.py": (55, 0),
+    "test_pipeline.py": (95, 12),
+    "test_pipeline_loop.py": (44, 0),
+    "test_fast_invariants.py": (44, 0),
+    "test_guard.py": (44, 0),
+    "test_agentic.py": (59, 0),
+    "test_vllm_agentic.py": (44, 0),
     "test_eval_suite.py": (22, 3),
-    "test_anchor_resume.py": (90, 0),
-    "test_fast_bootstrap.py": (75, 9),
-    "test_grpo_e2e.py": (70, 0),
-    "test_trainer_api.py": (95, 0),
-    "test_python_task.py": (90, 2),
+    "test_anchor_resume.py": (48, 0),
+    "test_fast_bootstrap.py": (44, 9),
+    "test_grpo_e2e.py": (48, 0),
+    "test_trainer_api.py": (49, 0),
+    "test_python_task.py": (44, 2),
     "test_example.py": (40, 1),
     "test_knobs.py": (6, 6),
     "test_config_fields.py": (10, 10),
-    "test_vllm_loop.py": (100, 0),
+    "test_vllm_loop.py": (61, 0),
     "test_async_rollouts.py": (35, 0),
-    "test_old_pass.py": (45, 5),
-    "test_fast_e2e.py": (57, 0),
-    "test_comm_bytes.py": (80, 0),
+    "test_old_pass.py": (83, 5),
+    "test_fast_e2e.py": (44, 0),
+    "test_comm_bytes.py": (44, 0),
     "test_fidelity.py": (42, 10),
     "test_anchor_owned_basis.py": (40, 0),
-    "test_probe.py": (40, 0),
-    "test_sweep.py": (70, 1),
+    "test_probe.py": (59, 0),
+    "test_sweep.py": (44, 1),
     "test_sweep_seeds.py": (40, 5),
     "test_compare.py": (10, 10),
     "test_anchor_loop.py": (35, 0),
     "test_fast_powersgd.py": (32, 28),
-    "test_vllm_sampler.py": (60, 0),
+    "test_vllm_sampler.py": (49, 0),
     "test_weight_sync.py": (20, 20),
     "test_model_hf.py": (28, 23),
     "test_kernel_prf_mask.py": (26, 18),
     "test_hf_math_run.py": (25, 0),
-    "test_anchor_circuit.py": (22, 25),
+    "test_anchor_circuit.py": (22, 22),
     "test_fast_bytes.py": (18, 10),
     "test_kernel_lowrank.py": (18, 14),
     "test_platform_export.py": (30, 30),
     "test_device_check.py": (21, 21),
-    "test_vllm_client_faults.py": (18, 22),
-    "test_sampler_security.py": (50, 5),
+    "test_vllm_client_faults.py": (18, 18),
+    "test_sampler_security.py": (44, 5),
     "test_anchor_swap.py": (17, 9),
     "test_anchor_nonfinite.py": (10, 10),
     "test_cli_repeats.py": (1, 1),
@@ -95,31 +97,31 @@ WEIGHTS = {
     "test_resume_config.py": (25, 2),
     "test_user_code_timeouts.py": (25, 8),
     "test_fast_circuit.py": (17, 15),
-    "test_train_step.py": (15, 19),
-    "test_anchor_dense_view.py": (12, 14),
-    "test_fast_lowrank.py": (12, 13),
+    "test_train_step.py": (15, 15),
+    "test_anchor_dense_view.py": (12, 12),
+    "test_fast_lowrank.py": (12, 12),
     "test_jax_sampler.py": (10, 8),
-    "test_fast_mask.py": (8, 11),
-    "test_grpo_loss.py": (8, 13),
+    "test_fast_mask.py": (8, 8),
+    "test_grpo_loss.py": (8, 8),
     "test_run_tests.py": (8, 7),
     "test_fast_prf.py": (7, 5),
     "test_anchor_merger.py": (5, 3),
     "test_anchor_retention.py": (5, 0),
     "test_checkpoint.py": (5, 3),
-    "test_codec_registry.py": (5, 9),
+    "test_codec_registry.py": (5, 5),
     "test_configs.py": (5, 0),
     "test_dispatch.py": (5, 3),
-    "test_fast_sr_quant.py": (5, 8),
+    "test_fast_sr_quant.py": (5, 5),
     "test_gauges.py": (5, 1),
     "test_health.py": (2, 2),
     "test_envs.py": (2, 2),
     "test_grpo_advantages.py": (5, 2),
     "test_grpo_tis.py": (5, 2),
     "test_import_graph.py": (5, 0),
-    "test_kernel_powersgd.py": (5, 6),
-    "test_kernel_sharding.py": (5, 7),
+    "test_kernel_powersgd.py": (5, 5),
+    "test_kernel_sharding.py": (5, 5),
     "test_metrics_logger.py": (5, 0),
-    "test_mismatch.py": (5, 6),
+    "test_mismatch.py": (5, 5),
     "test_plot.py": (5, 3),
     "test_rewards.py": (5, 0),
     "test_sampler_export.py": (5, 2),
@@ -131,10 +133,25 @@ DEFAULT_WEIGHT = 5.0
 ENGINE = ("test_vllm_*.py", "test_sampler_security.py")
 
 
-def plan(files: list[str], groups: int = GROUPS, weights: dict | None = None, fast: bool = False) -> list[list[str]]:
-    """Split `files` into at most `groups` non-empty groups of about equal total weight (longest first onto the
-    lightest group); the ENGINE files travel together as one unit. Heaviest group first, files sorted within.
-    A weight is seconds, or (seconds, seconds outside `slow`), the second used when `fast`."""
+def taper(groups: int, jobs: int, ratio: float = TAPER) -> list[float]:
+    """Each group's share of the work: the first `jobs` groups 1, the next `jobs` `ratio`, then `ratio`**2, ... The
+    runner hands the next group to whichever process slot frees first, so when the groups come lighter towards the
+    end, a file slower than its weight delays the run by a fraction of a light group, not of an average one (equal
+    groups ended one measured run 130 s after the other slot went idle)."""
+    return [ratio ** (k // max(1, jobs)) for k in range(groups)]
+
+
+def plan(
+    files: list[str],
+    groups: int = GROUPS,
+    weights: dict | None = None,
+    fast: bool = False,
+    shares: list[float] | None = None,
+) -> list[list[str]]:
+    """Split `files` into at most `groups` non-empty groups whose total weights follow `shares` (default: equal;
+    longest first onto the group least full for its share); the ENGINE files travel together as one unit. Heaviest
+    group first, files sorted within. A weight is seconds, or (seconds, seconds outside `slow`), the second used
+    when `fast`."""
     weights = WEIGHTS if weights is None else weights
 
     def weight(f):
@@ -145,9 +162,10 @@ def plan(files: list[str], groups: int = GROUPS, weights: dict | None = None, fa
     units = [[f] for f in files if f not in engine] + ([engine] if engine else [])
     units.sort(key=lambda u: (-sum(map(weight, u)), u[0]))
     bins: list[list[str]] = [[] for _ in range(max(1, groups))]
+    share = list(shares) if shares else [1.0] * len(bins)
     load = [0.0] * len(bins)
     for u in units:
-        i = min(range(len(bins)), key=lambda k: (load[k], k))
+        i = min(range(len(bins)), key=lambda k: (load[k] / share[k], k))
         bins[i] += u
         load[i] += sum(map(weight, u))
     order = sorted((i for i in range(len(bins)) if bins[i]), key=lambda i: (-load[i], i))
@@ -231,6 +249,10 @@ def file_times(tmp: str, groups: int, top: int = 20) -> str:
         path = os.path.join(tmp, f"current-{n}.times.json")
         if os.path.exists(path):
             secs.update(json.load(open(path)))
+    out = os.environ.get("TWOCIRCUIT_TEST_TIMES_OUT")  # every file's seconds, kept past the run's temporary folder
+    if out:
+        with open(out, "w") as f:
+            json.dump(dict(sorted(secs.items(), key=lambda kv: -kv[1])), f, indent=0)
     heavy = sorted(secs.items(), key=lambda kv: -kv[1])[:top]
     return "heaviest test files (s): " + ", ".join(f"{k} {v:.0f}" for k, v in heavy)
 
@@ -246,7 +268,7 @@ def main(argv: list[str], root: str | None = None, jobs: int | None = None) -> i
     fast = skips_slow(argv)
     # test-fast holds unit tests only (no end-to-end runs whose executables pile up in a process): one group per
     # job, so no process starts more than needed and the two cores finish together.
-    groups = plan(files, groups=jobs if fast else GROUPS, fast=fast)
+    groups = plan(files, groups=jobs, fast=True) if fast else plan(files, GROUPS, shares=taper(GROUPS, jobs))
     totals = {"passed": 0, "failed": 0, "skipped": 0, "deselected": 0}
     first_failure = 0
     start = time.monotonic()

@@ -93,22 +93,15 @@ def _same(a, b, keys=MAIN, tol=F32_TOL):
 
 
 @pytest.mark.parametrize("agg", AGG_MODES)
-def test_accumulated_step_equals_whole_minibatch_on_one_device(data, agg):
+def test_accumulated_step_equals_whole_minibatch_on_one_device_and_8_replicas(data, agg):
+    """The whole mini-batch on one device against: K = 4 micro-batches of 4 rows there, K = 2 of 8 rows there, and
+    K = 2 on 8 replicas (2 rows per replica a pass)."""
     cfg, params, batch = data
-    mesh = _mesh(1)
-    whole = _step(cfg, mesh, params, batch, 0, agg=agg)
-    acc = _step(cfg, mesh, params, batch, 4, agg=agg)  # K = 4 micro-batches of 4 rows
+    whole = _step(cfg, _mesh(1), params, batch, 0, agg=agg)
     assert float(whole[2]["loss/kl"]) > 0 and 0 < float(whole[2]["ppo/clip_frac"]) < 1
-    _same(whole, acc)
-
-
-@pytest.mark.parametrize("agg", AGG_MODES)
-def test_accumulated_step_equals_whole_minibatch_on_8_replicas(data, agg):
-    cfg, params, batch = data
-    mesh = _mesh(8)
-    whole = _step(cfg, mesh, params, batch, 0, agg=agg)
-    _same(whole, _step(cfg, mesh, params, batch, 1, agg=agg))  # 2 rows per replica: K = 2
-    _same(whole, _step(cfg, _mesh(1), params, batch, 8, agg=agg))  # and the single device's K = 2
+    _same(whole, _step(cfg, _mesh(1), params, batch, 4, agg=agg))
+    _same(whole, _step(cfg, _mesh(1), params, batch, 8, agg=agg))
+    _same(whole, _step(cfg, _mesh(8), params, batch, 1, agg=agg))
 
 
 def test_accumulated_step_on_an_fsdp_tensor_mesh(data):

@@ -137,3 +137,17 @@ def test_a_group_sees_the_flags(tmp_path, monkeypatch, capsys):
     # each file's seconds, from the groups' pytest_trace reports: both files named, heaviest first
     line = next(x for x in out.splitlines() if x.startswith("heaviest test files (s): "))
     assert sorted(x.split()[0] for x in line.split(": ", 1)[1].split(", ")) == ["test_a.py", "test_b.py"]
+
+
+def test_tapered_groups_come_lighter_towards_the_end():
+    """make test's plan: per pair of groups (one per slot) 0.7 of the work of the pair before, so a file slower than
+    its weight late in the run costs a fraction of a light group."""
+    run = _runner()
+    assert run.taper(6, 2, 0.5) == [1.0, 1.0, 0.5, 0.5, 0.25, 0.25]
+    files = [f"tests/test_{i:02d}.py" for i in range(40)]
+    weights = {f"test_{i:02d}.py": 10 for i in range(40)}  # 400 s of equal files
+    groups = run.plan(files, groups=6, weights=weights, shares=run.taper(6, 2, 0.5))
+    loads = [10 * len(g) for g in groups]
+    assert sorted(f for g in groups for f in g) == files  # every file once
+    assert loads == sorted(loads, reverse=True) and loads[0] >= 3 * loads[-1], loads
+    assert abs(loads[0] - 400 / 3.5) <= 10 and abs(loads[-1] - 400 / 14) <= 10, loads

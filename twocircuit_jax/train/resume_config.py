@@ -122,10 +122,16 @@ def check_resume_config(new_cfg, ckpt, run_dir: str, allow_change: bool) -> list
     """Before a resume loads anything: refuse (ConfigError on `--resume`) a config that changes a key outside
     ALLOWED against the latest checkpoint's (`ckpt`, a CheckpointManager), unless `allow_change`. Returns the
     changes found (allowed ones included); nothing to compare without a checkpoint (the resume itself says so)."""
-    step = ckpt.latest()
-    if step is None:
+    meta = None
+    for step in reversed(ckpt.steps()):  # the newest readable meta: an unreadable one is the resume's to skip
+        try:
+            meta = ckpt.read_meta(step)
+            break
+        except (OSError, ValueError):
+            continue
+    if meta is None:
         return []
-    old, where = saved_config(ckpt.read_meta(step), run_dir)
+    old, where = saved_config(meta, run_dir)
     if old is None:
         print(f"warning: --resume: {run_dir} holds no saved config; the config cannot be compared", file=sys.stderr)
         return []
