@@ -6,7 +6,7 @@ allocation, XFS). `fsync_tree` flushes every file and folder under a path (one f
 it; `fsync_dir` flushes the folder holding the new name after the rename, so the rename itself survives.
 
 Fault injection. `point(name)` is called at the places a crash hurts most (inside checkpoint commits, best updates,
-retention, metrics writes). With `TWOCIRCUIT_CHAOS_POINT=name:count` in the environment, the
+retention, metrics writes, the sampler's weight exports). With `TWOCIRCUIT_CHAOS_POINT=name:count` in the environment, the
 process SIGKILLs itself the count-th time it reaches `name` (scripts/chaos.py, tests/test_chaos.py): a real kill at
 a chosen instant, nothing cleaned up (`name:count:TERM` sends SIGTERM instead: tests/test_preemption.py). Unset (always, outside those tests), a point costs one comparison.
 """
@@ -27,6 +27,9 @@ POINTS = (
     "best/swapped_out",  # the old best moved aside, the new one not yet renamed in
     "metrics/before_line",  # a step's checkpoint committed, its metrics line not yet written
     "metrics/after_line",  # the step's line written: every write of the step done
+    # the vLLM sampler's weight exports (sampler/export.py), reached once per published version
+    "export/before_commit",  # a version's arrays and meta.json written in its .tmp-* folder, not yet renamed in
+    "export/after_commit",  # the version renamed in and older ones pruned; the server not yet told to load it
 )
 
 
