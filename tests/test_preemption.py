@@ -125,6 +125,7 @@ def slow_on_third(prompts, completions, **fields):
     n = int(open(path).read()) + 1 if os.path.exists(path) else 1
     open(path, "w").write(str(n))
     if n == 3:
+        open(path + ".sent", "w").write(repr(time.time()))
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(30)
     return [float(len(c) % 2) for c in completions]
@@ -145,9 +146,9 @@ def test_sigterm_mid_step_past_the_grace_period_exits_143_and_resumes(tmp_path):
     cfg.write_text(yaml.safe_dump(data))
     run = tmp_path / "run"
     env = {**_env(), "GRACE_COUNTER": str(tmp_path / "calls")}
-    t0 = time.time()
     cut = subprocess.run(_argv(cfg, run, "--no-progress"), env=env, capture_output=True, text=True)
-    assert cut.returncode == 143 and time.time() - t0 < 30, cut.stderr[-3000:]
+    took = time.time() - float((tmp_path / "calls.sent").read_text())  # from the signal to the exit
+    assert cut.returncode == 143 and took < 20, (took, cut.stderr[-3000:])
     m = re.search(
         r"grace period expired \(train.preempt_grace_s=2 s\).*nothing saved; resume from checkpoint step (\d)",
         cut.stderr,
