@@ -21,7 +21,8 @@ does not explain. The persistent compile cache (`train.compile_cache`, in --out)
 
 `--sampler vllm`: the same with `sampler.backend: vllm` (a vLLM server process beside each trainer; a full export
 every 3 versions, deltas between), and the kill points of the weight export added (`export/before_commit`,
-`export/after_commit`). vLLM's sampling is not bit-for-bit reproducible, so the check is: the run completes (exit 0,
+`export/after_commit`; a best update is not predictable there: an attempt aimed at one it never makes finishes and
+is checked, not counted). vLLM's sampling is not bit-for-bit reproducible, so the check is: the run completes (exit 0,
 every step's metrics line, the final checkpoint), and every step s was generated with the weights the trainer
 published after step s - 1 (`sampler/weight_version` == s - 1, as in the uninterrupted run), which the engine
 really served (`mismatch/prob_gap_mean`, the engine's logprobs against the trainer's, under 1e-4). After each
