@@ -1,6 +1,7 @@
 """Kill a training run over and over and check that it still ends exactly where an uninterrupted run ends.
 
     python scripts/chaos.py --kills 20 [--seed 0] [--steps 8] [--out /tmp/chaos] [--timing-share 0.25]
+    python scripts/chaos.py --sampler vllm --kills 20
 
 A tiny demo-like config (random char-level model on chain_sum, a checkpoint every 2 steps, an evaluation every 3, so
 periodic checkpoints, retention and best updates all happen) is trained once without interruption (`twocircuit
@@ -17,6 +18,16 @@ After the kills, one last attempt runs to the end. The final metrics.jsonl (time
 machine, left out) and every parameter of the final checkpoint must equal the uninterrupted run's bit for bit.
 Prints the kills survived and the values compared; exit 1 on any difference, or if a run fails in a way a kill
 does not explain. The persistent compile cache (`train.compile_cache`, in --out) keeps each restart to seconds.
+
+`--sampler vllm`: the same with `sampler.backend: vllm` (a vLLM server process beside each trainer; a full export
+every 3 versions, deltas between), and the kill points of the weight export added (`export/before_commit`,
+`export/after_commit`; a best update is not predictable there: an attempt aimed at one it never makes finishes and
+is checked, not counted). vLLM's sampling is not bit-for-bit reproducible, so the check is: the run completes (exit 0,
+every step's metrics line, the final checkpoint), and every step s was generated with the weights the trainer
+published after step s - 1 (`sampler/weight_version` == s - 1, as in the uninterrupted run), which the engine
+really served (`mismatch/prob_gap_mean`, the engine's logprobs against the trainer's, under 1e-4). After each
+attempt the processes it left (found by a tag in their environment) get 20 s to exit by themselves (the server
+watches its parent every second); any still there then is SIGKILLed and counted as an orphan.
 """
 
 from __future__ import annotations
@@ -42,8 +53,15 @@ CHECKPOINT_EVERY, KEEP_LAST = 2, 2  # KEEP_LAST: GRPOTrainer's CheckpointManager
 IGNORED_PREFIXES = ("time/",)
 
 
-def tiny_config(steps: int, cache: str) -> dict:
-    return {
+# The vLLM mode's model (the engine needs head_dim >= 32 and a position limit) and sampler (tests/test_vllm_resume.py).
+VLLM_MODEL = {"hidden_size": 64, "head_dim": 32, "intermediate_size": 96, "max_position_embeddings": 64}
+VLLM_SAMPLER = {"backend": "vllm", "startup_timeout_s": 240, "full_every": 3}
+TAG_ENV = "TWOCIRCUIT_CHAOS_TAG"  # set in every attempt's environment; its descendants inherit it (orphan search)
+VLLM_GAP = 1e-4  # largest mean |engine logprob - trainer logprob| of a step served the trainer's weights
+
+
+def tiny_config(steps: int, cache: str, sampler: str = "jax") -> dict:
+    cfg = {
         "name": "chaos",
         "tokenizer": "char",
         "mesh": {"data": -1},
@@ -75,6 +93,10 @@ def tiny_config(steps: int, cache: str) -> dict:
             "compile_cache": cache,
         },
     }
+    if sampler == "vllm":
+        cfg["model"].update(VLLM_MODEL)
+        cfg["sampler"].update(VLLM_SAMPLER)
+    return cfg
 
 
 def _env(point: str | None = None) -> dict:
@@ -82,10 +104,56 @@ def _env(point: str | None = None) -> dict:
     env.setdefault("JAX_PLATFORMS", "cpu")
     env.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    env.setdefault("VLLM_TARGET_DEVICE", "cpu")  # with libtpu installed vLLM sees a TPU platform too and refuses
+    env[TAG_ENV] = TAG["tag"]
     env.pop("TWOCIRCUIT_CHAOS_POINT", None)
     if point:
         env["TWOCIRCUIT_CHAOS_POINT"] = point
     return env
+
+
+TAG = {"tag": f"chaos-{os.getpid()}"}
+ORPHANS = {"left": 0, "killed": 0, "linger_s": 0.0}  # processes alive after an attempt ended; SIGKILLed by us
+
+
+def _tagged() -> list[int]:
+    """Live processes (not zombies) with this chaos run's tag in their environment: an attempt's descendants."""
+    want, pids = f"{TAG_ENV}={TAG['tag']}".encode(), []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as fh:
+                if want not in fh.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{d}/stat") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue
+        except OSError:  # gone meanwhile, or not ours
+            continue
+        pids.append(int(d))
+    return pids
+
+
+def _reap(wait_s: float = 20.0) -> None:
+    """After an attempt: wait for its leftover processes (a killed trainer's sampler server) to exit by themselves,
+    then SIGKILL what is still there (counted in ORPHANS)."""
+    t0 = time.time()
+    left = _tagged()
+    ORPHANS["left"] += len(left)
+    while left and time.time() - t0 < wait_s:
+        time.sleep(0.25)
+        left = _tagged()
+    if ORPHANS["left"]:
+        ORPHANS["linger_s"] = max(ORPHANS["linger_s"], time.time() - t0)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            ORPHANS["killed"] += 1
+        except ProcessLookupError:
+            pass
+    if left:
+        print(f"chaos: {len(left)} process(es) still alive {wait_s:.0f} s after the attempt: SIGKILLed {left}")
 
 
 WALL = {"full": None}  # seconds of the quickest attempt that ran to its end (after the first, which compiled)
@@ -104,6 +172,7 @@ def _train(cfg: str, run: str, resume: bool, point: str | None = None, kill_afte
             except subprocess.TimeoutExpired:
                 p.send_signal(signal.SIGKILL)
         rc = p.wait()
+    _reap()
     if rc == 0:  # a whole run or the rest of one: a bound on how long an attempt lives
         WALL["full"] = min(WALL["full"] or 1e9, time.time() - t0)
     with open(os.path.join(os.path.dirname(run), "attempt.log")) as fh:
@@ -116,13 +185,16 @@ def _committed(run: str) -> list[int]:
     return committed_steps(os.path.join(run, "checkpoints"))
 
 
-def _point_counts(ref_rows: list[dict], steps: int, start: int, have: list[int]) -> dict:
+def _point_counts(ref_rows: list[dict], steps: int, start: int, have: list[int], exports: bool = False) -> dict:
     """How many times an attempt resuming from step `start` (with committed checkpoints `have`) reaches each fault
-    point, from the uninterrupted run's rows (its evaluations decide the best updates)."""
+    point, from the uninterrupted run's rows (its evaluations decide the best updates). `exports` (the vLLM
+    sampler): one weight export at the start (version `start`) and one after each step."""
     counts = dict.fromkeys(
         ("metrics/before_line", "metrics/after_line", "ckpt/before_commit", "ckpt/after_commit", "ckpt/retention"), 0
     )
     counts.update({"best/before_commit": 0, "best/swapped_out": 0})
+    if exports:
+        counts["export/before_commit"] = counts["export/after_commit"] = 1 + steps - start
     evals = {r["step"]: r["eval/accuracy"] for r in ref_rows if "eval/accuracy" in r and r["step"] > 0}
     best = max((a for s, a in evals.items() if s <= start), default=None)
     kept = list(have)
@@ -186,6 +258,31 @@ def compare(ref: str, run: str, steps: int) -> tuple[int, list[str]]:
     return n, diffs
 
 
+def check_vllm(ref: str, run: str, steps: int) -> tuple[int, list[str]]:
+    """(values checked, problems) of a finished vLLM-sampler run (module doc): every step's line, each step's
+    rollouts from the trainer's previous version (as in the uninterrupted run `ref`) and served as published, and
+    the final checkpoint."""
+    problems, n = [], 0
+    a, b = {r["step"]: r for r in _rows(ref)}, _rows(run)
+    if [r["step"] for r in b] != sorted(a):
+        problems.append(f"metrics.jsonl steps {[r['step'] for r in b]}, expected {sorted(a)}")
+    for r in b:
+        if r["step"] < 1:
+            continue
+        n += 2
+        want = r["step"] - 1
+        if r.get("sampler/weight_version") != want or a.get(r["step"], {}).get("sampler/weight_version") != want:
+            problems.append(
+                f"step {r['step']}: sampler/weight_version {r.get('sampler/weight_version')} (uninterrupted run: "
+                f"{a.get(r['step'], {}).get('sampler/weight_version')}), the trainer published {want}"
+            )
+        if not r.get("mismatch/prob_gap_mean", float("inf")) < VLLM_GAP:
+            problems.append(f"step {r['step']}: mismatch/prob_gap_mean {r.get('mismatch/prob_gap_mean')} >= {VLLM_GAP}")
+    if steps not in _committed(run):
+        problems.append(f"no final checkpoint step_{steps:08d}")
+    return n + 1, problems
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kills", type=int, default=20)
@@ -193,7 +290,12 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", default="/tmp/twocircuit_chaos")
     ap.add_argument("--timing-share", type=float, default=0.25, help="share of the kills sent from outside at a time")
-    ap.add_argument("--sampler", choices=("jax",), default="jax", help="the embedded sampler (bit-for-bit check)")
+    ap.add_argument(
+        "--sampler",
+        choices=("jax", "vllm"),
+        default="jax",
+        help="jax: the embedded sampler (bit-for-bit check); vllm: a vLLM server (completion and weight versions)",
+    )
     args = ap.parse_args(argv)
     t0 = time.time()
     rng = random.Random(args.seed)
@@ -201,7 +303,9 @@ def main(argv=None) -> int:
     os.makedirs(args.out)
     cfg = os.path.join(args.out, "cfg.yaml")
     with open(cfg, "w") as fh:
-        yaml.safe_dump(tiny_config(args.steps, os.path.join(args.out, "xla_cache")), fh)
+        yaml.safe_dump(tiny_config(args.steps, os.path.join(args.out, "xla_cache"), args.sampler), fh)
+    vllm = args.sampler == "vllm"
+    compare_runs = check_vllm if vllm else compare
     ref, run = os.path.join(args.out, "ref", "run"), os.path.join(args.out, "chaos", "run")
     os.makedirs(os.path.dirname(ref))
     os.makedirs(os.path.dirname(run))
@@ -224,7 +328,7 @@ def main(argv=None) -> int:
         if rc != 0:
             print(f"chaos: the final attempt failed (exit {rc}):\n{tail}")
             return False
-        n, d = compare(ref, run, args.steps)
+        n, d = compare_runs(ref, run, args.steps)
         rounds, compared = rounds + 1, compared + n
         diffs.extend(d)
         print(f"chaos: round {rounds} ended after kill {survived}: {n} values compared, {len(d)} differ", flush=True)
@@ -240,15 +344,19 @@ def main(argv=None) -> int:
                 return 1
             continue
         timed = rng.random() < args.timing_share
+        # vLLM: the run's evaluations differ from the uninterrupted run's (its sampling is not reproducible), so
+        # whether an attempt updates `best` is not known in advance: a best point it never reaches lets it finish
+        unsure = timed
         if timed:
             # within a whole fresh run's time (the uninterrupted run's until one ran with the compile cache warm)
             delay = rng.uniform(0.3, 0.95) * (WALL["full"] or t_ref)
             rc, tail = _train(cfg, run, resume, kill_after_s=delay)
             what = f"SIGKILL at {delay:.1f} s"
         else:
-            counts = _point_counts(ref_rows, args.steps, start, have)
+            counts = _point_counts(ref_rows, args.steps, start, have, exports=vllm)
             fewest = min(used.get(k, 0) for k in counts)  # every reachable point gets its turn
             name = rng.choice(sorted(k for k in counts if used.get(k, 0) == fewest))
+            unsure = vllm and name.startswith("best/")
             used[name] = used.get(name, 0) + 1
             count = rng.randint(1, counts[name])
             rc, tail = _train(cfg, run, resume, point=f"{name}:{count}")
@@ -257,9 +365,9 @@ def main(argv=None) -> int:
         if rc == -signal.SIGKILL:
             survived += 1
             print(f"chaos: kill {survived}: {from_}, {what}", flush=True)
-        elif rc == 0 and timed:  # the run ended before the timer: compared like any finished run
+        elif rc == 0 and unsure:  # the run ended before the timer (or the point): compared like any finished run
             print(f"chaos: {from_}, {what}: the run finished first (not counted)", flush=True)
-            rounds, n, d = rounds + 1, *compare(ref, run, args.steps)
+            rounds, n, d = rounds + 1, *compare_runs(ref, run, args.steps)
             compared += n
             diffs.extend(d)
             shutil.rmtree(run)
@@ -268,10 +376,16 @@ def main(argv=None) -> int:
             return 1
     if not finish_round():
         return 1
+    what = "weight versions and logprob gaps per step, final checkpoint" if vllm else "metrics lines, final parameters"
     print(
         f"chaos: {survived}/{args.kills} kills survived; {rounds} runs compared with the uninterrupted one, "
-        f"{compared} values in all (metrics lines and final parameters)"
+        f"{compared} values in all ({what})"
     )
+    if vllm:
+        print(
+            f"chaos: processes left after an attempt: {ORPHANS['left']} (gone by themselves within "
+            f"{ORPHANS['linger_s']:.1f} s), {ORPHANS['killed']} SIGKILLed by chaos.py"
+        )
     for d in diffs[:20]:
         print(f"chaos: MISMATCH {d}")
     print(f"chaos: {'FAIL' if diffs else 'OK'} in {time.time() - t0:.0f} s")

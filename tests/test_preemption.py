@@ -115,3 +115,48 @@ def test_a_sweep_arm_killed_before_its_first_checkpoint_restarts_on_resume(tmp_p
     assert again.returncode == 0 and (term / "a" / "sweep_done.json").is_file(), again.stderr[-3000:]
     n, diffs = _chaos().compare(str(ref / "a"), str(term / "a"), 2)
     assert not diffs and n > 100, diffs[:5]
+
+
+_SLOW_REWARD = """
+import os, signal, time
+def slow_on_third(prompts, completions, **fields):
+    # the third scoring call (a step past the first checkpoints) gets SIGTERM and then takes 30 s
+    path = os.environ["GRACE_COUNTER"]
+    n = int(open(path).read()) + 1 if os.path.exists(path) else 1
+    open(path, "w").write(str(n))
+    if n == 3:
+        open(path + ".sent", "w").write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+    return [float(len(c) % 2) for c in completions]
+"""
+
+
+def test_sigterm_mid_step_past_the_grace_period_exits_143_and_resumes(tmp_path):
+    """train.preempt_grace_s: a SIGTERM in a step that cannot end within the grace (a reward function taking 30 s)
+    exits 143 within it, saving nothing, with a line naming the checkpoint; `--resume` goes on from there to the end.
+    Without the grace the run would wait the 30 s out and exit 0."""
+    (tmp_path / "reward.py").write_text(_SLOW_REWARD)
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(16)))
+    task = {"type": "python", "reward_fns": [f"{tmp_path}/reward.py:slow_on_third"]}
+    data = tiny_config(task={**task, "train_files": [str(tmp_path / "rows.jsonl")]})
+    data["task"] = {**task, "train_files": [str(tmp_path / "rows.jsonl")]}
+    data["train"] = {**data["train"], "steps": 5, "checkpoint_every": 1, "preempt_grace_s": 2.0}
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    run = tmp_path / "run"
+    env = {**_env(), "GRACE_COUNTER": str(tmp_path / "calls")}
+    cut = subprocess.run(_argv(cfg, run, "--no-progress"), env=env, capture_output=True, text=True)
+    took = time.time() - float((tmp_path / "calls.sent").read_text())  # from the signal to the exit
+    assert cut.returncode == 143 and took < 20, (took, cut.stderr[-3000:])
+    m = re.search(
+        r"grace period expired \(train.preempt_grace_s=2 s\).*nothing saved; resume from checkpoint step (\d)",
+        cut.stderr,
+    )
+    assert m, cut.stderr[-3000:]
+    step = int(m.group(1))
+    assert sorted(os.listdir(run / "checkpoints")) == [f"step_{s:08d}" for s in range(1, step + 1)][-2:]
+    assert [json.loads(x)["step"] for x in open(run / "metrics.jsonl")][-1] == step
+    resumed = subprocess.run(_argv(cfg, run, "--no-progress", "--resume"), env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [json.loads(x)["step"] for x in open(run / "metrics.jsonl")] == list(range(6))

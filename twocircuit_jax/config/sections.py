@@ -566,6 +566,14 @@ class TrainConfig:
         ),
     )
     final_checkpoint: bool = field(default=True, metadata=doc("checkpoint after the last step"))
+    preempt_grace_s: float = field(
+        default=0.0,
+        metadata=doc(
+            "seconds a SIGTERM/SIGINT may wait for the step boundary's checkpoint; past them the run exits 143 "
+            "saving nothing (a half-done step is not a consistent state) and names the checkpoint to resume from. "
+            "0 = wait for the boundary however long the step takes"
+        ),
+    )
     compile_cache: str = field(
         default="~/.cache/twocircuit_jax/xla",
         metadata=doc(
@@ -612,6 +620,9 @@ class TrainConfig:
         )
         require(self.eval_every >= 0, "eval_every", f"got {self.eval_every}; must be >= 0 (0 = only at the ends)")
         require(self.checkpoint_every >= 0, "checkpoint_every", f"got {self.checkpoint_every}; must be >= 0")
+        require(
+            self.preempt_grace_s >= 0, "preempt_grace_s", f"got {self.preempt_grace_s}; must be >= 0 (0 = no limit)"
+        )
         require(self.microbatches >= 0, "microbatches", f"got {self.microbatches}; must be >= 0 (0 = mesh.stage)")
         require(
             self.micro_batch >= 0, "micro_batch", f"got {self.micro_batch}; must be >= 0 (0 = the whole mini-batch)"

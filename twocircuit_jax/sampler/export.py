@@ -23,6 +23,8 @@ import shutil
 
 import numpy as np
 
+from twocircuit_jax.train import faults
+
 _NAME = re.compile(r"^v(\d{8})$")
 META = "meta.json"
 PARAMS = "params"
@@ -80,6 +82,7 @@ def export_weights(params, config, export_root: str, version: int, keep: int = 3
         ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False)).save(os.path.join(tmp, PARAMS), params)
         with open(os.path.join(tmp, META), "w") as fh:
             json.dump({**(meta or {}), "version": int(version), "model_config": _config_dict(config)}, fh, indent=1)
+        faults.point("export/before_commit")  # a kill here leaves the .tmp-* folder: prune removes it next start
         if os.path.isdir(final):  # rename cannot replace a non-empty folder; move the old one aside first
             old = tmp + ".old"
             os.rename(final, old)
@@ -89,6 +92,7 @@ def export_weights(params, config, export_root: str, version: int, keep: int = 3
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     prune(export_root, keep, written=version)
+    faults.point("export/after_commit")  # a kill here leaves a version newer than the checkpoint: discard_newer
     return final
 
 

@@ -6,7 +6,7 @@ allocation, XFS). `fsync_tree` flushes every file and folder under a path (one f
 it; `fsync_dir` flushes the folder holding the new name after the rename, so the rename itself survives.
 
 Fault injection. `point(name)` is called at the places a crash hurts most (inside checkpoint commits, best updates,
-retention, metrics writes). With `TWOCIRCUIT_CHAOS_POINT=name:count` in the environment, the
+retention, metrics writes, the sampler's weight exports). With `TWOCIRCUIT_CHAOS_POINT=name:count` in the environment, the
 process SIGKILLs itself the count-th time it reaches `name` (scripts/chaos.py, tests/test_chaos.py): a real kill at
 a chosen instant, nothing cleaned up (`name:count:TERM` sends SIGTERM instead: tests/test_preemption.py). Unset (always, outside those tests), a point costs one comparison.
 """
@@ -27,6 +27,9 @@ POINTS = (
     "best/swapped_out",  # the old best moved aside, the new one not yet renamed in
     "metrics/before_line",  # a step's checkpoint committed, its metrics line not yet written
     "metrics/after_line",  # the step's line written: every write of the step done
+    # the vLLM sampler's weight exports (sampler/export.py), reached once per published version
+    "export/before_commit",  # a version's arrays and meta.json written in its .tmp-* folder, not yet renamed in
+    "export/after_commit",  # the version renamed in and older ones pruned; the server not yet told to load it
 )
 
 
@@ -141,14 +144,22 @@ class StopSignals:
     """SIGTERM and SIGINT set `requested` (the signal's name) instead of ending the process, so the loop can save a
     checkpoint at the next step boundary and exit 0. A second SIGINT raises KeyboardInterrupt as usual (a user who
     presses Ctrl-C twice wants out now). Installed only from the main thread (Python's rule); `restore()` puts the
-    previous handlers back."""
+    previous handlers back.
+
+    `grace_s` > 0 (train.preempt_grace_s): the first signal also starts a watchdog thread. If the loop has not called
+    `disarm()` (its boundary checkpoint written) within `grace_s` seconds, the watchdog saves nothing (a half-done
+    step is no consistent state), prints where to resume (`last_checkpoint()`, the newest committed step) and ends
+    the process with 143 (128 + SIGTERM): the preemptor sees a prompt exit instead of having to SIGKILL."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    EXPIRED_RC = 128 + signal.SIGTERM
 
-    def __init__(self):
+    def __init__(self, grace_s: float = 0.0, last_checkpoint=None):
         import threading
 
         self.requested: str | None = None
+        self.grace_s, self.last_checkpoint = float(grace_s), last_checkpoint
+        self._watchdog = None
         self._old = {}
         if threading.current_thread() is threading.main_thread():
             for s in self.SIGNALS:
@@ -157,11 +168,38 @@ class StopSignals:
     def _handle(self, signum, frame):
         if self.requested is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
+        first = self.requested is None
         self.requested = signal.Signals(signum).name
         # os.write, not print: a handler that prints while the main thread is printing raises (reentrant call)
         os.write(2, f"twocircuit: {self.requested} received; stopping at the end of this step\n".encode())
+        if first and self.grace_s > 0:
+            import threading
+
+            self._watchdog = threading.Timer(self.grace_s, self._expire)
+            self._watchdog.daemon = True
+            self._watchdog.start()
+
+    def _expire(self) -> None:
+        try:
+            step = self.last_checkpoint() if self.last_checkpoint is not None else None
+        except Exception as e:  # the message must still go out: the exit is what the preemptor waits for
+            step = f"unknown ({type(e).__name__}: {e})"
+        where = "no checkpoint yet: a --resume starts again" if step is None else f"resume from checkpoint step {step}"
+        os.write(
+            2,
+            f"twocircuit: grace period expired (train.preempt_grace_s={self.grace_s:g} s) before the step boundary; "
+            f"nothing saved; {where}\n".encode(),
+        )
+        os._exit(self.EXPIRED_RC)  # no cleanup: the run folder's lock and the sampler server go with the process
+
+    def disarm(self) -> None:
+        """The boundary checkpoint is written: the watchdog (if any) has nothing left to guard."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
 
     def restore(self) -> None:
+        self.disarm()
         for s, h in self._old.items():
             signal.signal(s, h)
         self._old = {}

@@ -492,13 +492,16 @@ class GRPOTrainer(TrainerCheckpoints):
     def run(self) -> dict:
         """Every remaining step (`step()` in a loop), then `close()`. Returns the summary: base and final held-out
         accuracy, the steps, `stopped_by_guard` when the guard ended the run."""
-        signals = faults.StopSignals()  # SIGTERM / SIGINT: a checkpoint at the next step boundary, then return
+        # SIGTERM / SIGINT: a checkpoint at the next step boundary, then return; or, past train.preempt_grace_s, exit
+        # 143 without one (faults.StopSignals)
+        signals = faults.StopSignals(self.cfg.train.preempt_grace_s, lambda: self.ckpt.latest())
         try:
             self.begin()
             while self.gs < self.cfg.train.steps and self.stopped is None:
                 self.step()
                 if self._stop_requested(signals):
                     self._preempt(signals.requested)
+                    signals.disarm()
                     break
         finally:
             signals.restore()

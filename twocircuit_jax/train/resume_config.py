@@ -9,8 +9,8 @@ key outside `ALLOWED` with a ConfigError (exit 2) naming each key, the old and t
 warning line.
 
 ALLOWED: what a resume may change because the trained parameters do not depend on it:
-- how long and how often: `train.steps`, checkpoint cadence (`train.checkpoint_*`, `train.final_checkpoint`),
-  evaluation (`train.eval_*`, `eval.*`), the dense probe (`train.probe_every`, a measurement), the run's `name`;
+- how long and how often: `train.steps`, checkpoint cadence (`train.checkpoint_*`, `train.final_checkpoint`,
+  `train.preempt_grace_s`), evaluation (`train.eval_*`, `eval.*`), the dense probe (`train.probe_every`, a measurement), the run's `name`;
 - where and how it runs: `train.compile_cache`, `mesh.*` and `train.micro_batch`/`train.microbatches` (the same
   math, float order only), memory knobs of the model (`model.remat`, `model.logits_chunk`,
   `model.attention_block`), `fast.kernel_interpret`, the vLLM process's transport (`sampler.host`, `port`,
@@ -38,6 +38,7 @@ ALLOWED_PREFIXES = (
     "train.steps",
     "train.checkpoint_",
     "train.final_checkpoint",
+    "train.preempt_grace_s",
     "train.eval_",
     "train.probe_every",
     "train.compile_cache",
