@@ -46,7 +46,7 @@ WEIGHTS = {
     "test_out_folders.py": (44, 5),
     "test_checkpoint_safety.py": (40, 5),
     "test_chaos.py": (44, 12),
-    "test_preemption.py": (94, 0),
+    "test_preemption.py": (120, 0),
     "test_run_lock.py": (35, 0),
     "test_mesh_context.py": (25, 25),
     "test_tpu_kernel_compile.py": (10, 10),
