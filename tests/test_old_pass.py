@@ -157,7 +157,7 @@ def test_a_second_epoch_keeps_the_separate_old_pass(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("codec", [{"type": "prf_mask", "p": 0.5}, {"type": "lowrank", "rank": 3}])
+@pytest.mark.parametrize("codec", [{"type": "lowrank", "rank": 3}])  # the PRF mask's fused pass: the test above
 def test_the_anchor_keeps_the_fused_pass_and_the_same_run(tmp_path, monkeypatch, codec):
     """The two-circuit run (anchor firing every other tick with the optimizer-state swap, KL on so the fire reads
     the dense reference ℓ_ref^dense; under lowrank the anchor owns the basis, and a fire's sketch, absorbed before
