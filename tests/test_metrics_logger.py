@@ -53,15 +53,13 @@ def test_jsonl_lines_parse_and_values_convert(tmp_path):
     assert events and events[0].stat().st_size > 0
 
 
-def test_tensorboard_scalars_readable(tmp_path):
-    with MetricsLogger(tmp_path, total_steps=2, show_progress=False) as lg:
-        lg.log(1, {"reward/mean": 0.1, "kl/ref": "inf", "note": "text", "per_boundary": [1, 2]})
-        lg.log(2, {"reward/mean": 0.3})
+def _scalars(run):
+    """(step, tag, value) of every scalar in the run's TensorBoard event file."""
     import struct
 
     from tensorboardX.proto import event_pb2
 
-    raw = next(tmp_path.glob("events.out.tfevents.*")).read_bytes()
+    raw = next(run.glob("events.out.tfevents.*")).read_bytes()
     vals, i = [], 0
     while i < len(raw):  # TFRecord framing: len u64, crc u32, data, crc u32
         (n,) = struct.unpack("<Q", raw[i : i + 8])
@@ -69,6 +67,14 @@ def test_tensorboard_scalars_readable(tmp_path):
         i += 12 + n + 4
         for v in ev.summary.value:
             vals.append((ev.step, v.tag, round(v.simple_value, 6)))
+    return vals
+
+
+def test_tensorboard_scalars_readable(tmp_path):
+    with MetricsLogger(tmp_path, total_steps=2, show_progress=False) as lg:
+        lg.log(1, {"reward/mean": 0.1, "kl/ref": "inf", "note": "text", "per_boundary": [1, 2]})
+        lg.log(2, {"reward/mean": 0.3})
+    vals = _scalars(tmp_path)
     # every scalar of a step in one event; text and lists are not TensorBoard scalars
     assert sorted(vals) == [(1, "kl/ref", float("inf")), (1, "reward/mean", 0.1), (2, "reward/mean", 0.3)]
 
@@ -98,3 +104,23 @@ def test_unloggable_value_raises(tmp_path):
     with MetricsLogger(tmp_path, total_steps=1, show_progress=False) as lg:
         with pytest.raises(TypeError, match="not loggable"):
             lg.log(1, {"x": object()})
+
+
+def test_a_fresh_process_logs_without_importing_torch(tmp_path):
+    """tensorboardX imports torch at module level (~1.5 s of CPU per trainer start); the logger keeps it out, the
+    events still carry the scalars, and torch imports normally afterwards in the same process."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+from twocircuit_jax.metrics.logger import MetricsLogger
+with MetricsLogger({str(tmp_path)!r}, total_steps=1, show_progress=False) as lg:
+    lg.log(1, {{"reward/mean": 0.5}})
+assert "torch" not in sys.modules, "torch was imported"
+import torch
+print("torch", torch.__version__)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("torch "), out.stderr[-2000:]
+    assert _scalars(tmp_path) == [(1, "reward/mean", 0.5)]
