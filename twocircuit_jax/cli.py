@@ -94,6 +94,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     w.add_argument("--last-k", type=int, default=3, help="evaluations averaged into each run's last_k_accuracy")
     w.add_argument("--resume", action="store_true", help="skip finished arms, resume interrupted ones")
+    w.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="with --resume: accept arm configs that change the training against their checkpoints' (as train's)",
+    )
     w.add_argument("--overwrite", action="store_true", help=_OVERWRITE_HELP)
     g = sub.add_parser("plot", help="figures + one HTML page comparing runs (PNGs, index.html, fidelity map)")
     g.add_argument("runs", nargs="+", metavar="RUN", help="run folder, or sweep folder (expanded into its arms)")
@@ -216,6 +221,7 @@ def _dispatch(args) -> int:
             overwrite=args.overwrite,
             seeds=args.seeds or None,
             last_k=args.last_k,
+            allow_config_change=args.allow_config_change,
         )
         return 0
     if args.cmd == "compare":
