@@ -394,7 +394,10 @@ def _run_parallel(
                     print(f"sweep: arm {key} failed: {e} (see {log})", file=sys.stderr, flush=True)
                     failed = failed or (key, log, e)
     if failed:
-        raise RuntimeError(f"sweep arm {failed[0]} failed: {failed[2]} (its output: {failed[1]})") from failed[2]
+        key, log, e = failed
+        if isinstance(e, ConfigError):  # bad input found by the arm (its resume's config check): exit 2, as --jobs 1
+            raise ConfigError(e.path, f"{e.message} (sweep arm {key}; its output: {log})", e.source) from None
+        raise RuntimeError(f"sweep arm {key} failed: {e} (its output: {log})") from e
     return rows
 
 
