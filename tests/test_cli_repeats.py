@@ -30,9 +30,8 @@ def _subcommands():
     return sub.choices
 
 
-@pytest.mark.parametrize("cmd", sorted(_subcommands()))
-def test_every_flag_accumulates_or_refuses_a_repeat(cmd, capsys):
-    sp = _subcommands()[cmd]
+def _walk(sp, parse, capsys):
+    """Each option of parser `sp` given twice through `parse(argv)`: both values kept, or exit 2 naming the flag."""
     positionals = [_value(a, 0) for a in sp._actions if not a.option_strings and a.nargs != 0]
     flags = [a for a in sp._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
     assert flags
@@ -41,9 +40,9 @@ def test_every_flag_accumulates_or_refuses_a_repeat(cmd, capsys):
         required = [x for b in flags if b.required and b is not a for x in _argv(b)]
         once = _argv(a)
         twice = once + ([a.option_strings[-1]] if a.nargs == 0 else [a.option_strings[-1], _value(a, 1)])
-        argv = [cmd, *positionals, *required, *twice]
+        argv = [*positionals, *required, *twice]
         try:
-            args = parse_args(argv)
+            args = parse(argv)
         except SystemExit as e:
             assert e.code == 2, argv
             err = capsys.readouterr().err
@@ -55,8 +54,25 @@ def test_every_flag_accumulates_or_refuses_a_repeat(cmd, capsys):
         assert [_value(a, 0), _value(a, 1)] == got[-2:], (argv, got)
         checked += 1
     assert checked == len(flags)
-    args = parse_args([cmd, *positionals, *[x for b in flags if b.required for x in _argv(b)]])
+    args = parse([*positionals, *[x for b in flags if b.required for x in _argv(b)]])
     assert not hasattr(args, "_twocircuit_given")  # once each: parses, and leaves nothing behind
+
+
+@pytest.mark.parametrize("cmd", sorted(_subcommands()))
+def test_every_flag_accumulates_or_refuses_a_repeat(cmd, capsys):
+    _walk(_subcommands()[cmd], lambda argv: parse_args([cmd, *argv]), capsys)
+
+
+def test_every_sampler_server_flag_refuses_a_repeat(capsys):
+    """The vLLM sampler process's own parser (`twocircuit serve-sampler` builds its argv from the config; the
+    trainer's client passes the same flags; `python -m twocircuit_jax.sampler.vllm_server` by hand). Before, it was
+    a plain argparse parser: `--port 1 --port 2` served on port 2 and said nothing."""
+    from twocircuit_jax.sampler import vllm_server
+
+    _walk(vllm_server.parser(), vllm_server.parse_args, capsys)
+    with pytest.raises(SystemExit) as e:
+        vllm_server.main(["--model-dir", "m", "--export-root", "e", "--port", "1", "--port", "2"])
+    assert e.value.code == 2 and "flag --port given twice" in capsys.readouterr().err
 
 
 def test_eval_keeps_every_checkpoint_flag(tmp_path):

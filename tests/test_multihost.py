@@ -38,9 +38,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(cfg_path, out, *extra, local_devices_flag=False):
-    """Start the two processes of one run; returns their Popen objects."""
+def _launch(cfg_path, out, *extra, local_devices_flag=False, env1=None):
+    """Start the two processes of one run (`env1`: added to process 1's environment only); returns their Popen
+    objects."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PJRT_NPROC="64")
+    env.pop("TWOCIRCUIT_CHAOS_POINT", None)
     if local_devices_flag:
         extra = (*extra, "--local-devices", "4")  # XLA_FLAGS stays at the pytest process's 8: the flag must win
     else:
@@ -50,7 +52,12 @@ def _launch(cfg_path, out, *extra, local_devices_flag=False):
     cmd += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", *extra]
     return [
         subprocess.Popen(
-            cmd + ["--process-id", str(i)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            cmd + ["--process-id", str(i)],
+            cwd=ROOT,
+            env={**env, **(env1 or {})} if i == 1 else env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for i in range(2)
     ]
@@ -67,7 +74,7 @@ def _wait(procs, timeout=600):
                 p.kill()
     for i, (p, (so, se)) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"process {i} exited {p.returncode}:\n{se[-4000:]}"
-    return [so for so, _ in outs]
+    return outs
 
 
 def _summaries(stdout) -> list:
@@ -93,31 +100,41 @@ def _assert_rows_match(one, many):
 
 @pytest.mark.slow
 def test_two_processes_equal_one(tmp_path):
+    """Also a preemption of one process of the two: SIGTERM to process 1 alone after step 1. The processes agree on
+    the stop at that step boundary (one all-gather a step, train/trainer_checkpoints.py): both write their shards
+    of one step-1 checkpoint and exit 0. Had process 0 gone on alone, its next collective would wait for a process
+    that has left (an error or a hang), and a checkpoint written by one process alone would not load."""
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump(CFG))
-    cfg1 = tmp_path / "cfg1.yaml"  # the 2-process run stops after step 1, then resumes to step 2
-    cfg1.write_text(yaml.safe_dump({**CFG, "train": {**CFG["train"], "steps": 1}}))
+    cut = tmp_path / "cut.yaml"  # no periodic checkpoint: the only one before the end is the signal's
+    cut.write_text(yaml.safe_dump({**CFG, "train": {**CFG["train"], "checkpoint_every": 0}}))
     one, many = str(tmp_path / "one"), str(tmp_path / "many")
 
-    procs = _launch(str(cfg1), many)  # the 2-process run's first leg, while this process runs the reference
+    # the 2-process run's first leg, while this process runs the reference; process 1 sends itself a real SIGTERM
+    # right after step 1's metrics point (train/faults.py)
+    procs = _launch(str(cut), many, env1={"TWOCIRCUIT_CHAOS_POINT": "metrics/after_line:1:TERM"})
     try:
         assert main(["train", "--config", str(cfg), "--out", one, "--no-progress"]) == 0  # 1 process x 8 devices
     finally:
-        first = _wait(procs)
+        # bounded: without the agreement both processes hang in mismatched collectives (measured: past 8 minutes)
+        (out0, err0), (out1, err1) = _wait(procs, timeout=400)
+    assert "SIGTERM received" in err1 and "SIGTERM received" not in err0  # one process signalled
+    ckpt = os.path.join(many, "checkpoints", "step_00000001")
+    assert f"stopped by a signal to another process after step 1: checkpoint {ckpt}" in out0, out0
     # only process 0 writes run-level output: one summary line, one record per step (two writers would append twice)
-    assert [s["steps"] for s in _summaries(first[0])] == [1] and _summaries(first[1]) == []
+    assert [(s["steps"], s["preempted_at"]) for s in _summaries(out0)] == [(2, 1)] and _summaries(out1) == []
     assert [r["step"] for r in _metrics(many)] == [0, 1]
-    assert sorted(os.listdir(os.path.join(many, "checkpoints"))) == ["best", "step_00000001"]
+    assert sorted(os.listdir(os.path.join(many, "checkpoints"))) == ["step_00000001"]
+    _, p0 = load_policy(ckpt)  # the step-1 weights, written in shards by both processes
 
     # resume from the sharded step-1 checkpoint, to step 2, as 2 processes again (the device count from the flag)
     second = _wait(_launch(str(cfg), many, "--resume", local_devices_flag=True))
-    assert [s["steps"] for s in _summaries(second[0])] == [2] and _summaries(second[1]) == []
+    assert [s["steps"] for s in _summaries(second[0][0])] == [2] and _summaries(second[1][0]) == []
     _assert_rows_match(_metrics(one), _metrics(many))
 
     # the final weights: the 2-process checkpoint (written in shards by both) against the 1-process one
     _, p1 = load_policy(os.path.join(one, "checkpoints", "step_00000002"))
     _, p2 = load_policy(os.path.join(many, "checkpoints", "step_00000002"))
-    _, p0 = load_policy(os.path.join(many, "checkpoints", "best"))  # step 0: the initial weights
     flat1, flat2, flat0 = (np.concatenate([np.ravel(x) for x in jax.tree.leaves(p)]) for p in (p1, p2, p0))
     assert np.abs(flat1 - flat0).max() > 1e-3  # training moved them: the comparison below means something
     # Adam divides by sqrt(v): on entries whose gradient is near 0 a 1e-7 relative difference in it moves the update

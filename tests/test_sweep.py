@@ -178,3 +178,32 @@ def test_collapse_experiments_are_one_knob_per_arm(name):
     a = arms["anchor"]
     want = (4, 2, 16) if harsh else (2, 3, 8)
     assert (a.fast.pp_size, a.fast.codec.rank, a.sampler.sampling.max_new_tokens) == want
+
+
+@pytest.mark.slow
+def test_sweep_resume_checks_each_arms_config_unless_allowed(tmp_path, capsys):
+    """`sweep --resume` resumes an arm from its checkpoint under the config check of `train --resume`: a changed
+    math key exits 2 naming it (old and new value) and runs nothing; `--allow-config-change` (before: no such flag
+    on sweep, so such an arm could not be resumed at all) resumes it with one warning line naming the change."""
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump({**TINY, "train": {**TINY["train"], "checkpoint_every": 1}}))
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump({"base": "base.yaml", "arms": {"a": {}}}))
+    out = tmp_path / "s"
+    common = ["sweep", "--config", str(tmp_path / "sweep.yaml"), "--out", str(out), "--set", "train.steps=1"]
+    assert main(common) == 0
+    # an arm killed after its step-1 checkpoint, before the sweep marked it done: `--resume` resumes it from there
+    os.remove(out / "a" / "sweep_done.json")
+    capsys.readouterr()
+    again = common + ["--resume", "--set", "train.steps=2", "--set", "optim.lr=0.002"]  # steps may change freely
+    # in a worker (before: its ConfigError broke the process pool), then in this process (which keeps the arm's lock
+    # after the trainer's __init__ raised: a worker after it would find the folder in use)
+    for jobs in ("2", "1"):
+        assert main(again + ["--jobs", jobs]) == 2
+        err = capsys.readouterr().err
+        assert "optim.lr: 0.001 -> 0.002" in err and "--allow-config-change" in err and "train.steps" not in err, err
+    assert [json.loads(x)["step"] for x in open(out / "a" / "metrics.jsonl")] == [0, 1]  # nothing ran
+    assert main(again + ["--allow-config-change"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: --resume --allow-config-change: resuming with changed optim.lr: 0.001 -> 0.002" in err, err
+    assert [json.loads(x)["step"] for x in open(out / "a" / "metrics.jsonl")] == [0, 1, 2]
+    assert (out / "a" / "sweep_done.json").is_file()
+    assert yaml.safe_load(open(out / "a" / "config.yaml"))["optim"]["lr"] == 0.002

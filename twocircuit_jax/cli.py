@@ -8,6 +8,8 @@ import os
 import shutil
 import sys
 
+from twocircuit_jax.cli_flags import parse_once, refuse_repeats
+
 BAD_INPUT = 2
 _OVERWRITE_HELP = (
     "write into a non-empty --out folder twocircuit did not create; only the files twocircuit writes are replaced, "
@@ -92,6 +94,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     w.add_argument("--last-k", type=int, default=3, help="evaluations averaged into each run's last_k_accuracy")
     w.add_argument("--resume", action="store_true", help="skip finished arms, resume interrupted ones")
+    w.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="with --resume: accept arm configs that change the training against their checkpoints' (as train's)",
+    )
     w.add_argument("--overwrite", action="store_true", help=_OVERWRITE_HELP)
     g = sub.add_parser("plot", help="figures + one HTML page comparing runs (PNGs, index.html, fidelity map)")
     g.add_argument("runs", nargs="+", metavar="RUN", help="run folder, or sweep folder (expanded into its arms)")
@@ -122,51 +129,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-# Flags that add up when repeated (--set, --checkpoint); every other flag may be given once.
-_ACCUMULATE = (argparse._AppendAction, argparse._ExtendAction, argparse._CountAction, argparse._HelpAction)
-_ONCE = (argparse._StoreAction, argparse._StoreConstAction)  # store_true/false are _StoreConstAction subclasses
-_GIVEN = "_twocircuit_given"  # namespace attribute: the dests set so far (removed after parsing)
-
-
-def _once(cls):
-    """A subclass of the argparse action `cls` that exits 2 ("flag --x given twice") on a second use, where argparse
-    would silently keep the last value (`--out A --out B` wrote to B and said nothing)."""
-
-    class Once(cls):
-        def __call__(self, parser, namespace, values, option_string=None):
-            given = getattr(namespace, _GIVEN, None)
-            if given is None:
-                given = set()
-                setattr(namespace, _GIVEN, given)
-            if self.dest in given:
-                parser.error(f"flag {'/'.join(self.option_strings)} given twice; give it once")
-            given.add(self.dest)
-            super().__call__(parser, namespace, values, option_string)
-
-    Once.__name__ = f"Once{cls.__name__}"
-    return Once
-
-
-def refuse_repeats(parser: argparse.ArgumentParser) -> None:
-    """Every option of `parser` and of its sub-commands either accumulates (append/extend/count) or refuses a
-    repeat. An action kind that is neither is an error here, so a new kind of flag cannot slip past."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sp in set(action.choices.values()):
-                refuse_repeats(sp)
-        elif not action.option_strings or isinstance(action, _ACCUMULATE):
-            continue
-        elif isinstance(action, _ONCE):
-            action.__class__ = _once(type(action))
-        else:
-            raise TypeError(f"cli: flag {action.option_strings} has action {type(action).__name__}; decide its repeat")
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-    args = _parser().parse_args(argv)
-    if hasattr(args, _GIVEN):
-        delattr(args, _GIVEN)
-    return args
+    return parse_once(_parser(), argv)
 
 
 def _bad_input_types():
@@ -257,6 +221,7 @@ def _dispatch(args) -> int:
             overwrite=args.overwrite,
             seeds=args.seeds or None,
             last_k=args.last_k,
+            allow_config_change=args.allow_config_change,
         )
         return 0
     if args.cmd == "compare":

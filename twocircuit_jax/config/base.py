@@ -27,6 +27,9 @@ class ConfigError(ValueError):
     def with_source(self, source: str) -> "ConfigError":
         return ConfigError(self.path, self.message, source)
 
+    def __reduce__(self):  # picklable, so one raised in a `sweep --jobs N` worker reaches the parent whole
+        return (ConfigError, (self.path, self.message, self.source))
+
 
 class ConfigWarning(UserWarning):
     """A config that parses but holds something the run will not use (named in the message)."""

@@ -37,6 +37,7 @@ import time
 
 import numpy as np
 
+from twocircuit_jax.cli_flags import parse_once, refuse_repeats
 from twocircuit_jax.sampler.export import ExportError, read_meta, version_dir
 from twocircuit_jax.sampler.http_guard import TOKEN_ENV, Guard, Limits, is_loopback, limits_for_run, server_args
 from twocircuit_jax.sampler.weight_sync import DELTA, WeightStore, words
@@ -548,7 +549,9 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(1.0)
 
 
-def parse_args(argv=None):
+def parser() -> argparse.ArgumentParser:
+    """The server's flags (the trainer's client and `twocircuit serve-sampler` pass them); every one may be given
+    once: a repeat exits 2 ("flag --port given twice"), where argparse would keep the last value silently."""
     p = argparse.ArgumentParser(prog="vllm_server", description=__doc__.splitlines()[0])
     p.add_argument("--model-dir", required=True, help="Hugging Face model folder (config.json + safetensors)")
     p.add_argument("--export-root", required=True, help="folder of versioned exports (v00000001, ...)")
@@ -578,7 +581,12 @@ def parse_args(argv=None):
     )
     p.add_argument("--socket-timeout-s", type=float, default=30.0, help="idle seconds before a connection closes")
     p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host (sampler.allow_remote)")
-    return p.parse_args(argv)
+    refuse_repeats(p)
+    return p
+
+
+def parse_args(argv=None):
+    return parse_once(parser(), argv)
 
 
 def guard_from_args(args, token: str) -> Guard:

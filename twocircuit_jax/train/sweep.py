@@ -259,7 +259,13 @@ class Unit(NamedTuple):
 
 
 def _run_unit(
-    u: Unit, run_dir: str, plan: str, show_progress: bool, log_path: str | None = None, last_k: int = LAST_K
+    u: Unit,
+    run_dir: str,
+    plan: str,
+    show_progress: bool,
+    log_path: str | None = None,
+    last_k: int = LAST_K,
+    allow_config_change: bool = False,
 ) -> dict:
     """Runs one unit (in this process, or in a worker with its output sent to `log_path`) and returns its row."""
     with contextlib.ExitStack() as stack:
@@ -271,7 +277,13 @@ def _run_unit(
         if plan != "done":
             from twocircuit_jax.train.loop import GRPOTrainer
 
-            trainer = GRPOTrainer(u.cfg, run_dir, resume=plan == "resume", show_progress=show_progress).run()
+            trainer = GRPOTrainer(
+                u.cfg,
+                run_dir,
+                resume=plan == "resume",
+                show_progress=show_progress,
+                allow_config_change=allow_config_change,
+            ).run()
             if "preempted_at" in trainer:  # stopped by SIGTERM/SIGINT with a checkpoint: not done, resumable
                 return {"arm": u.arm, "seed": u.seed, "run_dir": run_dir, "preempted_at": trainer["preempted_at"]}
             with open(os.path.join(run_dir, DONE), "w") as out:
@@ -295,10 +307,13 @@ def run_sweep(
     overwrite: bool = False,
     seeds=None,
     last_k: int = LAST_K,
+    allow_config_change: bool = False,
 ) -> list[dict]:
     """Runs the arms into `out_dir`/ARM (with `seeds`, a spec for parse_seeds or the sweep file's `seeds:`, into
     `out_dir`/ARM/seed_K). Someone else's non-empty `out_dir` is refused unless `overwrite` or `resume` (the sweep's
-    own folder, marked by outdir.py, takes more arms; a run's folder still needs --resume)."""
+    own folder, marked by outdir.py, takes more arms; a run's folder still needs --resume). An arm resumed from its
+    checkpoint has its config checked against the checkpoint's (train/resume_config.py) and stops the sweep with a
+    ConfigError on a change to its training, unless `allow_config_change`."""
     from twocircuit_jax import outdir
 
     if jobs < 1:
@@ -330,19 +345,22 @@ def run_sweep(
             print(
                 f"sweep: arm {u.key} -> {run_dir}" + (" (finished: read)" if plans[u.key] == "done" else ""), flush=True
             )
-            rows[u.key] = _run_unit(u, run_dir, plans[u.key], show_progress, None, last_k)
+            rows[u.key] = _run_unit(u, run_dir, plans[u.key], show_progress, None, last_k, allow_config_change)
             if "preempted_at" in rows[u.key]:
                 print(f"sweep: stopped by a signal in arm {u.key}; continue with --resume", flush=True)
                 return []
     if jobs > 1:
-        rows.update(_run_parallel([u for u in todo if u.key not in rows], plans, out_dir, jobs, last_k))
+        rest = [u for u in todo if u.key not in rows]
+        rows.update(_run_parallel(rest, plans, out_dir, jobs, last_k, allow_config_change))
     ordered = [rows[u.key] for u in todo]
     print(format_table(ordered), flush=True)
     _merge_summary(os.path.join(out_dir, SUMMARY), ordered, [a for a, _ in all_arms])
     return ordered
 
 
-def _run_parallel(todo: list[Unit], plans, out_dir, jobs, last_k: int = LAST_K) -> dict:
+def _run_parallel(
+    todo: list[Unit], plans, out_dir, jobs, last_k: int = LAST_K, allow_config_change: bool = False
+) -> dict:
     """Up to `jobs` runs at once, each in a fresh (spawned) process: JAX state is not shared across a fork. The first
     run to fail stops new runs from starting; those running finish, then the failure is raised naming its log."""
     rows, failed = {}, None
@@ -356,7 +374,8 @@ def _run_parallel(todo: list[Unit], plans, out_dir, jobs, last_k: int = LAST_K) 
                 run_dir, log = os.path.join(out_dir, u.key), os.path.join(out_dir, f"{u.key}.log")
                 os.makedirs(os.path.dirname(log), exist_ok=True)  # OUT/ARM for OUT/ARM/seed_K.log
                 print(f"sweep: arm {u.key} -> {run_dir} (log: {log})", flush=True)
-                pending[pool.submit(_run_unit, u, run_dir, plans[u.key], False, log, last_k)] = (u.key, log)
+                fut = pool.submit(_run_unit, u, run_dir, plans[u.key], False, log, last_k, allow_config_change)
+                pending[fut] = (u.key, log)
             if not pending:
                 break
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
@@ -375,7 +394,10 @@ def _run_parallel(todo: list[Unit], plans, out_dir, jobs, last_k: int = LAST_K) 
                     print(f"sweep: arm {key} failed: {e} (see {log})", file=sys.stderr, flush=True)
                     failed = failed or (key, log, e)
     if failed:
-        raise RuntimeError(f"sweep arm {failed[0]} failed: {failed[2]} (its output: {failed[1]})") from failed[2]
+        key, log, e = failed
+        if isinstance(e, ConfigError):  # bad input found by the arm (its resume's config check): exit 2, as --jobs 1
+            raise ConfigError(e.path, f"{e.message} (sweep arm {key}; its output: {log})", e.source) from None
+        raise RuntimeError(f"sweep arm {key} failed: {e} (its output: {log})") from e
     return rows
 
 
