@@ -290,3 +290,19 @@ def test_a_hung_environment_reset_fails_its_trajectory(capsys):
     adv = row_advantages(ep, 1, GuessEnv(), GRPOConfig())  # packs: the empty trajectory's return counts as 0
     assert adv[1] == [] and len(adv[0]) == 3
     assert "env.step_timeout_s=1" in capsys.readouterr().err
+
+
+def _double(x):
+    return 2 * x
+
+
+def test_a_batch_is_bounded_per_call_and_an_unpicklable_argument_fails_alone():
+    """Each call of a batch is bounded from its own start (a later, longer batch is not stopped by the position an
+    earlier batch left behind), and an argument that cannot be sent fails alone."""
+    w = Worker(_double, "test")
+    assert w.map([1, 2, 3], 2.0) == [(OK, 2), (OK, 4), (OK, 6)]
+    time.sleep(1.2)  # longer than the next bound, since the last call of the first batch started
+    assert w.map(list(range(6)), 1.0) == [(OK, 2 * i) for i in range(6)]
+    out = w.map([1, threading.Lock(), 3], 2.0)
+    assert out[0] == (OK, 2) and out[2] == (OK, 6) and out[1][0] == ERROR and "could not be sent" in str(out[1][1])
+    w.close()

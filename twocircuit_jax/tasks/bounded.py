@@ -55,6 +55,7 @@ class CallTimeout(TimeoutError):
 
 
 _LIVE: "weakref.WeakSet[Worker]" = weakref.WeakSet()  # for close_all and for closing other workers' pipes in a fork
+_LIVE_LOCK = threading.Lock()
 
 
 def _watch_parent(ppid: int) -> None:
@@ -134,7 +135,8 @@ class Worker:
         self._target, self.name = target, name
         self._proc = self._conn = self._shared = None
         self._lock = threading.Lock()  # one batch at a time (scoring may run in the rollout thread and in eval)
-        _LIVE.add(self)
+        with _LIVE_LOCK:
+            _LIVE.add(self)
         self._finalizer = weakref.finalize(self, _stop_proc, self.__dict__)  # collected: reap its process
 
     @property
@@ -148,7 +150,8 @@ class Worker:
         mine, theirs = ctx.Pipe(duplex=True)
         progress = ctx.RawArray("d", 2)  # shared with the fork: (position of the call running, its start time)
         progress[0] = -1
-        others = [w._conn for w in list(_LIVE) if w is not self and w._conn is not None]
+        with _LIVE_LOCK:
+            others = [w._conn for w in list(_LIVE) if w is not self and w._conn is not None]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "os.fork() was called ... multithreaded": see the module docstring
             proc = ctx.Process(
@@ -171,16 +174,16 @@ class Worker:
 
     def map(self, items: Sequence, timeout_s: float) -> list[tuple[str, object]]:
         """[(OK, target(item)) | (ERROR, exception) | (TIMEOUT, CallTimeout)] per item, in order; each call may take
-        at most `timeout_s` seconds (> 0), counted from the end of the previous one."""
+        at most `timeout_s` seconds (> 0), counted from its start in the worker."""
         if not timeout_s > 0:
             raise ValueError(f"{self.name}: the bound must be > 0 s, got {timeout_s}")
         items = list(items)
         out: list = [None] * len(items)
         todo = list(enumerate(items))  # (index, argument)
-        try:  # the whole batch pickled at once; per item only to find one that cannot be sent
-            ForkingPickler.dumps(items)
+        try:  # the whole batch pickled once (what `send` would write); per item only to find what cannot be sent
+            msg = ForkingPickler.dumps(items)
         except Exception:  # noqa: BLE001
-            todo = []
+            msg, todo = None, []
             for i, item in enumerate(items):
                 try:
                     ForkingPickler.dumps(item)
@@ -192,14 +195,16 @@ class Worker:
                 if self._proc is None or not self._proc.is_alive():
                     _stop_proc(self.__dict__)  # reap a worker that died while idle
                     self._start()
-                msg = ForkingPickler.dumps([x for _, x in todo])  # what `send` would write, made once
+                if msg is None:  # a part of the batch: after a timeout, or without its unpicklable arguments
+                    msg = ForkingPickler.dumps([x for _, x in todo])
+                self._shared[0] = -1  # no call of this batch has started (the last batch's position is stale)
                 try:
                     self._conn.send_bytes(msg)
                 except OSError:  # it died between the check and the send: once more on a fresh one
                     _stop_proc(self.__dict__)
                     self._start()
                     self._conn.send_bytes(msg)
-                todo = self._collect(todo, out, timeout_s)
+                todo, msg = self._collect(todo, out, timeout_s), None
         return out
 
     def _collect(self, todo, out, timeout_s):
@@ -273,7 +278,9 @@ def _stop_proc(state: dict, graceful: bool = True) -> Optional[int]:
 
 def close_all() -> None:
     """Closes every worker (at exit; tests)."""
-    for w in list(_LIVE):
+    with _LIVE_LOCK:
+        workers = list(_LIVE)
+    for w in workers:
         w.close()
 
 

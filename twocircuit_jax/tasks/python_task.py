@@ -6,10 +6,11 @@ text, and every other field of the data rows as a keyword list (`answer=[...]`).
 means "not applicable": that function adds nothing to the row. Several functions add up, each times its weight;
 each is logged raw as `reward/<name>`.
 
-A function that raises (or returns something else than one number per row) is retried row by row, so that only the
-rows it fails on get 0 from it; every failure is counted (`reward/fn_errors`, in `reward/score_errors`), the first
-traceback of each function is printed, and a step where more than `task.max_reward_failure_frac` of the
-(row, function) calls failed ends the run with `RewardError`.
+A function that raises, returns something else than one number per row, or runs longer than
+`task.reward_timeout_s` (bounded calls run in a worker process forked once: tasks/bounded.py) is retried row by
+row, so that only the rows it fails on get 0 from it; every failure is counted (`reward/fn_errors`, in
+`reward/score_errors`), the first traceback of each function is printed, and a step where more than
+`task.max_reward_failure_frac` of the (row, function) calls failed ends the run with `RewardError`.
 
 Data: any iterable of dicts (a list, a Hugging Face `datasets.Dataset`, rows read from local .jsonl/.parquet
 files), each with the prompt field (`task.prompt_key`) and whatever fields the rewards read.
