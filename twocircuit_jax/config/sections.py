@@ -657,6 +657,7 @@ class TaskConfig:
     # task; measured on the demo (256 rows a step) it adds ~1 ms of the trainer's CPU and ~1.5 ms of the worker's to
     # a step (<1%). 300 s: a python task's function scores a whole step in one call (an LLM judge over every row
     # may take minutes), and a built-in verifier row takes milliseconds, so only a hung call ever reaches it.
+    # The worker's own memory grows towards the trainer's host RSS at the fork (copy-on-write), see tasks/bounded.py.
     reward_timeout_s: float = field(
         default=300.0,
         metadata=doc(

@@ -24,10 +24,18 @@ a loaded model) persists from call to call inside the worker (never seen by the 
 afresh from the fork-time copy after a timeout. Environments are the exception: each travels to the worker with its
 call and back with the result, so its state stays the trainer's.
 
+Memory: the fork shares the trainer's pages copy-on-write, and the worker keeps the fork-time copy of each page the
+trainer later rewrites, so its own memory grows towards the trainer's host RSS at the fork (not beyond; a re-fork
+after a timeout starts again from the trainer as it is then). On the demo: 181 MB private after ~10 steps of a
+900 MB trainer. Accelerator memory is not involved.
+
 Cost per bounded batch of calls: the arguments pickled in one message, the results pickled in one message per
 FLUSH_S of work, no fork (a fork of the trainer, a few ms plus its page tables, happens once per target and after
 each timeout). The trainer bounds each call by its start time, which the worker writes to shared memory, not by a
 message per call. After a timeout, calls whose results were not sent yet (at most FLUSH_S of work) run again.
+Measured on the demo (256 rows of chain_sum a step, 2-core machine): +0.9 ms of the trainer's CPU and 1.5 ms of the
+worker's per step's scoring (<1% of a ~0.39 CPU-s step; fork per call, before, cost ~33 ms a step); an environment
+call costs ~45 us of the trainer's CPU (the environment pickled both ways).
 """
 
 from __future__ import annotations
