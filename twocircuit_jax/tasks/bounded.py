@@ -21,8 +21,9 @@ not hold JAX arrays (unpickling one would start JAX in the worker).
 
 State: the worker lives across calls, so what user code keeps at module level or in its objects (caches, counters,
 a loaded model) persists from call to call inside the worker (never seen by the trainer's process), and starts
-afresh from the fork-time copy after a timeout. Environments are the exception: each travels to the worker with its
-call and back with the result, so its state stays the trainer's.
+afresh from the fork-time copy after a timeout. Likewise the task and its reward functions are used as they were at
+the fork: a change made to them in the trainer afterwards is not seen by the worker. Environments are the exception:
+each travels to the worker with its call and back with the result, so its state stays the trainer's.
 
 Memory: the fork shares the trainer's pages copy-on-write, and the worker keeps the fork-time copy of each page the
 trainer later rewrites, so its own memory grows towards the trainer's host RSS at the fork (not beyond; a re-fork
