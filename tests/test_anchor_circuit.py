@@ -180,7 +180,8 @@ def test_only_the_kept_ticks_need_the_anchor_fields(tiny, projection, kept):
     assert circ.buffer.retained_ticks == [10] and circ.fires == 2
 
 
-def test_nonfinite_forecast_raises_before_state_changes(tiny):
+def test_nonfinite_forecast_is_skipped_counted_and_changes_no_state(tiny, capsys):
+    """Before, the forecast's FloatingPointError ended the run; now that fire is skipped like a non-finite gradient."""
     _, _, state, _, _, batch, moved = tiny
     cfg = _cfg(cadence=2, delay=2, projection=True, swap_cadence=2)
     circ = _circuit(cfg, state)
@@ -189,15 +190,28 @@ def test_nonfinite_forecast_raises_before_state_changes(tiny):
     bad = bad._replace(params=jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.inf), bad.params))
     # step 2's snapshot (tick 3) holds an inf; the fire at tick 4 still replays step 1's exact pair
     cs, _ = _drive(circ, cs, lambda gs: bad if gs == 2 else moved(state, gs), batch, 5)
-    assert circ.fires == 2
-    m0, mom0, win0, fires0 = jax.device_get(cs.merger), jax.device_get(cs.moments), circ.window.ticks, circ.fires
-    with pytest.raises(FloatingPointError):  # tick 6 pairs tick 4's batch with the inf snapshot: forecast fails
-        circ.before_tick(6, 3, False, batch(6), moved(state, 3), cs)
+    assert circ.fires == 2 and circ.step_metrics(cs)["anchor/skipped"] == 0
+    capsys.readouterr()
+    before = jax.device_get((cs.merger, cs.moments))
+    win0, snaps0, fires0 = circ.window.ticks, list(circ.window._snaps), circ.fires
+    # tick 6 pairs tick 4's batch with the inf snapshot: the forecast is non-finite, the fire is skipped
+    cs, m, sketch = circ.before_tick(6, 3, False, batch(6), moved(state, 3), cs)
+    assert sketch is None and "rank1/evr" not in m and "anchor/pg_loss" not in m  # no backward ran
     assert circ.fires == fires0 and circ.window.ticks == win0
-    for a, b in zip(jax.tree.leaves(m0), jax.tree.leaves(jax.device_get(cs.merger))):
-        assert np.array_equal(a, b)
-    for a, b in zip(jax.tree.leaves(mom0), jax.tree.leaves(jax.device_get(cs.moments))):
-        assert np.array_equal(a, b)
+    assert all(a is b for a, b in zip(circ.window._snaps, snaps0))  # the window kept its snapshots
+    after = jax.device_get((cs.merger, cs.moments))
+    la, lb = jax.tree.leaves(before), jax.tree.leaves(after)
+    assert len(la) == len(lb) and all(np.array_equal(a, b) for a, b in zip(la, lb))  # M and the moments unchanged
+    sm = circ.step_metrics(cs)
+    assert sm["anchor/skipped"] == 1 and "rank-1 forecast" in capsys.readouterr().err
+    # the run goes on: the next fire (tick 8) forecasts from a finite window and applies
+    for tau in (7, 8):
+        cs, m, _ = circ.before_tick(tau, 4, tau == 7, batch(tau), moved(state, 4), cs)
+    assert circ.fires == fires0 + 1 and circ.window.ticks == [1, 5] and "rank1/evr" in m
+    assert circ.step_metrics(cs)["anchor/skipped"] == 1
+    m_new = jax.device_get(cs.merger.m)
+    assert all(np.all(np.isfinite(v)) for v in m_new.values())
+    assert any(not np.array_equal(m_new[k], before[0].m[k]) for k in m_new)
 
 
 def test_merger_none_and_cold_merger_leave_the_step_bit_identical(tiny):

@@ -2,7 +2,11 @@
 never returns is stopped (its worker process killed) and counts as a failure, as a raise does; the run goes on.
 Before, such a call stalled the run forever."""
 
+import multiprocessing
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -19,8 +23,9 @@ from twocircuit_jax.config.sections import GRPOConfig, PythonTask as PyCfg, Samp
 from twocircuit_jax.envs import make_env
 from twocircuit_jax.envs.episodes import episode_metrics, run_episodes
 from twocircuit_jax.envs.guess import GuessGame
+from twocircuit_jax.envs.rows import row_advantages
 from twocircuit_jax.tasks.base import Problem, ScoreResult
-from twocircuit_jax.tasks.bounded import ERROR, OK, TIMEOUT, bounded_map
+from twocircuit_jax.tasks.bounded import ERROR, OK, TIMEOUT, CallTimeout, Worker, bounded_map, close_all
 from twocircuit_jax.tasks.python_task import PythonTask, reward_fns
 from twocircuit_jax.tasks.rewards import score_batch
 
@@ -99,9 +104,9 @@ class HangingGame(GuessGame):
         return super().step(action_text)
 
 
-def _episodes(timeout, problems, policy):
+def _episodes(timeout, problems, policy, game=None):
     fam = make_env(GuessEnv(low=1, high=31, train_size=4, eval_size=2, max_turns=4, step_timeout_s=timeout))
-    fam.make = lambda rng: HangingGame(1, 31, 0.0, rng)
+    fam.make = lambda rng: (game or HangingGame)(1, 31, 0.0, rng)
     return run_episodes(
         fam,
         problems,
@@ -167,3 +172,137 @@ def test_a_training_step_completes_with_a_reward_function_that_never_returns(tmp
     assert m["reward/fn_errors"] == rows and m["reward/score_errors"] == rows and m["reward/mean"] == 0.0
     assert "reward/timeouts" not in m  # a batch scorer's stopped calls are its fn_errors
     assert os.path.isfile(os.path.join(run, "metrics.jsonl"))
+
+
+# --- the long-lived worker (forked once, reused, replaced after a timeout, reaped) and the shipped defaults ---------
+
+
+def _gone(pid: int, within: float = 5.0) -> bool:
+    """The process has exited: no /proc entry, or a zombie whose reaping is init's (a grandchild, an orphan)."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < within:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _pid_or_hang(x):
+    if x == "hang":
+        time.sleep(FOREVER)
+    if x == "spawn":  # a subprocess of the user code, then a hang: the timeout must take the subprocess too
+        return subprocess.Popen(["sleep", str(FOREVER)]).pid
+    return os.getpid()
+
+
+def test_the_worker_is_reused_replaced_after_a_timeout_and_reaped():
+    w = Worker(_pid_or_hang, "test")
+    assert w.pid is None  # forked lazily
+    first = w.call("a", 2.0)
+    assert first != os.getpid() and w.call("b", 2.0) == first == w.pid  # one process serves both calls
+    grandchild = w.call("spawn", 2.0)
+    assert w.pid == first
+    t0 = time.perf_counter()
+    out = w.map(["hang", "c"], 1.0)
+    assert time.perf_counter() - t0 < 8
+    assert [k for k, _ in out] == [TIMEOUT, OK] and isinstance(out[0][1], CallTimeout)
+    second = out[1][1]
+    assert second != first and w.pid == second  # a fresh worker went on
+    assert _gone(first) and _gone(grandchild)  # killed with its process group, and reaped (no zombie)
+    assert w.call("d", 2.0) == second
+    w.close()
+    assert w.pid is None and _gone(second, within=0.1)  # reaped by close itself
+    assert w.call("e", 2.0) not in (first, second)  # a call after close forks anew
+    close_all()
+    assert not multiprocessing.active_children()  # nothing left behind, by any test above either
+
+
+def test_a_task_keeps_one_worker_across_steps():
+    """Two scoring batches of one task run in the same worker process (forked once); a second task has its own."""
+
+    class PidTask:
+        cfg = SimpleNamespace(reward_timeout_s=2.0)
+
+        def score(self, problem, text):
+            return ScoreResult(float(os.getpid()), True)
+
+    probs = [Problem(f"p{i}", "q", "4", "4", {}) for i in range(3)]
+    task = PidTask()
+    pids = [set(score_batch(task, probs, ["4"] * 3, [1] * 3, [False] * 3, 8, GRPOConfig())[2]) for _ in range(2)]
+    assert pids[0] == pids[1] and len(pids[0]) == 1 and os.getpid() not in pids[0]
+    other = set(score_batch(PidTask(), probs, ["4"] * 3, [1] * 3, [False] * 3, 8, GRPOConfig())[2])
+    assert other.isdisjoint(pids[0])
+
+
+def test_the_worker_goes_when_the_trainer_is_killed(tmp_path):
+    """A trainer killed mid-call (SIGKILL: no exit hook runs) leaves no worker behind."""
+    code = (
+        "import os, signal, time\n"
+        "from twocircuit_jax.tasks.bounded import Worker\n"
+        "def f(x):\n"
+        "    if x:\n"
+        "        time.sleep(10**6)\n"
+        "    return os.getpid()\n"
+        "w = Worker(f)\n"
+        "print(w.call(0, 5.0), flush=True)\n"
+        "import threading\n"
+        "threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()\n"
+        "w.call(1, 100.0)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert res.returncode == -signal.SIGKILL, res.stderr
+    assert _gone(int(res.stdout.split()[0]), within=5.0)
+
+
+def test_the_shipped_defaults_bound_user_code():
+    """Before, both bounds were off (0) by default: a hung reward function or environment stalled a run forever."""
+    assert load_config(data=tiny_config()).task.reward_timeout_s > 0
+    assert load_config(data=tiny_config(env={"type": "guess"})).env.step_timeout_s > 0
+    assert PyCfg().reward_timeout_s > 0 and GuessEnv().step_timeout_s > 0
+
+
+class HangingReset(GuessGame):
+    """The guessing game with a bug: the problem "R?" never finishes its reset."""
+
+    def reset(self, problem):
+        if problem.question == "R?":
+            time.sleep(FOREVER)
+        return super().reset(problem)
+
+
+def test_a_hung_environment_reset_fails_its_trajectory(capsys):
+    script = {"A?": "16", "A?16>": "24", "A?16>24<": "20"}
+    a, r = Problem("a", "A?", "20", "20", {}), Problem("r", "R?", "5", "5", {})
+    t0 = time.perf_counter()
+    ep = _episodes(1.0, [a, r, a], lambda text: script[text], game=HangingReset)
+    assert time.perf_counter() - t0 < 30
+    ref = _episodes(0, [a], lambda text: script[text], game=HangingReset)
+    assert ep.rewards == [ref.rewards[0], [], ref.rewards[0]] and ep.success == [True, False, True]
+    assert ep.reset_timeouts == 1 and ep.step_timeouts == 0 and not ep.timed_out[1]
+    assert all(x.traj != 1 for x in ep.turns)  # no turn, so no training row, for the failed trajectory
+    m = episode_metrics(ep)
+    assert m["env/reset_timeouts"] == 1.0 and "env/reset_timeouts" not in episode_metrics(ref)
+    adv = row_advantages(ep, 1, GuessEnv(), GRPOConfig())  # packs: the empty trajectory's return counts as 0
+    assert adv[1] == [] and len(adv[0]) == 3
+    assert "env.step_timeout_s=1" in capsys.readouterr().err
+
+
+def _double(x):
+    return 2 * x
+
+
+def test_a_batch_is_bounded_per_call_and_an_unpicklable_argument_fails_alone():
+    """Each call of a batch is bounded from its own start (a later, longer batch is not stopped by the position an
+    earlier batch left behind), and an argument that cannot be sent fails alone."""
+    w = Worker(_double, "test")
+    assert w.map([1, 2, 3], 2.0) == [(OK, 2), (OK, 4), (OK, 6)]
+    time.sleep(1.2)  # longer than the next bound, since the last call of the first batch started
+    assert w.map(list(range(6)), 1.0) == [(OK, 2 * i) for i in range(6)]
+    out = w.map([1, threading.Lock(), 3], 2.0)
+    assert out[0] == (OK, 2) and out[2] == (OK, 6) and out[1][0] == ERROR and "could not be sent" in str(out[1][1])
+    w.close()

@@ -9,7 +9,8 @@ fp32 copy of a large bf16 tensor or of the W−1 displacement rows is ever mater
   θ̂ = θ_{W−1} + strength·s·(t_target − t_{W−1})·v.
 
 The sign ambiguity of u cancels in s·v. Everything is computed before anything is returned, and a non-finite
-value anywhere raises `FloatingPointError`, so a bad window cannot reach M or Q.
+value anywhere raises `FloatingPointError`, so a bad window cannot reach M or Q (the anchor then skips that fire and
+counts it in `anchor/skipped`, anchor/circuit.py).
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ def _gram(flats: List[np.ndarray]) -> np.ndarray:
     g = np.zeros((k, k), np.float64)
     for lo, hi in _chunks(flats[0].size):
         base = flats[0][lo:hi].astype(np.float32)
-        d = np.stack([f[lo:hi].astype(np.float32) - base for f in flats[1:]])
-        g += d.astype(np.float64) @ d.T.astype(np.float64)
+        with np.errstate(over="ignore", invalid="ignore"):  # inf - inf: caught as a non-finite Gram by the caller
+            d = np.stack([f[lo:hi].astype(np.float32) - base for f in flats[1:]])
+            g += d.astype(np.float64) @ d.T.astype(np.float64)
     return g
 
 

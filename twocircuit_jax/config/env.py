@@ -34,12 +34,17 @@ class EnvConfig:
     expert_noise: float = field(
         default=0.3, metadata=doc("share of the expert's SFT actions replaced by a legal but unguided one")
     )
-    # Off by default, like task.reward_timeout_s (the bound forks a worker per turn, envs/episodes.py).
+    # On by default, like task.reward_timeout_s: the calls run in one long-lived worker per environment family
+    # (tasks/bounded.py). 60 s: one step is one action of one trajectory (a game move, a tool call, a test run);
+    # the steps of a turn run one after another, so a bound of minutes would let a few hung steps stall a turn long.
     step_timeout_s: float = field(
-        default=0.0,
+        default=60.0,
         metadata=doc(
-            "seconds one environment step may take; a slower one is stopped, its action gets reward 0 and ends the "
-            "trajectory (counted as env/step_timeouts); 0 = no bound"
+            "seconds one environment step or reset may take; a slower step is stopped, its action gets reward 0 and "
+            "ends the trajectory (env/step_timeouts); a slower reset fails its trajectory before its first turn "
+            "(env/reset_timeouts); both warn; 0 = no bound (the environments run in the trainer's process). Bounded "
+            "calls run in a worker process forked once; each environment travels there and back with its call, so "
+            "its state stays the trainer's, but module-level state of its code lives in the worker"
         ),
     )
 

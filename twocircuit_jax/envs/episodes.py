@@ -15,7 +15,7 @@ import numpy as np
 
 from twocircuit_jax.envs.base import StepResult
 from twocircuit_jax.tasks.base import Problem
-from twocircuit_jax.tasks.bounded import ERROR, TIMEOUT, bounded_map
+from twocircuit_jax.tasks.bounded import ERROR, TIMEOUT, worker_for
 
 
 class Turn(NamedTuple):
@@ -41,6 +41,7 @@ class Episodes(NamedTuple):
     step_timeouts: Optional[int] = (
         None  # steps stopped at env.step_timeout_s (reward 0, trajectory ended); None: no bound
     )
+    reset_timeouts: Optional[int] = None  # resets stopped at env.step_timeout_s (no turn, failed); None: no bound
 
 
 def encode_conversation(tokenizer, text: str, prompt_len: int) -> tuple[list[int], bool]:
@@ -75,12 +76,21 @@ def run_episodes(
     here: one child generator per trajectory); `seed_of_turn(t)` the sampler seed of turn t."""
     B = len(problems) * n
     envs = [family.make(np.random.default_rng(int(rng.integers(2**63)))) for _ in range(B)]
-    conv = [envs[i].reset(problems[i // n]) for i in range(B)]
-    done = [False] * B
+    limit, timeouts = float(getattr(family.cfg, "step_timeout_s", 0.0)), 0
+    opened = call_envs(family, envs, range(B), "reset", [problems[i // n] for i in range(B)], limit)
+    # A reset stopped at the bound: that trajectory is over before its first turn (no row, return 0, not a success).
+    done = [obs is None for obs in opened]
+    conv = ["" if obs is None else obs for obs in opened]
+    reset_timeouts = sum(done)
+    if reset_timeouts:
+        print(
+            f"warning: {reset_timeouts} environment reset(s) took longer than env.step_timeout_s={limit:g} and were "
+            "stopped; those trajectories failed without a turn",
+            file=sys.stderr,
+        )
     rewards: list[list[float]] = [[] for _ in range(B)]
     success = [False] * B
     turns, version, gen_s = [], None, 0.0
-    limit, timeouts = float(getattr(family.cfg, "step_timeout_s", 0.0)), 0
     pads = getattr(sampler, "pads_batch", False)
     for t in range(max_turns):
         active = [i for i in range(B) if not done[i]]
@@ -95,7 +105,7 @@ def run_episodes(
         gen_s += time.perf_counter() - t0
         version = out.weight_version if version is None else min(version, out.weight_version)
         texts = [tokenizer.decode(list(out.tokens[j])) for j in range(len(active))]
-        results = step_envs(envs, active, texts, limit)
+        results = call_envs(family, envs, active, "step", texts, limit)
         for j, i in enumerate(active):
             toks = list(out.tokens[j])
             text, res = texts[j], results[j]
@@ -118,23 +128,39 @@ def run_episodes(
             file=sys.stderr,
         )
     v = 0 if version is None else version
-    return Episodes(turns, rewards, success, conv, [not d for d in done], v, gen_s, timeouts if limit > 0 else None)
+    timed_out = [not d for d in done]
+    bounded = limit > 0
+    return Episodes(
+        turns,
+        rewards,
+        success,
+        conv,
+        timed_out,
+        v,
+        gen_s,
+        timeouts if bounded else None,
+        reset_timeouts if bounded else None,
+    )
 
 
-def step_envs(envs, active, texts, timeout_s: float) -> list:
-    """envs[i].step(texts[j]) for each active trajectory i (j its position): the StepResult, or None when the step
-    was stopped at `timeout_s` (> 0: the steps run in a forked worker, tasks/bounded.py, and each environment comes
-    back with its result, so its state advances as if stepped here). An environment's exception is raised here, as
-    without a bound."""
+def _env_call(family, call):
+    """In the worker: (the method's result, the environment after it), so its state comes back to the trainer."""
+    env, method, arg = call
+    return getattr(env, method)(arg), env
+
+
+def call_envs(family, envs, active, method: str, args, timeout_s: float) -> list:
+    """envs[i].<method>(args[j]) (`reset` or `step`) for each active trajectory i (j its position): the result, or
+    None when the call was stopped at `timeout_s`. With `timeout_s` > 0 the calls run in the family's worker
+    (tasks/bounded.py, forked once per family): each environment travels there and back with its call, so its state
+    advances as if called here, and one that was stopped keeps its state from before. An environment's exception
+    is raised here, as without a bound."""
+    active = list(active)
     if timeout_s <= 0:
-        return [envs[i].step(t) for i, t in zip(active, texts)]
-
-    def step(k):
-        env = envs[active[k]]
-        return env.step(texts[k]), env
-
+        return [getattr(envs[i], method)(a) for i, a in zip(active, args)]
+    calls = [(envs[i], method, a) for i, a in zip(active, args)]
     out = []
-    for k, (kind, value) in enumerate(bounded_map(step, range(len(active)), timeout_s)):
+    for k, (kind, value) in enumerate(worker_for(family, "env", _env_call).map(calls, timeout_s)):
         if kind == TIMEOUT:
             out.append(None)
         elif kind == ERROR:
@@ -148,7 +174,7 @@ def step_envs(envs, active, texts, timeout_s: float) -> list:
 def episode_metrics(ep: Episodes, prefix: str = "env/") -> dict:
     """`env/return` (mean trajectory return), `env/turns_mean`, `env/success`, `env/format_penalty_frac` (share of
     actions the environment could not read), `env/prompt_truncated_frac`, `env/timeout_frac` (trajectories that
-    used every turn without finishing), `env/step_timeouts` (with env.step_timeout_s set)."""
+    used every turn without finishing), `env/step_timeouts` and `env/reset_timeouts` (with env.step_timeout_s set)."""
     n_turns = [len(r) for r in ep.rewards]
     out = {
         f"{prefix}return": float(np.mean([sum(r) for r in ep.rewards])),
@@ -160,4 +186,6 @@ def episode_metrics(ep: Episodes, prefix: str = "env/") -> dict:
     }
     if ep.step_timeouts is not None:  # with env.step_timeout_s set: steps stopped at the bound
         out[f"{prefix}step_timeouts"] = float(ep.step_timeouts)
+    if ep.reset_timeouts is not None:  # and resets stopped at it (failed trajectories without a turn)
+        out[f"{prefix}reset_timeouts"] = float(ep.reset_timeouts)
     return out

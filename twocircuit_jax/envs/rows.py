@@ -36,7 +36,7 @@ def rewards_to_returns(rewards, mode: str, gamma: float) -> list[float]:
 def row_advantages(ep: Episodes, n: int, env_cfg, grpo_cfg) -> list[list[float]]:
     """Per trajectory, per turn: the advantage of that turn's row."""
     rets = [rewards_to_returns(r, env_cfg.returns, env_cfg.gamma) for r in ep.rewards]
-    g0 = np.asarray([r[0] for r in rets], np.float64).reshape(-1, n)
+    g0 = np.asarray([r[0] if r else 0.0 for r in rets], np.float64).reshape(-1, n)  # no turn: a reset stopped
     mean = g0.mean(axis=1)
     ddof = 1 if grpo_cfg.adv_std == "unbiased" and n > 1 else 0
     std = g0.std(axis=1, ddof=ddof)

@@ -6,10 +6,11 @@ text, and every other field of the data rows as a keyword list (`answer=[...]`).
 means "not applicable": that function adds nothing to the row. Several functions add up, each times its weight;
 each is logged raw as `reward/<name>`.
 
-A function that raises (or returns something else than one number per row) is retried row by row, so that only the
-rows it fails on get 0 from it; every failure is counted (`reward/fn_errors`, in `reward/score_errors`), the first
-traceback of each function is printed, and a step where more than `task.max_reward_failure_frac` of the
-(row, function) calls failed ends the run with `RewardError`.
+A function that raises, returns something else than one number per row, or runs longer than
+`task.reward_timeout_s` (bounded calls run in a worker process forked once: tasks/bounded.py) is retried row by
+row, so that only the rows it fails on get 0 from it; every failure is counted (`reward/fn_errors`, in
+`reward/score_errors`), the first traceback of each function is printed, and a step where more than
+`task.max_reward_failure_frac` of the (row, function) calls failed ends the run with `RewardError`.
 
 Data: any iterable of dicts (a list, a Hugging Face `datasets.Dataset`, rows read from local .jsonl/.parquet
 files), each with the prompt field (`task.prompt_key`) and whatever fields the rewards read.
@@ -28,7 +29,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.tasks.base import DataError, Problem, ScoreResult, render_template
-from twocircuit_jax.tasks.bounded import bounded_call
+from twocircuit_jax.tasks.bounded import worker_for
 
 
 class RewardError(RuntimeError):
@@ -189,8 +190,13 @@ class PythonTask:
     def _call(self, rf: RewardFn, prompts, completions, fields):
         """(values, failures): one batched call; on failure, one call per row so only failing rows get 0."""
         try:
-            call = lambda: rf.fn(prompts, completions, **fields)  # noqa: E731 - bounded by task.reward_timeout_s
-            return _values(bounded_call(call, self.cfg.reward_timeout_s), len(prompts)), 0
+            limit = self.cfg.reward_timeout_s
+            if limit > 0:  # in this task's worker (tasks/bounded.py): forked once, kept across calls and steps
+                k = next(j for j, f in enumerate(self.fns) if f is rf)
+                out = worker_for(self, "reward_fns", _call_fn).call((k, prompts, completions, fields), limit)
+            else:
+                out = rf.fn(prompts, completions, **fields)
+            return _values(out, len(prompts)), 0
         except Exception:  # noqa: BLE001 - a user function's failure is counted, never fatal by itself
             if len(prompts) == 1:
                 self._report(rf)
@@ -209,6 +215,12 @@ class PythonTask:
             self._reported.add(rf.name)
             print(f"reward function {rf.name!r} raised (reward 0; later failures are only counted):", file=sys.stderr)
             traceback.print_exc(file=sys.stderr)
+
+
+def _call_fn(task: PythonTask, args):
+    """In the worker: reward function k of the task on (prompts, completions, fields)."""
+    k, prompts, completions, fields = args
+    return task.fns[k].fn(prompts, completions, **fields)
 
 
 def _values(out, n: int) -> list[Optional[float]]:

@@ -16,7 +16,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from twocircuit_jax.tasks.base import Problem, ScoreResult, Task
-from twocircuit_jax.tasks.bounded import OK, TIMEOUT, bounded_map
+from twocircuit_jax.tasks.bounded import OK, TIMEOUT, worker_for
 
 
 class Shaped(NamedTuple):
@@ -44,10 +44,18 @@ def score_rows(task: Task, problems: Sequence[Problem], completions: Sequence[st
     return _score_rows(task, problems, completions)[0]
 
 
+def _score_pair(task, pair) -> ScoreResult:
+    return safe_score(task, *pair)
+
+
 def _score_rows(task, problems, completions) -> tuple[list[ScoreResult], int]:
     """(scores, rows stopped at the bound)."""
     limit = reward_timeout(task)
-    out = bounded_map(lambda pt: safe_score(task, *pt), list(zip(problems, completions)), limit)
+    pairs = list(zip(problems, completions))
+    if limit > 0:  # the task's worker (tasks/bounded.py), forked once and kept for the run
+        out = worker_for(task, "score", _score_pair).map(pairs, limit)
+    else:
+        out = [(OK, safe_score(task, *pt)) for pt in pairs]
     res, timeouts = [], 0
     for kind, value in out:
         if kind == OK:
