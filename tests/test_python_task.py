@@ -121,10 +121,12 @@ def test_trainer_with_a_user_reward_on_a_datasets_Dataset(tmp_path):
     import twocircuit_jax
 
     train = datasets.Dataset.from_list([{"prompt": f"{i}+1=", "answer": str(i + 1), "level": i % 3} for i in range(8)])
-    seen = []
+    log = tmp_path / "calls.jsonl"  # the function runs in the task's worker process (task.reward_timeout_s): a
+    # list in this process would stay empty, a file is seen
 
     def right(prompts, completions, answer, level, **kw):
-        seen.append((list(prompts), list(answer), list(level), len(completions)))
+        with open(log, "a") as f:
+            f.write(json.dumps([list(prompts), list(answer), list(level), len(completions)]) + "\n")
         return [float(c.strip() == a) for c, a in zip(completions, answer)]
 
     cfg = tiny_config(train={"steps": 1, "eval_every": 0, "eval_size": 4})
@@ -134,6 +136,7 @@ def test_trainer_with_a_user_reward_on_a_datasets_Dataset(tmp_path):
     )
     m = tr.step()
     assert m["step"] == 1 and 0.0 <= m["reward/right"] <= 1.0 and m["reward/fn_errors"] == 0
+    seen = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(seen) == 3  # evaluation at the start and the end (one call per held-out chunk), the rollouts
     prompts, answer, level, n = seen[1]
     assert n == 4 * 4 == len(prompts) == len(answer) == len(level)  # train_batch prompts x sampler.n

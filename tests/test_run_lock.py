@@ -65,3 +65,20 @@ def test_a_second_trainer_on_a_live_runs_folder_exits_2(tmp_path):
             first.send_signal(signal.SIGCONT)
             first.kill()
             first.wait()
+
+
+def test_a_trainer_that_fails_to_build_releases_the_folder(tmp_path):
+    """A construction error after the lock was taken (here: a mesh the mini-batch's rows cannot split over, found
+    once the model is loaded) releases it, so the same process (a sweep, a notebook) or another one can use the
+    folder; before, the failed trainer's process held it until it exited."""
+    from twocircuit_jax.config.base import ConfigError
+    from twocircuit_jax.train.loop import GRPOTrainer
+
+    run = tmp_path / "run"
+    cfg = tiny_config(train={"steps": 1, "train_batch": 3, "mini_batch": 3}, sampler={"n": 1})
+    with pytest.raises(ConfigError, match="data-parallel size"):
+        GRPOTrainer(cfg, str(run), show_progress=False)
+    assert os.path.realpath(run) not in faults._held
+    take = "import sys; from twocircuit_jax.train import faults; faults.lock_run_folder(sys.argv[1]); print('taken')"
+    out = subprocess.run([sys.executable, "-c", take, str(run)], env=_env(), capture_output=True, text=True)
+    assert out.stdout.strip() == "taken", out.stderr[-2000:]

@@ -87,12 +87,14 @@ def starts_right(prompts, completions, answer, **_):
     return [float(c.startswith(a)) for c, a in zip(completions, answer)]
 
 
-def test_a_hung_python_reward_function_fails_only_its_rows():
-    """The batched call hangs, so (as after a raise) every row is scored alone: only the hung row gets 0."""
+def test_a_hung_python_reward_function_costs_one_bound_per_call():
+    """The batched call hangs: every row of it gets 0 from the function, each counted, and the step goes on after
+    one bound. No row-by-row retry as after a raise: with the bound on by default, a function that always hangs
+    would cost (rows + 1) bounds per step that way (257 x 300 s on the demo's shapes)."""
     rows = [{"prompt": f"q{i}", "answer": "7"} for i in range(4)]
-    task = PythonTask(PyCfg(reward_timeout_s=1.0, max_reward_failure_frac=0.5), reward_fns([starts_right]), rows)
+    task = PythonTask(PyCfg(reward_timeout_s=1.0, max_reward_failure_frac=1.0), reward_fns([starts_right]), rows)
     res, m = task.score_many(task.train_problems(), ["7", "hang", "8", "77"])
-    assert [r.reward for r in res] == [1.0, 0.0, 0.0, 1.0] and m["reward/fn_errors"] == 1
+    assert [r.reward for r in res] == [0.0, 0.0, 0.0, 0.0] and m["reward/fn_errors"] == 4
 
 
 class HangingGame(GuessGame):

@@ -6,9 +6,10 @@ text, and every other field of the data rows as a keyword list (`answer=[...]`).
 means "not applicable": that function adds nothing to the row. Several functions add up, each times its weight;
 each is logged raw as `reward/<name>`.
 
-A function that raises, returns something else than one number per row, or runs longer than
-`task.reward_timeout_s` (bounded calls run in a worker process forked once: tasks/bounded.py) is retried row by
-row, so that only the rows it fails on get 0 from it; every failure is counted (`reward/fn_errors`, in
+A function that raises or returns something else than one number per row is retried row by row, so that only the
+rows it fails on get 0 from it; one that runs longer than `task.reward_timeout_s` (bounded calls run in a worker
+process forked once: tasks/bounded.py) gives 0 to every row of that call, so a hung function costs one bound per
+step; every failure is counted (`reward/fn_errors`, in
 `reward/score_errors`), the first traceback of each function is printed, and a step where more than
 `task.max_reward_failure_frac` of the (row, function) calls failed ends the run with `RewardError`.
 
@@ -29,7 +30,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.tasks.base import DataError, Problem, ScoreResult, render_template
-from twocircuit_jax.tasks.bounded import worker_for
+from twocircuit_jax.tasks.bounded import CallTimeout, worker_for
 
 
 class RewardError(RuntimeError):
@@ -197,6 +198,11 @@ class PythonTask:
             else:
                 out = rf.fn(prompts, completions, **fields)
             return _values(out, len(prompts)), 0
+        except CallTimeout:
+            # No row-by-row retry after a timeout: a function that hangs would then cost (rows + 1) x the bound per
+            # step (257 x 300 s on the demo's shapes). Every row of the call gets 0 from it, each counted.
+            self._report(rf)
+            return [0.0] * len(prompts), len(prompts)
         except Exception:  # noqa: BLE001 - a user function's failure is counted, never fatal by itself
             if len(prompts) == 1:
                 self._report(rf)

@@ -101,6 +101,13 @@ class GRPOTrainer(TrainerCheckpoints):
         run_dir = os.path.abspath(run_dir or os.path.join("runs", cfg.name))  # orbax wants absolute paths
         os.makedirs(run_dir, exist_ok=True)
         self._lock = faults.lock_run_folder(run_dir) if is_primary() else None  # before anything writes there
+        try:
+            self._construct(cfg, task, run_dir, resume, show_progress, allow_config_change)
+        except BaseException:  # a run that never started must not keep the folder locked (a sweep retries in-process)
+            self.close()
+            raise
+
+    def _construct(self, cfg, task, run_dir, resume, show_progress, allow_config_change):
         self.ckpt = CheckpointManager(os.path.join(run_dir, "checkpoints"), keep_last=2)
         self.user_cfg = cfg  # as given; the guard's mitigations in force are applied on top (and saved in the meta)
         if resume:  # before any work: a config that changes the training is refused (exit 2) unless allowed
@@ -181,6 +188,7 @@ class GRPOTrainer(TrainerCheckpoints):
             if row is not None and self.logger.last_step < self.start_step:
                 # The checkpoint was committed and the process died before its step's line was written.
                 self.logger.log(self.start_step, row)
+
 
     # --- construction -----------------------------------------------------------------------------------------
     def _set_cap(self):
@@ -509,19 +517,23 @@ class GRPOTrainer(TrainerCheckpoints):
         return {**self.summary, "steps": self.cfg.train.steps}
 
     def close(self) -> None:
-        """Stop the sampler and close the metrics files. Safe to call twice."""
-        if self.closed:
+        """Stop the sampler and close the metrics files, then release the run folder. Safe to call twice, and on a
+        trainer whose construction failed part way (what it got to build is closed)."""
+        if getattr(self, "closed", False):
             return
         self.closed = True
         try:
-            if self.ahead is not None:  # a generation in flight ends before its sampler does
+            if getattr(self, "ahead", None) is not None:  # a generation in flight ends before its sampler does
                 self.ahead.close()
-            if self.logger:
+            if getattr(self, "logger", None):
                 self.logger.close()
         finally:
-            self.sampler.close()
-            if self._lock is not None:
-                faults.unlock_run_folder(self._lock)
+            try:
+                if getattr(self, "sampler", None) is not None:
+                    self.sampler.close()
+            finally:
+                if self._lock is not None:
+                    faults.unlock_run_folder(self._lock)
 
     def __enter__(self):
         return self
