@@ -189,7 +189,6 @@ class GRPOTrainer(TrainerCheckpoints):
                 # The checkpoint was committed and the process died before its step's line was written.
                 self.logger.log(self.start_step, row)
 
-
     # --- construction -----------------------------------------------------------------------------------------
     def _set_cap(self):
         self.max_new = self.cfg.sampler.sampling.max_new_tokens
