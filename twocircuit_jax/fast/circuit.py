@@ -29,9 +29,8 @@ from twocircuit_jax.fast.boundaries import boundary_layers
 from twocircuit_jax.fast.codecs import OLD, REF, TRAIN, Path, lowrank, make_activation_codec, make_grad_codec
 from twocircuit_jax.fast.codecs.base import row_sum
 from twocircuit_jax.fast.grad_fn import make_codec_grad_fn
+from twocircuit_jax.names import CODEC_TAGS, DENSE
 from twocircuit_jax.parallel.mesh import BATCH_AXES, dp_size
-
-DENSE = "dense"
 
 
 def _rel_err(h, out, attention_mask):
@@ -200,7 +199,7 @@ class FastCircuit:
     def applies(self, tag: str) -> bool:
         if tag == DENSE:
             return False
-        if tag not in (TRAIN, OLD, REF):
+        if tag not in CODEC_TAGS:
             raise ValueError(f"unknown forward tag {tag!r}; allowed {TRAIN}, {OLD}, {REF}, {DENSE}")
         if not self.has_activation_codec:
             return False

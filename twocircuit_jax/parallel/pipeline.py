@@ -33,6 +33,7 @@ from twocircuit_jax.fast.wire import DenseWire
 from twocircuit_jax.model import qwen2
 from twocircuit_jax.model.head import TokenStats, chunks_logits, head_stats  # TokenStats: read from here by the passes
 from twocircuit_jax.model.qwen2 import dtype_of
+from twocircuit_jax.names import key_name
 
 AXIS = "stage"
 DATA = "data"  # the replica axis the pipeline handles by hand (parallel/mesh.py)
@@ -220,7 +221,7 @@ class Pipeline:
                 outs, auxes = jax.lax.psum(outs, AXIS), jax.lax.psum(auxes, AXIS)
             if data_manual and not row_aux:
                 auxes = jax.tree_util.tree_map_with_path(
-                    lambda p, a: jax.lax.psum(a, DATA) if _leaf_name(p) in SUMMED_AUX else jax.lax.pmean(a, DATA),
+                    lambda p, a: jax.lax.psum(a, DATA) if key_name(p[-1]) in SUMMED_AUX else jax.lax.pmean(a, DATA),
                     auxes,
                 )
             return outs, auxes
@@ -247,15 +248,10 @@ class Pipeline:
 SUMMED_AUX = ("sketch", "tokens")  # aux leaves that add up over microbatches; the others (ratios, errors) average
 
 
-def _leaf_name(path) -> str:
-    k = path[-1]
-    return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
-
-
 def reduce_aux(aux: dict) -> dict:
     """{layer: aux [M, ...]} -> {layer: aux}: sketches and token counts summed over microbatches, the rest averaged."""
     return jax.tree_util.tree_map_with_path(
-        lambda p, a: jnp.sum(a, axis=0) if _leaf_name(p) in SUMMED_AUX else jnp.mean(a, axis=0), aux
+        lambda p, a: jnp.sum(a, axis=0) if key_name(p[-1]) in SUMMED_AUX else jnp.mean(a, axis=0), aux
     )
 
 

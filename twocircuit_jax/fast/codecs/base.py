@@ -44,8 +44,7 @@ import jax.numpy as jnp
 
 from twocircuit_jax.config.base import register
 from twocircuit_jax.config.sections import ActivationCodecConfig, GradCodecConfig, NoActivationCodec, NoGradCodec
-
-TRAIN, OLD, REF = "train", "old_logprob", "ref_logprob"
+from twocircuit_jax.names import OLD, REF, TRAIN  # noqa: F401  (read from here by the codecs and fast/codecs/__init__)
 
 
 class Path(NamedTuple):
