@@ -10,6 +10,7 @@ from typing import Optional
 
 import yaml
 
+from twocircuit_jax.boundaries import codec_stage_mismatch
 from twocircuit_jax.config.base import ConfigError, doc, from_dict, require, to_dict
 from twocircuit_jax.config.env import EnvConfig
 from twocircuit_jax.config.health import GuardConfig, HealthConfig
@@ -101,15 +102,8 @@ class RunConfig:
             return
         require(L % S == 0, "mesh.stage", f"got {S}; must divide model.num_layers={L} (equal stages)")
         if f.codec_type != "none":
-            from twocircuit_jax.fast.boundaries import boundary_layers
-
-            codec_b, stage_b = boundary_layers(L, f.pp_size), boundary_layers(L, S)
-            require(
-                set(codec_b) <= set(stage_b),
-                "fast.pp_size",
-                f"got {f.pp_size}: codec boundaries {codec_b} are not all stage boundaries {stage_b} of "
-                f"mesh.stage={S}; use a pp_size that divides mesh.stage",
-            )
+            problem = codec_stage_mismatch(L, f.pp_size, S)
+            require(problem is None, "fast.pp_size", problem)
 
     @property
     def anchor_owns_q(self) -> bool:

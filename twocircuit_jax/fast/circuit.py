@@ -23,9 +23,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_kernels.platform import PLATFORMS
+from twocircuit_jax.boundaries import boundary_layers
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.fast import bytes as fbytes
-from twocircuit_jax.fast.boundaries import boundary_layers
 from twocircuit_jax.fast.codecs import OLD, REF, TRAIN, Path, lowrank, make_activation_codec, make_grad_codec
 from twocircuit_jax.fast.codecs.base import row_sum
 from twocircuit_jax.fast.grad_fn import make_codec_grad_fn

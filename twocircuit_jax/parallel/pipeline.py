@@ -28,12 +28,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from twocircuit_jax.fast.boundaries import boundary_layers
-from twocircuit_jax.fast.wire import DenseWire
+from twocircuit_jax.boundaries import boundary_layers
 from twocircuit_jax.model import qwen2
 from twocircuit_jax.model.head import TokenStats, chunks_logits, head_stats  # TokenStats: read from here by the passes
 from twocircuit_jax.model.qwen2 import dtype_of
 from twocircuit_jax.names import key_name
+from twocircuit_jax.parallel.wire import DenseWire
 
 AXIS = "stage"
 DATA = "data"  # the replica axis the pipeline handles by hand (parallel/mesh.py)

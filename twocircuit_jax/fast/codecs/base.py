@@ -20,7 +20,7 @@ Contract (all array work pure and jittable; `state` is the codec's field of the 
   absorb(state, aux_by_layer) -> state   traced inside the train step: folds the train forward's aux into the state
   update(state, gs) -> (state, metrics)  host, after the step's last tick (the basis refresh)
   wire_bytes(tokens, hidden, boundaries, act_bytes) -> dict   logical bytes of one forward's boundary messages
-  wire(state, layer, path) -> fast.wire.Wire   the packed format on a real stage boundary (mesh.stage > 1)
+  wire(state, layer, path) -> parallel.wire.Wire   the packed format on a real stage boundary (mesh.stage > 1)
 
 A gradient codec is registered the same way (`@register_grad("name")`, section subclassing
 config.sections.GradCodecConfig, chosen by `fast.grad_codec.type`). It replaces XLA's implicit data-parallel mean:
@@ -104,7 +104,7 @@ class ActivationCodec:
         raise NotImplementedError
 
     def wire(self, state, layer: int, path: Path):
-        """The boundary's format on a real stage boundary (fast/wire.py), for the microbatch `path` describes."""
+        """The boundary's format on a real stage boundary (parallel/wire.py's protocol; the format itself in the codec's file), for the microbatch `path` describes."""
         raise ValueError(
             f"fast.codec {self.name!r} has no wire format for real pipeline stages (mesh.stage > 1); "
             f"use prf_mask, lowrank or none, or mesh.stage: 1"

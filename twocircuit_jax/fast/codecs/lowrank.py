@@ -30,6 +30,7 @@ from twocircuit_jax.config.sections import ActivationCodecConfig
 from twocircuit_jax.fast.codecs.base import TRAIN, ActivationCodec, register_activation, row_sum, wire_result
 from twocircuit_jax.fast.orth import orth
 from twocircuit_jax.parallel import dispatch
+from twocircuit_jax.parallel.wire import Wire
 
 F32 = jnp.float32
 
@@ -292,9 +293,7 @@ class LowRankCodec(ActivationCodec):
         return fn(self.check_layer(layer), h)
 
     def wire(self, state, layer, path):
-        """r coefficients per token against the active basis (fast/wire.py LowRankWire)."""
-        from twocircuit_jax.fast.wire import LowRankWire
-
+        """r coefficients per token against the active basis (LowRankWire below; the basis is replicated state, never sent per step)."""
         return LowRankWire(state.Q[self.check_layer(layer)])
 
     def absorb(self, state, aux_by_layer):
@@ -361,3 +360,23 @@ class LowRankCodec(ActivationCodec):
         return wire_result(
             el_msg * act_bytes + el_basis * basis_bytes, nb * N * H * act_bytes, el_msg + el_basis, nb * N * H
         )
+
+
+# ------------------------------------------------------------------------------------- the wire format
+class LowRankWire(Wire):
+    """Y = h·Q in the activation dtype (the emulated codec's own product), rebuilt as Y·Qᵀ."""
+
+    def __init__(self, Q):
+        self.Q = jax.lax.stop_gradient(Q)
+
+    def encode(self, h):
+        mb, T, H = h.shape
+        return lowrank_reference(h.reshape(mb * T, H), self.Q)[0].reshape(mb, T, -1)
+
+    def decode(self, payload, like):
+        mb, T, r = payload.shape
+        Qc = self.Q.astype(payload.dtype)
+        out = jax.lax.dot_general(
+            payload.reshape(mb * T, r), Qc, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        return out.astype(like.dtype).reshape(like.shape)

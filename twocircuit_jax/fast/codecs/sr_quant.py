@@ -24,7 +24,7 @@ from twocircuit_jax.config.base import doc, require
 from twocircuit_jax.config.sections import ActivationCodecConfig
 from twocircuit_jax.fast.codecs import prf_mask as mask_lib
 from twocircuit_jax.fast.codecs.base import ActivationCodec, register_activation, row_sum, wire_result
-from twocircuit_jax.fast.wire import Wire, _zeros
+from twocircuit_jax.parallel.wire import Wire, zeros_like as _zeros
 
 ROUNDINGS = ("sr", "rn")
 FORWARD, BACKWARD = 0, 1
