@@ -231,6 +231,10 @@ def lowrank_metrics(state: LowRankState, aux_by_layer: Optional[dict] = None) ->
 class LowRankConfig(ActivationCodecConfig):
     """`fast.codec: {type: lowrank}`: project each boundary message on a learned r-dimensional basis (design §3.3)."""
 
+    learns_basis = True  # the anchor may own the basis (anchor.owns_q)
+    summed_aux = ("sketch", "tokens")  # the basis sketch Mᵀ(M·Q) and its token count add up over rows
+    strength = ("rank", "r")
+
     rank: int = field(default=77, metadata=doc("rank of the activation projector", "r"))
     update_cadence: int = field(default=1, metadata=doc("GRPO steps between refreshes of a fast-owned basis"))
     warm_start: bool = field(default=True, metadata=doc("power iteration starts from the newest basis, else Q0"))
@@ -310,6 +314,13 @@ class LowRankCodec(ActivationCodec):
         metrics = {k: float(v) for k, v in lowrank_metrics(state).items()}
         metrics.update({f"codec/basis_cond/{b}": float(basis_cond(state.Q[b])) for b in self.boundaries})
         return state, metrics
+
+    def stage(self, state, Q_new):
+        """A new basis (the anchor's), active only after the step's last tick (`update`)."""
+        return stage(state, Q_new)
+
+    def activate_staged(self, state):
+        return activate_staged(state)
 
     def sketcher(self, state, attention_mask):
         """(hook, layers) for a dense pass that only sketches: activations pass unchanged, the aux carries the sketch

@@ -274,6 +274,8 @@ def make_mask_hook(
 class PrfMaskConfig(ActivationCodecConfig):
     """`fast.codec: {type: prf_mask}`: a random channel mask regenerated from a stateless PRF key (design §3.2)."""
 
+    strength = ("p", "p")
+
     p: float = field(default=0.95, metadata=doc("masked fraction", "p"))
     exact_k: bool = field(default=True, metadata=doc("keep exactly k = round((1-p)H) channels per token"))
     rescale_mode: Literal["none", "constant", "rms_match"] = field(

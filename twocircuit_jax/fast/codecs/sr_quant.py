@@ -161,6 +161,8 @@ class SrQuantConfig(ActivationCodecConfig):
     """`fast.codec: {type: sr_quant}`: blockwise stochastic-rounding quantizer (design §3.4, an ablation). Its
     uniforms come from the prf_mask key, so it shares the mask's `seed`, `prf_impl` and `antithetic`."""
 
+    strength = ("quant_bits", "bits")
+
     quant_bits: int = field(default=1, metadata=doc("bits per channel"))
     quant_block: int = field(default=32, metadata=doc("channels per scale"))
     rounding: Literal["sr", "rn"] = field(
