@@ -69,7 +69,7 @@ def _measure(cfg, devices) -> dict:
     if "anchor_fire" in progs:  # the dense gradient mean and, for an anchor-owned basis, the sketch sum
         anchor = float(fbytes.collective_bytes_from_hlo(progs["anchor_fire"].lower().compile().as_text())["total"])
     ticks = cfg.ticks_per_step * cfg.train.ppo_epochs
-    from twocircuit_jax.fast.boundaries import boundary_layers
+    from twocircuit_jax.boundaries import boundary_layers
 
     b = boundary_layers(model_cfg.num_layers, cfg.fast.pp_size)
     rows = cfg.train.mini_batch * cfg.sampler.n // pmesh.dp_size(mesh)  # per replica, like the HLO bytes

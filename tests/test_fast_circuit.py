@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from tiny_run import FOUR_BLOCK_MODEL
 
+from twocircuit_jax.boundaries import boundary_layers
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.config.run import load_config
 from twocircuit_jax.fast import bytes as fbytes
-from twocircuit_jax.fast.boundaries import boundary_layers
 from twocircuit_jax.fast.circuit import DENSE, OLD, REF, TRAIN, FastCircuit
 from twocircuit_jax.model.qwen2 import default_positions, init_params
 from twocircuit_jax.parallel.mesh import make_mesh

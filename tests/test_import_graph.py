@@ -1,9 +1,10 @@
 """The import graph of the package and the kernels, read from the source (every import statement, including the
-ones inside functions): no cycles, the kernels import nothing from the package, and the two circuits import nothing
-from each other (the loop wires them)."""
+ones inside functions): no cycles, the kernels import nothing from the package, the two circuits import nothing
+from each other (the loop wires them), and the layers docs/architecture.md states only go down."""
 
 import ast
 import os
+import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("twocircuit_jax", "pallas_kernels")
@@ -87,6 +88,58 @@ def violations(graph: dict) -> list:
     ]
 
 
+# Upward imports that remain, each with why it is still there; adding one or removing one fails test_layers_go_down
+# (a removed one must leave this list, so the list only shrinks).
+KNOWN_UPWARD = {
+    ("twocircuit_jax.anchor.circuit", "twocircuit_jax.train.accumulate"): "micro-batch helpers still live in train/",
+    ("twocircuit_jax.anchor.loss", "twocircuit_jax.train.accumulate"): "micro-batch helpers still live in train/",
+    ("twocircuit_jax.fast.grad_fn", "twocircuit_jax.train.accumulate"): "micro-batch helpers still live in train/",
+    ("twocircuit_jax.metrics.probe", "twocircuit_jax.train.accumulate"): "micro-batch helpers still live in train/",
+    ("twocircuit_jax.config.sections", "twocircuit_jax.sampler.http_guard"): "the request bounds' defaults",
+    ("twocircuit_jax.sampler.export", "twocircuit_jax.train.faults"): "the export's named kill points",
+}
+
+
+def doc_layers(root=ROOT) -> list:
+    """[{'cli'}, {'train', 'plan', ...}, ..., {'pallas_kernels'}] from docs/architecture.md's layer line, top first."""
+    text = open(os.path.join(root, "docs", "architecture.md")).read()
+    line = re.search(r"^`cli` →.*?(?=\n\n)", text, re.S | re.M).group(0)
+    return [set(re.findall(r"`([a-z_]+)`", part)) for part in line.split("→")]
+
+
+def layer_of(module: str, layers: list):
+    """The layer index of a module: its subpackage or top-level module under twocircuit_jax, or pallas_kernels.
+    None for the package root (its __init__ registers the codecs) and for anything the doc does not name."""
+    parts = module.split(".")
+    key = parts[0] if parts[0] == "pallas_kernels" else (parts[1] if len(parts) > 1 else None)
+    return next((i for i, names in enumerate(layers) if key in names), None)
+
+
+def upward(graph: dict, layers: list) -> dict:
+    """{(importer, imported): (layer of importer, layer of imported)} for every import that goes up a layer."""
+    out = {}
+    for a, targets in graph.items():
+        for b in targets:
+            la, lb = layer_of(a, layers), layer_of(b, layers)
+            if la is not None and lb is not None and lb < la:
+                out[(a, b)] = (la, lb)
+    return out
+
+
+def test_every_module_has_a_layer():
+    layers = doc_layers()
+    missing = sorted(m for m in modules() if m != "twocircuit_jax" and layer_of(m, layers) is None)
+    assert missing == [], f"modules in no layer of docs/architecture.md: {missing}"
+
+
+def test_layers_go_down():
+    found = upward(import_graph(modules()), doc_layers())
+    new = sorted(set(found) - set(KNOWN_UPWARD))
+    gone = sorted(set(KNOWN_UPWARD) - set(found))
+    assert new == [], f"upward imports against docs/architecture.md's layers: {new}"
+    assert gone == [], f"no longer upward, remove from KNOWN_UPWARD: {gone}"
+
+
 def test_no_import_cycles():
     assert cycles(import_graph(modules())) == []
 
@@ -106,3 +159,21 @@ def test_the_checks_catch_a_cycle_and_a_forbidden_edge(tmp_path):
     graph = import_graph(modules(str(tmp_path)))
     assert cycles(graph) == [["twocircuit_jax.a", "twocircuit_jax.b"]]
     assert violations(graph) == ["pallas_kernels.k imports twocircuit_jax.b: " + FORBIDDEN[0][2]]
+
+
+def test_the_layer_check_catches_an_upward_import(tmp_path):
+    """A planted parallel -> fast import (config-layer code reaching into the fast circuit) is reported, and a
+    downward one is not, against the layers the real doc states."""
+    for pkg in ("twocircuit_jax/parallel", "twocircuit_jax/fast", "pallas_kernels"):
+        (tmp_path / pkg).mkdir(parents=True)
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "twocircuit_jax" / "__init__.py").write_text("")
+    (tmp_path / "twocircuit_jax" / "fast" / "wire.py").write_text("from twocircuit_jax.parallel import mesh\n")
+    (tmp_path / "twocircuit_jax" / "parallel" / "mesh.py").write_text("")
+    (tmp_path / "twocircuit_jax" / "parallel" / "pipe.py").write_text(
+        "def f():\n    from twocircuit_jax.fast import wire\n"
+    )
+    layers = doc_layers()
+    found = upward(import_graph(modules(str(tmp_path))), layers)
+    assert list(found) == [("twocircuit_jax.parallel.pipe", "twocircuit_jax.fast.wire")]
+    assert layer_of("twocircuit_jax.fast.wire", layers) < layer_of("twocircuit_jax.parallel.pipe", layers)

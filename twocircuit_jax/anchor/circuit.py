@@ -65,8 +65,8 @@ class AnchorCircuit:
         # sketch, and the loop gives it to the basis (one power-iteration step, staged). The anchor never sees the
         # codec itself.
         self.owns_q = bool(run_cfg.anchor_owns_q)
-        if self.owns_q and (sketcher is None or run_cfg.fast.codec_type != "lowrank"):
-            raise ConfigError("anchor.owns_q", "an anchor-owned basis needs fast.codec: {type: lowrank}")
+        if self.owns_q and (sketcher is None or not run_cfg.fast.codec.learns_basis):
+            raise ConfigError("anchor.owns_q", "an anchor-owned basis needs a fast.codec that learns a basis")
         self.grpo = run_cfg.grpo
         self.param_sh = jax.tree.map(lambda x: x.sharding, params)
         self.rep = NamedSharding(jax.tree.leaves(self.param_sh)[0].mesh, P())

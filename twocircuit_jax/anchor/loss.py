@@ -23,7 +23,6 @@ from twocircuit_jax.grpo.tis import tis_weights
 from twocircuit_jax.parallel import mesh as pmesh, pipeline as pipe
 from twocircuit_jax.train import accumulate
 
-DENSE = "dense"  # design §3.1 path tag of the anchor pass
 AUX = "anchor/aux"  # the hook aux (the basis sketch) as a metrics entry, so accumulation combines it; popped
 
 

@@ -18,24 +18,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from twocircuit_jax.names import path_str
+
 COLD_M_EPS = 1e-12  # ‖M‖ at or below this has no usable direction (design §4.4 cold-M guard)
 MERGERS = ("signed_ema", "signed_gate", "delayed_ef", "blend", "none")
 _DECODER_RE = re.compile(r"(^|/)layers/(q|k|v|o|gate|up|down)_proj/kernel$")
 
 
 # ----------------------------------------------------------------------------------------------- target leaves
-def _key_name(k) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
-
-def path_str(path) -> str:
-    """'layers/q_proj/kernel' for a jax key path; a flat dict keyed by such strings maps to the same names."""
-    return "/".join(_key_name(k) for k in path)
-
-
 def is_target(name: str, leaf, target_scope: str) -> bool:
     """design §4.3 target_scope: every floating tensor ('all') or the seven decoder projection kernels ('decoder')."""
     if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):

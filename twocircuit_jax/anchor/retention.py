@@ -23,7 +23,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from twocircuit_jax.anchor.merger import path_str
+from twocircuit_jax.names import path_str
 from twocircuit_jax.parallel.host import to_host
 
 

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from twocircuit_jax.anchor.merger import path_str, select_targets
+from twocircuit_jax.anchor.merger import select_targets
+from twocircuit_jax.names import path_str
 
 RHO_EPS = 1e-12  # keeps ρ finite when the anchor's first moment is exactly zero
 SWAP_MODES = ("anchor_moments", "zero")

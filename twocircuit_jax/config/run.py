@@ -10,10 +10,12 @@ from typing import Optional
 
 import yaml
 
-from twocircuit_jax.config.base import ConfigError, doc, from_dict, require, to_dict
+from twocircuit_jax.boundaries import codec_stage_mismatch
+from twocircuit_jax.config.base import ConfigError, doc, from_dict, registered, require, to_dict
 from twocircuit_jax.config.env import EnvConfig
 from twocircuit_jax.config.health import GuardConfig, HealthConfig
 from twocircuit_jax.config.sections import (
+    ActivationCodecConfig,
     AnchorConfig,
     EvalConfig,
     FastConfig,
@@ -71,12 +73,16 @@ class RunConfig:
             except ConfigError as e:
                 raise ConfigError(f"fast.codec.{e.path}", e.message) from None
         if a.owns_q is True:
-            require(f.codec_type == "lowrank", "anchor.owns_q", "owns_q: true needs fast.codec: {type: lowrank}")
+            require(
+                f.codec.learns_basis,
+                "anchor.owns_q",
+                f"owns_q: true needs a fast.codec that learns a basis{_learners()}",
+            )
         if a.warmup_mode == "q_only":
             require(
-                f.codec_type == "lowrank" and self.anchor_owns_q,
+                f.codec.learns_basis and self.anchor_owns_q,
                 "anchor.warmup_mode",
-                "q_only needs fast.codec: {type: lowrank} with an anchor-owned basis",
+                f"q_only needs a fast.codec that learns a basis{_learners()}, with an anchor-owned basis",
             )
         if self.guard.enabled:
             for m in self.guard.mitigations:
@@ -101,25 +107,24 @@ class RunConfig:
             return
         require(L % S == 0, "mesh.stage", f"got {S}; must divide model.num_layers={L} (equal stages)")
         if f.codec_type != "none":
-            from twocircuit_jax.fast.boundaries import boundary_layers
-
-            codec_b, stage_b = boundary_layers(L, f.pp_size), boundary_layers(L, S)
-            require(
-                set(codec_b) <= set(stage_b),
-                "fast.pp_size",
-                f"got {f.pp_size}: codec boundaries {codec_b} are not all stage boundaries {stage_b} of "
-                f"mesh.stage={S}; use a pp_size that divides mesh.stage",
-            )
+            problem = codec_stage_mismatch(L, f.pp_size, S)
+            require(problem is None, "fast.pp_size", problem)
 
     @property
     def anchor_owns_q(self) -> bool:
-        if self.anchor.owns_q == "auto":  # design §4: the anchor owns the basis iff the codec is lowrank
-            return self.fast.codec_type == "lowrank" and self.anchor.enabled
+        if self.anchor.owns_q == "auto":  # design §4: the anchor owns the basis iff the codec learns one
+            return self.fast.codec.learns_basis and self.anchor.enabled
         return self.anchor.owns_q is True
 
     @property
     def ticks_per_step(self) -> int:
         return self.train.train_batch // self.train.mini_batch
+
+
+def _learners() -> str:
+    """' (type: lowrank, ...)': the registered codecs that learn a basis, for an error message."""
+    names = [n for n, c in registered(ActivationCodecConfig).items() if c.learns_basis]
+    return f" (type: {', '.join(sorted(names))})" if names else ""
 
 
 def parse_set(item: str) -> tuple[list[str], object]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 from twocircuit_jax.config.base import ConfigError, ConfigWarning, doc, register, registered, require, type_name
 
@@ -321,6 +321,11 @@ class ActivationCodecConfig:
     its own section beside its code in twocircuit_jax/fast/codecs/ (`codecs.register_activation`)."""
 
     default_type = "none"
+    # What differs between codecs, declared by each codec's section in its own file: the checks, the fast circuit,
+    # the step's aux reductions and the plots read these, never a codec's `type:` name.
+    learns_basis: ClassVar[bool] = False  # learns a basis from the activations, which the anchor may own (owns_q)
+    summed_aux: ClassVar[tuple] = ()  # hook aux leaves that add up over rows (micro-batches, replicas); others average
+    strength: ClassVar[Optional[tuple]] = None  # (field, short label) of the compression strength, for the plots
 
 
 @register(ActivationCodecConfig, "none")

@@ -13,8 +13,8 @@ import numpy as np
 from twocircuit_jax.config.sections import SamplingConfig
 from twocircuit_jax.envs.episodes import episode_metrics, run_episodes
 from twocircuit_jax.envs.rows import pack_episodes
-from twocircuit_jax.train.evaluate import binomial_se
-from twocircuit_jax.train.rollout import Collected
+from twocircuit_jax.grpo.batch import Collected
+from twocircuit_jax.metrics.stats import binomial_se
 
 
 class MultiTurn:

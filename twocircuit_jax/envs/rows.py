@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from twocircuit_jax.envs.episodes import Episodes
-from twocircuit_jax.train.rollout import pack_rows
+from twocircuit_jax.grpo.batch import pack_rows
 
 EPS = 1e-6
 

@@ -23,15 +23,14 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_kernels.platform import PLATFORMS
+from twocircuit_jax.boundaries import boundary_layers
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.fast import bytes as fbytes
-from twocircuit_jax.fast.boundaries import boundary_layers
-from twocircuit_jax.fast.codecs import OLD, REF, TRAIN, Path, lowrank, make_activation_codec, make_grad_codec
+from twocircuit_jax.fast.codecs import OLD, REF, TRAIN, Path, make_activation_codec, make_grad_codec
 from twocircuit_jax.fast.codecs.base import row_sum
 from twocircuit_jax.fast.grad_fn import make_codec_grad_fn
+from twocircuit_jax.names import CODEC_TAGS, DENSE
 from twocircuit_jax.parallel.mesh import BATCH_AXES, dp_size
-
-DENSE = "dense"
 
 
 def _rel_err(h, out, attention_mask):
@@ -200,7 +199,7 @@ class FastCircuit:
     def applies(self, tag: str) -> bool:
         if tag == DENSE:
             return False
-        if tag not in (TRAIN, OLD, REF):
+        if tag not in CODEC_TAGS:
             raise ValueError(f"unknown forward tag {tag!r}; allowed {TRAIN}, {OLD}, {REF}, {DENSE}")
         if not self.has_activation_codec:
             return False
@@ -240,7 +239,7 @@ class FastCircuit:
 
         return fn
 
-    # --- the low-rank basis, when the codec learns one (wired by the loop) --------------------------------------
+    # --- the basis, when the codec learns one (fast.codec.learns_basis; wired by the loop) ----------------------
     def basis_sketcher(self, basis_state, attention_mask):
         """A dense pass that only sketches (the anchor's fire takes it from the loop); see LowRankCodec.sketcher."""
         return self.codec.sketcher(basis_state, attention_mask)
@@ -256,7 +255,7 @@ class FastCircuit:
         if boot is None:
             return codec_state, {}
         if self._mid_step:
-            raise RuntimeError("lowrank bootstrap must run before the first compressed forward of the run")
+            raise RuntimeError(f"{self.codec.name} bootstrap must run before the first compressed forward of the run")
         return boot(codec_state, params, batch, self.model_cfg)
 
     # --- metrics ----------------------------------------------------------------------------------------------
@@ -293,16 +292,16 @@ class FastCircuit:
 
     def stage_basis(self, codec_state, Q_new: dict):
         """Stage a new basis (anchor-owned case); it becomes active in end_step only."""
-        return lowrank.stage(codec_state, Q_new)
+        return self.codec.stage(codec_state, Q_new)
 
     def activate_basis(self, codec_state):
         """Staged -> active. Refuses inside a step: every forward of a step must see the same basis."""
         if self._mid_step:
             raise RuntimeError(
-                "lowrank: a staged basis may become active only after the step's last mini-batch "
+                f"{self.codec.name}: a staged basis may become active only after the step's last mini-batch "
                 "(design §2 step 5); call end_step"
             )
-        return lowrank.activate_staged(codec_state)
+        return self.codec.activate_staged(codec_state)
 
     def end_step(self, codec_state, gs: int, grad_state=None):
         """Host, after the step's last tick: (codec_state', metrics). The codec's update (a basis refresh when due

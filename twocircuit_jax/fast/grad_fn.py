@@ -24,24 +24,20 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from twocircuit_jax.names import key_name
 from twocircuit_jax.parallel.mesh import BATCH_AXES
+from twocircuit_jax.parallel.pipeline import summed_aux_keys
 from twocircuit_jax.train import accumulate
-
-_SUMMED = ("sketch", "tokens")  # aux leaves that add up over replicas; every other aux leaf is averaged
-
-
-def _key_name(k):
-    return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
 
 
 def _reduce_metrics(metrics, axes):
-    out = {}
+    out, summed = {}, summed_aux_keys()  # aux leaves that add up over replicas; every other aux leaf is averaged
     for k, v in metrics.items():
         if isinstance(v, dict):  # the codec's per-boundary aux (train/step.AUX): the only non-scalar entry
             out[k] = jax.tree_util.tree_map_with_path(
                 lambda p, x: (
                     jax.lax.psum(x, axes)
-                    if _key_name(p[-1]) in _SUMMED
+                    if key_name(p[-1]) in summed
                     else jax.lax.pmean(jnp.asarray(x, jnp.float32), axes)
                 ),
                 v,

@@ -9,6 +9,8 @@ from typing import NamedTuple
 
 import jax
 
+from twocircuit_jax.names import path_str
+
 
 class LeafPlan(NamedTuple):
     path: str
@@ -19,13 +21,9 @@ class LeafPlan(NamedTuple):
     m: int
 
 
-def _path_str(kp) -> str:
-    return jax.tree_util.keystr(kp, simple=True, separator="/")
-
-
 def flat_leaves(tree) -> dict:
     """{path: leaf}; the sorted path order is the collective order."""
-    return {_path_str(kp): x for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    return {path_str(kp): x for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def plan_leaves(cfg, params_like) -> list[LeafPlan]:

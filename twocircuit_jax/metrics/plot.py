@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from twocircuit_jax.config.base import ConfigError, ConfigWarning
-from twocircuit_jax.config.sections import FastConfig
+from twocircuit_jax.config.base import ConfigError, ConfigWarning, registered
+from twocircuit_jax.config.sections import ActivationCodecConfig, FastConfig
 from twocircuit_jax.metrics import stats
 from twocircuit_jax.metrics.plot_collapse import (
     collapse_anatomy,
@@ -33,8 +33,19 @@ from twocircuit_jax.metrics.plot_collapse import (
     truncation,
 )
 
-CODEC_ORDER = ("prf_mask", "lowrank", "sr_quant")
-STRENGTH_KEY = {"prf_mask": ("p", "p"), "lowrank": ("rank", "r"), "sr_quant": ("quant_bits", "bits")}
+
+def codec_order() -> tuple:
+    """The registered activation codecs (`type: none` aside) in registration order: the fidelity map's rows. Each
+    codec's section declares its strength field (`strength`); a codec registered by a user module counts as well."""
+    return tuple(n for n in registered(ActivationCodecConfig) if n != "none")
+
+
+def strength_key(codec: str) -> tuple:
+    """(field, short label) of a codec's compression strength, as its section declares it; (None, None) if none."""
+    section = registered(ActivationCodecConfig).get(codec)
+    return (section.strength if section is not None else None) or (None, None)
+
+
 GAP, GRAD_COS, ACC = "mismatch/prob_gap_mean", "fidelity/grad_cos", "eval/accuracy"
 KL_K3 = "mismatch/kl_k3"
 
@@ -67,7 +78,7 @@ class Run:
         self.codec: str = str(codec["type"])
         self.anchor: bool = bool(sec("anchor").get("enabled", False))
         self.hidden: int | None = sec("model").get("hidden_size")
-        key, short = STRENGTH_KEY.get(self.codec, (None, None))
+        key, short = strength_key(self.codec)
         self.strength: float | None = codec.get(key) if key else None
         grad = fast["grad_codec"]["type"]
         # e.g. "lowrank r=8"; a gradient codec is appended ("+powersgd"): a different compression, a different row
@@ -200,8 +211,9 @@ def map_cells(runs: list[Run]) -> list[dict]:
         if r.is_dense:
             dense.setdefault(r.hidden, []).append(r.last(ACC))
     groups: dict = {}
+    order = codec_order()
     for r in runs:
-        if r.codec in CODEC_ORDER:
+        if r.codec in order:
             groups.setdefault((r.codec_label, r.codec, r.strength, r.anchor, r.hidden), []).append(r)
     cells = []
     for (label, codec, strength, anchor, hidden), rs in groups.items():
@@ -223,7 +235,7 @@ def map_cells(runs: list[Run]) -> list[dict]:
         )
     cells.sort(
         key=lambda c: (
-            CODEC_ORDER.index(c["codec"]),
+            order.index(c["codec"]),
             c["strength"] is None,
             c["strength"] or 0,
             c["label"],
@@ -393,7 +405,7 @@ def plot_runs(runs: list[Run], out_dir: str) -> list[str]:
         cv.line(a1, GRAD_COS, "gradient cosine to dense (solid; dashed: before the merger)", marker=".")
         cv.line(a1, "fidelity/grad_cos_pre_merger", style="--", legend=False, marker=".")
         cv.save(fig, "fidelity.png", "Gradient fidelity")
-    if any(r.is_dense for r in runs) and any(r.codec in CODEC_ORDER for r in runs):
+    if any(r.is_dense for r in runs) and any(r.codec in codec_order() for r in runs):
         cells = map_cells(runs)
         fig = Figure(
             figsize=(3.0 + 1.6 * 2 * len({c["hidden"] for c in cells}), 1.2 + 0.5 * len(cells)), layout="constrained"

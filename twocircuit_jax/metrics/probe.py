@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from twocircuit_jax.grpo.loss import kl_penalty
 from twocircuit_jax.grpo.tis import tis_weights
+from twocircuit_jax.names import path_str
 from twocircuit_jax.parallel import mesh as pmesh, pipeline as pipe
 from twocircuit_jax.train import accumulate
 
@@ -73,7 +74,7 @@ def group_of(path: str) -> str:
 def _flat(tree) -> dict:
     out = {}
     for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        out["/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in p)] = x.astype(jnp.float32)
+        out[path_str(p)] = x.astype(jnp.float32)
     return out
 
 

@@ -19,9 +19,16 @@ are milliseconds. The RNG is seeded (default 0), so a table is reproducible bit 
 
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple
 
 import numpy as np
+
+
+def binomial_se(p: float, n: int) -> float:
+    """The standard error of an accuracy p measured on n independent problems: sqrt(p(1-p)/n)."""
+    return math.sqrt(max(p * (1.0 - p), 0.0) / n) if n > 0 else float("nan")
+
 
 N_RESAMPLES = 10_000
 LEVEL = 0.95

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.config.sections import MeshConfig
+from twocircuit_jax.names import path_str
 
 AXES = ("data", "stage", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both
@@ -57,13 +58,6 @@ def make_mesh(cfg: MeshConfig, devices: Sequence | None = None) -> Mesh:
     devices = list(devices if devices is not None else jax.devices())
     sizes = mesh_shape(cfg, len(devices))
     return Mesh(np.array(devices).reshape([sizes[a] for a in AXES]), AXES)
-
-
-def path_str(path) -> str:
-    parts = []
-    for k in path:
-        parts.append(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))))
-    return "/".join(parts)
 
 
 def _fit(spec: tuple, shape: tuple, mesh: Mesh) -> P:

@@ -28,11 +28,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from twocircuit_jax.fast.boundaries import boundary_layers
-from twocircuit_jax.fast.wire import DenseWire
+from twocircuit_jax.boundaries import boundary_layers
+from twocircuit_jax.config.base import registered
+from twocircuit_jax.config.sections import ActivationCodecConfig
 from twocircuit_jax.model import qwen2
 from twocircuit_jax.model.head import TokenStats, chunks_logits, head_stats  # TokenStats: read from here by the passes
 from twocircuit_jax.model.qwen2 import dtype_of
+from twocircuit_jax.names import key_name
+from twocircuit_jax.parallel.wire import DenseWire
 
 AXIS = "stage"
 DATA = "data"  # the replica axis the pipeline handles by hand (parallel/mesh.py)
@@ -219,8 +222,9 @@ class Pipeline:
             with jax.named_scope(STAGE_EXIT):
                 outs, auxes = jax.lax.psum(outs, AXIS), jax.lax.psum(auxes, AXIS)
             if data_manual and not row_aux:
+                summed = summed_aux_keys()
                 auxes = jax.tree_util.tree_map_with_path(
-                    lambda p, a: jax.lax.psum(a, DATA) if _leaf_name(p) in SUMMED_AUX else jax.lax.pmean(a, DATA),
+                    lambda p, a: jax.lax.psum(a, DATA) if key_name(p[-1]) in summed else jax.lax.pmean(a, DATA),
                     auxes,
                 )
             return outs, auxes
@@ -244,18 +248,17 @@ class Pipeline:
         return TokenStats(*(join_rows(a) for a in stats)), aux
 
 
-SUMMED_AUX = ("sketch", "tokens")  # aux leaves that add up over microbatches; the others (ratios, errors) average
-
-
-def _leaf_name(path) -> str:
-    k = path[-1]
-    return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+def summed_aux_keys() -> frozenset:
+    """The codec aux leaves that add up over rows (microbatches, replicas): what each registered codec's section
+    declares (`summed_aux`, the low-rank sketch and its token count); the others (ratios, errors) average."""
+    return frozenset(k for section in registered(ActivationCodecConfig).values() for k in section.summed_aux)
 
 
 def reduce_aux(aux: dict) -> dict:
     """{layer: aux [M, ...]} -> {layer: aux}: sketches and token counts summed over microbatches, the rest averaged."""
+    summed = summed_aux_keys()
     return jax.tree_util.tree_map_with_path(
-        lambda p, a: jnp.sum(a, axis=0) if _leaf_name(p) in SUMMED_AUX else jnp.mean(a, axis=0), aux
+        lambda p, a: jnp.sum(a, axis=0) if key_name(p[-1]) in summed else jnp.mean(a, axis=0), aux
     )
 
 

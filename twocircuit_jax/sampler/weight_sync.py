@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from twocircuit_jax.names import path_str
 from twocircuit_jax.sampler import export as ex
 
 DELTA = "delta"
@@ -60,7 +61,7 @@ def leaf_names(params) -> tuple[list[str], list, object]:
     import jax
 
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-    names = ["/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path) for path, _ in flat]
+    names = [path_str(path) for path, _ in flat]
     return names, [x for _, x in flat], treedef
 
 

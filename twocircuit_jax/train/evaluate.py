@@ -8,12 +8,11 @@ so one program serves every call and a larger set costs more calls, not more com
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.config.sections import SamplingConfig
+from twocircuit_jax.metrics.stats import binomial_se  # noqa: F401  (re-exported: where the evaluator's callers read it)
 from twocircuit_jax.tasks.rewards import score_rows
 from twocircuit_jax.train.rollout import encode_prompts
 
@@ -22,11 +21,6 @@ from twocircuit_jax.train.rollout import encode_prompts
 # chunk buys nothing here while its KV cache grows with it (a long-generation model evaluates 64 rows where a larger
 # chunk could exceed the rollout batch's memory). Thousands of problems cost more calls of one compiled shape.
 CHUNK = 64
-
-
-def binomial_se(p: float, n: int) -> float:
-    """The standard error of an accuracy p measured on n independent problems: sqrt(p(1-p)/n)."""
-    return math.sqrt(max(p * (1.0 - p), 0.0) / n) if n > 0 else float("nan")
 
 
 def heldout_problems(task, size: int) -> list:

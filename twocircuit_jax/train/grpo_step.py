@@ -14,11 +14,10 @@ from twocircuit_jax.grpo.loss import grpo_loss
 from twocircuit_jax.grpo.tis import tis_weights
 from twocircuit_jax.metrics.gauges import entropy_summary
 from twocircuit_jax.metrics.mismatch import mismatch_metrics
+from twocircuit_jax.names import DENSE, OLD, REF, TRAIN  # noqa: F401  (DENSE, REF: read from here by train/programs.py)
 from twocircuit_jax.parallel import mesh as pmesh, pipeline as pipe
 from twocircuit_jax.train import accumulate
 from twocircuit_jax.train.step import AUX
-
-TRAIN, OLD, REF, DENSE = "train", "old_logprob", "ref_logprob", "dense"
 
 
 def _policy_pass(model_cfg, params, batch, cs, codec, tag, pipeline=None, entropy_grad=False):

@@ -177,7 +177,7 @@ def make_pipeline(run_cfg, model_cfg, mesh):
     """The staged forward for mesh.stage > 1 (parallel/pipeline.py), with the run's shapes checked: equal stages of
     the (possibly loaded) model, and every forward's rows split into `train.microbatches` parts that divide over the
     data-parallel replicas."""
-    from twocircuit_jax.fast.boundaries import boundary_layers
+    from twocircuit_jax.boundaries import codec_stage_mismatch
     from twocircuit_jax.parallel.mesh import dp_size
     from twocircuit_jax.parallel.pipeline import Pipeline
 
@@ -185,12 +185,9 @@ def make_pipeline(run_cfg, model_cfg, mesh):
     if L % S:
         raise ConfigError("mesh.stage", f"got {S}; must divide the model's {L} layers (equal stages)")
     f = run_cfg.fast
-    if f.codec_type != "none" and not set(boundary_layers(L, f.pp_size)) <= set(boundary_layers(L, S)):
-        raise ConfigError(
-            "fast.pp_size",
-            f"got {f.pp_size}: codec boundaries {boundary_layers(L, f.pp_size)} must be stage boundaries "
-            f"{boundary_layers(L, S)}; use a pp_size that divides mesh.stage={S}",
-        )
+    problem = codec_stage_mismatch(L, f.pp_size, S) if f.codec_type != "none" else None
+    if problem is not None:
+        raise ConfigError("fast.pp_size", problem)
     pipeline = Pipeline(model_cfg, mesh, run_cfg.train.microbatches)
     rows, M, dp = run_cfg.train.mini_batch * run_cfg.sampler.n, pipeline.microbatches, dp_size(mesh)
     if rows % (M * dp):

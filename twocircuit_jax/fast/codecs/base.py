@@ -20,7 +20,16 @@ Contract (all array work pure and jittable; `state` is the codec's field of the 
   absorb(state, aux_by_layer) -> state   traced inside the train step: folds the train forward's aux into the state
   update(state, gs) -> (state, metrics)  host, after the step's last tick (the basis refresh)
   wire_bytes(tokens, hidden, boundaries, act_bytes) -> dict   logical bytes of one forward's boundary messages
-  wire(state, layer, path) -> fast.wire.Wire   the packed format on a real stage boundary (mesh.stage > 1)
+  wire(state, layer, path) -> parallel.wire.Wire   the packed format on a real stage boundary (mesh.stage > 1)
+
+What differs between codecs is declared on the config section (config.sections.ActivationCodecConfig):
+`learns_basis`, `summed_aux` (aux leaves that add up over rows), `strength` (the plots' field and label) and the
+`check_fits` method. Nothing outside a codec's file compares its `type:` name. A codec whose section declares
+`learns_basis` also provides, for the anchor-owned basis (checked on registration):
+  sketcher(state, attention_mask) -> (hook, layers)   a dense pass that only sketches (aux: the summed leaves)
+  absorb_sketch(state, sketch) -> state   folds a dense pass's sketch in, staged
+  stage(state, basis) -> state / activate_staged(state) -> state   a new basis, active only after the step
+  bootstrap(state, params, batch, model_cfg) -> (state, metrics)   optional: before the first compressed forward
 
 A gradient codec is registered the same way (`@register_grad("name")`, section subclassing
 config.sections.GradCodecConfig, chosen by `fast.grad_codec.type`). It replaces XLA's implicit data-parallel mean:
@@ -44,8 +53,7 @@ import jax.numpy as jnp
 
 from twocircuit_jax.config.base import register
 from twocircuit_jax.config.sections import ActivationCodecConfig, GradCodecConfig, NoActivationCodec, NoGradCodec
-
-TRAIN, OLD, REF = "train", "old_logprob", "ref_logprob"
+from twocircuit_jax.names import OLD, REF, TRAIN  # noqa: F401  (read from here by the codecs and fast/codecs/__init__)
 
 
 class Path(NamedTuple):
@@ -105,10 +113,11 @@ class ActivationCodec:
         raise NotImplementedError
 
     def wire(self, state, layer: int, path: Path):
-        """The boundary's format on a real stage boundary (fast/wire.py), for the microbatch `path` describes."""
+        """The boundary's format on a real stage boundary (parallel/wire.py's protocol; the format itself in the codec's file), for the microbatch `path` describes."""
+        wired = sorted(n for n, c in activation_codecs().items() if c.wire is not ActivationCodec.wire)
         raise ValueError(
             f"fast.codec {self.name!r} has no wire format for real pipeline stages (mesh.stage > 1); "
-            f"use prf_mask, lowrank or none, or mesh.stage: 1"
+            f"use {', '.join(wired + ['none'])}, or mesh.stage: 1"
         )
 
     def absorb(self, state, aux_by_layer: dict):
@@ -133,6 +142,8 @@ class _Registry:
     """Codec classes of one kind by `type:` name, each registered with its config section (`cls.config`, a subclass
     of `section`); `off` is the section of `type: none`, for which `make` returns None."""
 
+    basis_methods = ("sketcher", "absorb_sketch", "stage", "activate_staged")  # a learned basis's life cycle
+
     def __init__(self, kind: str, section: type, off: type):
         self.kind, self.section, self.off, self.classes = kind, section, off, {}
 
@@ -140,6 +151,13 @@ class _Registry:
         def deco(cls):
             if not issubclass(cls.config, self.section):
                 raise TypeError(f"{cls.__name__}.config must subclass {self.section.__name__}")
+            missing = [
+                m
+                for m in self.basis_methods
+                if getattr(cls.config, "learns_basis", False) and not callable(getattr(cls, m, None))
+            ]
+            if missing:
+                raise TypeError(f"{cls.__name__}: its section declares learns_basis but the codec lacks {missing}")
             register(self.section, name)(cls.config)
             self.classes[name] = cls
             cls.name = name

@@ -30,6 +30,7 @@ from twocircuit_jax.config.sections import ActivationCodecConfig
 from twocircuit_jax.fast.codecs.base import TRAIN, ActivationCodec, register_activation, row_sum, wire_result
 from twocircuit_jax.fast.orth import orth
 from twocircuit_jax.parallel import dispatch
+from twocircuit_jax.parallel.wire import Wire
 
 F32 = jnp.float32
 
@@ -230,6 +231,10 @@ def lowrank_metrics(state: LowRankState, aux_by_layer: Optional[dict] = None) ->
 class LowRankConfig(ActivationCodecConfig):
     """`fast.codec: {type: lowrank}`: project each boundary message on a learned r-dimensional basis (design §3.3)."""
 
+    learns_basis = True  # the anchor may own the basis (anchor.owns_q)
+    summed_aux = ("sketch", "tokens")  # the basis sketch Mᵀ(M·Q) and its token count add up over rows
+    strength = ("rank", "r")
+
     rank: int = field(default=77, metadata=doc("rank of the activation projector", "r"))
     update_cadence: int = field(default=1, metadata=doc("GRPO steps between refreshes of a fast-owned basis"))
     warm_start: bool = field(default=True, metadata=doc("power iteration starts from the newest basis, else Q0"))
@@ -292,9 +297,7 @@ class LowRankCodec(ActivationCodec):
         return fn(self.check_layer(layer), h)
 
     def wire(self, state, layer, path):
-        """r coefficients per token against the active basis (fast/wire.py LowRankWire)."""
-        from twocircuit_jax.fast.wire import LowRankWire
-
+        """r coefficients per token against the active basis (LowRankWire below; the basis is replicated state, never sent per step)."""
         return LowRankWire(state.Q[self.check_layer(layer)])
 
     def absorb(self, state, aux_by_layer):
@@ -311,6 +314,13 @@ class LowRankCodec(ActivationCodec):
         metrics = {k: float(v) for k, v in lowrank_metrics(state).items()}
         metrics.update({f"codec/basis_cond/{b}": float(basis_cond(state.Q[b])) for b in self.boundaries})
         return state, metrics
+
+    def stage(self, state, Q_new):
+        """A new basis (the anchor's), active only after the step's last tick (`update`)."""
+        return stage(state, Q_new)
+
+    def activate_staged(self, state):
+        return activate_staged(state)
 
     def sketcher(self, state, attention_mask):
         """(hook, layers) for a dense pass that only sketches: activations pass unchanged, the aux carries the sketch
@@ -361,3 +371,23 @@ class LowRankCodec(ActivationCodec):
         return wire_result(
             el_msg * act_bytes + el_basis * basis_bytes, nb * N * H * act_bytes, el_msg + el_basis, nb * N * H
         )
+
+
+# ------------------------------------------------------------------------------------- the wire format
+class LowRankWire(Wire):
+    """Y = h·Q in the activation dtype (the emulated codec's own product), rebuilt as Y·Qᵀ."""
+
+    def __init__(self, Q):
+        self.Q = jax.lax.stop_gradient(Q)
+
+    def encode(self, h):
+        mb, T, H = h.shape
+        return lowrank_reference(h.reshape(mb * T, H), self.Q)[0].reshape(mb, T, -1)
+
+    def decode(self, payload, like):
+        mb, T, r = payload.shape
+        Qc = self.Q.astype(payload.dtype)
+        out = jax.lax.dot_general(
+            payload.reshape(mb * T, r), Qc, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        return out.astype(like.dtype).reshape(like.shape)

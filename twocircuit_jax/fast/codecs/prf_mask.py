@@ -26,6 +26,7 @@ from pallas_kernels.sharding import shard_rows
 from twocircuit_jax.config.base import doc, require
 from twocircuit_jax.config.sections import ActivationCodecConfig
 from twocircuit_jax.fast.codecs.base import ActivationCodec, register_activation, wire_result
+from twocircuit_jax.parallel.wire import Wire
 
 RESCALE_MODES = ("none", "constant", "rms_match")
 RMS_EPS = 1e-8
@@ -273,6 +274,8 @@ def make_mask_hook(
 class PrfMaskConfig(ActivationCodecConfig):
     """`fast.codec: {type: prf_mask}`: a random channel mask regenerated from a stateless PRF key (design §3.2)."""
 
+    strength = ("p", "p")
+
     p: float = field(default=0.95, metadata=doc("masked fraction", "p"))
     exact_k: bool = field(default=True, metadata=doc("keep exactly k = round((1-p)H) channels per token"))
     rescale_mode: Literal["none", "constant", "rms_match"] = field(
@@ -327,9 +330,7 @@ class PrfMaskCodec(ActivationCodec):
         return fn(self.check_layer(layer), h)
 
     def wire(self, state, layer, path):
-        """k kept values per token; the receiver regenerates which channels they are (fast/wire.py MaskWire)."""
-        from twocircuit_jax.fast.wire import MaskWire
-
+        """k kept values per token; the receiver regenerates which channels they are (MaskWire below)."""
         layer, cfg = self.check_layer(layer), self.cfg
         if not cfg.exact_k:
             raise ValueError(
@@ -352,3 +353,32 @@ class PrfMaskCodec(ActivationCodec):
             raise ValueError(f"p_by_boundary has {len(ps)} entries for {nb} boundaries")
         el_c = N * sum(keep_count(p, H) if self.cfg.exact_k else (1.0 - p) * H for p in ps)
         return wire_result(el_c * act_bytes, nb * N * H * act_bytes, el_c, nb * N * H)
+
+
+# ------------------------------------------------------------------------------------- the wire format
+class MaskWire(Wire):
+    # prf_mask's format on a real stage boundary: k = round((1-p) H) values per token in channel order; both sides
+    # regenerate the kept channels from the PRF key, so no index is sent (exact-k only).
+    """prf_mask exact-k: the k kept values of each token, in channel order. `keep_fn()` regenerates the mask
+    [mb, T, H] (bool, exactly k True per token) from the PRF key; `values_fn(h)` is the emulated codec's output
+    (rescaled, zeros where dropped), whose kept entries are what is sent."""
+
+    def __init__(self, keep_fn, values_fn, k: int):
+        self.keep_fn, self.values_fn, self.k = keep_fn, values_fn, int(k)
+
+    def _index(self):
+        """(keep [mb, T, H], slot [mb, T, H]: a kept channel's place in the payload, channel [mb, T, k]: the
+        payload's channels in order). Both are gathers along the channel axis only, which the partitioner keeps
+        local to each data shard (a scatter with explicit row indices made it all-gather the microbatch)."""
+        keep = self.keep_fn()
+        slot = jnp.cumsum(keep.astype(jnp.int32), axis=-1) - 1  # rank of a kept channel among its token's kept ones
+        channel = jnp.argsort(~keep, axis=-1, stable=True)[..., : self.k]  # kept channels first, in channel order
+        return keep, jnp.clip(slot, 0, self.k - 1), channel
+
+    def encode(self, h):
+        _, _, channel = self._index()
+        return jnp.take_along_axis(self.values_fn(h), channel, axis=-1)
+
+    def decode(self, payload, like):
+        keep, slot, _ = self._index()
+        return jnp.where(keep, jnp.take_along_axis(payload, slot, axis=-1), jnp.zeros((), payload.dtype))

@@ -24,7 +24,7 @@ from twocircuit_jax.config.base import doc, require
 from twocircuit_jax.config.sections import ActivationCodecConfig
 from twocircuit_jax.fast.codecs import prf_mask as mask_lib
 from twocircuit_jax.fast.codecs.base import ActivationCodec, register_activation, row_sum, wire_result
-from twocircuit_jax.fast.wire import Wire, _zeros
+from twocircuit_jax.parallel.wire import Wire, zeros_like as _zeros
 
 ROUNDINGS = ("sr", "rn")
 FORWARD, BACKWARD = 0, 1
@@ -160,6 +160,8 @@ def make_quant_hook(cfg, boundaries, step, sample_ids, positions, attention_mask
 class SrQuantConfig(ActivationCodecConfig):
     """`fast.codec: {type: sr_quant}`: blockwise stochastic-rounding quantizer (design §3.4, an ablation). Its
     uniforms come from the prf_mask key, so it shares the mask's `seed`, `prf_impl` and `antithetic`."""
+
+    strength = ("quant_bits", "bits")
 
     quant_bits: int = field(default=1, metadata=doc("bits per channel"))
     quant_block: int = field(default=32, metadata=doc("channels per scale"))

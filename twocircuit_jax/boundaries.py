@@ -1,4 +1,6 @@
-"""Logical pipeline boundaries (design §3.1).
+"""Logical pipeline boundaries (design §3.1), the one place they are computed: the fast circuit's codec
+boundaries (fast.pp_size) and the real stages' ends (mesh.stage) are both `boundary_layers`, and the rule that ties
+them (`codec_stage_mismatch`) is coded here once for the config check and the loaded model's check.
 
 L decoder blocks are split into `pp_size` contiguous stages, the first `L mod pp_size` stages one block longer;
 a boundary is the last block of every stage except the final one, so there are pp_size - 1 boundaries.
@@ -25,3 +27,15 @@ def boundary_layers(num_layers: int, pp_size: int) -> tuple[int, ...]:
         end += size
         out.append(end)
     return tuple(out)
+
+
+def codec_stage_mismatch(num_layers: int, pp_size: int, stages: int) -> str | None:
+    """None when every codec boundary is a stage boundary (there is nothing to compress where no stage ends), else
+    the message for a ConfigError on fast.pp_size."""
+    codec_b, stage_b = boundary_layers(num_layers, pp_size), boundary_layers(num_layers, stages)
+    if set(codec_b) <= set(stage_b):
+        return None
+    return (
+        f"got {pp_size}: codec boundaries {codec_b} are not all stage boundaries {stage_b} of "
+        f"mesh.stage={stages}; use a pp_size that divides mesh.stage"
+    )
