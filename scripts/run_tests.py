@@ -114,6 +114,7 @@ WEIGHTS = {
     "test_mismatch.py": (4, 4),
     "test_compare.py": (3, 3),
     "test_anchor_merger.py": (3, 3),
+    "test_anchor_config.py": (2, 2),
     "test_grpo_tis.py": (2, 2),
     "test_tpu_kernel_compile.py": (2, 2),
     "test_sampler_export.py": (1, 1),

@@ -16,7 +16,7 @@ CFG = tiny_config(
     fast={"codec": "lowrank", "rank": 3},
     grpo={"format_penalty": -1.0},  # reward variance on a random model, so the updates are not all zero
     # delay < cadence: the batch a fire needs was retained before the interruption, so it must be checkpointed
-    anchor={"enabled": True, "cadence": 4, "delay": 2, "window": 2, "swap_cadence": 2},
+    anchor={"enabled": True, "cadence": 4, "delay": 2, "projection": {"window": 2}, "swap": {"cadence": 2}},
     train={"steps": 6, "checkpoint_every": 1},
 )
 
