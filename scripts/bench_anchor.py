@@ -69,7 +69,13 @@ def main(argv=None):
                 "intermediate_size": 3 * a.hidden,
             },
             "fast": {"pp_size": 1},
-            "anchor": {"enabled": True, "cadence": 1, "delay": 1, "projection": False, "swap_cadence": 1},
+            "anchor": {
+                "enabled": True,
+                "cadence": 1,
+                "delay": 1,
+                "projection": {"enabled": False},
+                "swap": {"cadence": 1},
+            },
             "train": {"train_batch": 2, "mini_batch": 1},
         }
     )

@@ -54,12 +54,8 @@ def fields() -> list[tuple[str, str, object, str]]:
 
 # Fields no module reads because every value but the default is refused by a check in config/: (where, a config
 # that must be refused naming the field).
-REFUSED = {
-    "anchor.replay_paired_batch": (
-        "refused unless true (`AnchorConfig.check`)",
-        {"anchor": {"enabled": True, "projection": False, "replay_paired_batch": False}},
-    ),
-}
+# None today: the anchor's single-valued keys were removed (config/anchor.py reads and drops them from old configs).
+REFUSED: dict[str, tuple[str, dict]] = {}
 
 
 def sources() -> dict[str, str]:

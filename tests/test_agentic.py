@@ -56,7 +56,7 @@ def test_fast_and_anchor_circuits_on_multi_turn_rows(base, tmp_path):
     d = agentic_config(
         base,
         fast={"codec": {"type": "lowrank", "rank": 4}, "pp_size": 2},
-        anchor={"enabled": True, "cadence": 2, "delay": 2, "window": 2},
+        anchor={"enabled": True, "cadence": 2, "delay": 2, "projection": {"window": 2}},
         train={"steps": 3, "eval_every": 0},
     )
     run = tmp_path / "tc"

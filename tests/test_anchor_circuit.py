@@ -27,13 +27,18 @@ TINY = {
     "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 64, "eval_size": 8},
     "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
     "fast": {"pp_size": 2},
-    "anchor": {"enabled": True, "cadence": 4, "delay": 4, "window": 2, "swap_cadence": 2},
+    "anchor": {"enabled": True, "cadence": 4, "delay": 4, "projection": {"window": 2}, "swap": {"cadence": 2}},
     "train": {"steps": 6, "train_batch": 4, "mini_batch": 2, "eval_every": 0, "eval_size": 8, "max_prompt_len": 16},
 }
 
 
 def _cfg(**anchor):
-    return load_config(data={**TINY, "anchor": {**TINY["anchor"], **anchor}})
+    """TINY with these anchor keys; a section given as a dict is merged over TINY's."""
+    base = TINY["anchor"]
+    merged = {
+        k: {**base[k], **v} if isinstance(v, dict) and isinstance(base.get(k), dict) else v for k, v in anchor.items()
+    }
+    return load_config(data={**TINY, "anchor": {**base, **merged}})
 
 
 # --------------------------------------------------------------------------- direct: a circuit without the loop
@@ -81,7 +86,7 @@ def _circuit(cfg, state):
     """An AnchorCircuit whose jitted fire is shared across this module (one compile): the fire depends only on
     the model, the GRPO loss and the merger/moment settings, which all circuits here share."""
     circ = AnchorCircuit(cfg, cfg.model, state.params)
-    key = (cfg.anchor.merger, cfg.anchor.swap_cadence > 0)
+    key = (cfg.anchor.merger_type, cfg.anchor.swap.cadence > 0)
     circ._fire_jit = _FIRE.setdefault(key, circ._fire_jit)
     return circ
 
@@ -107,7 +112,7 @@ def _drive(circ, cs, state_of, batch, ticks, tps=2, poison_tick=None):
 @pytest.mark.parametrize("projection", [False, True])
 def test_fire_is_pure_and_reads_only_snapshots(tiny, projection):
     cfg, _, state, _, _, batch, moved = tiny
-    cfg = _cfg(cadence=2, delay=2, projection=projection, swap_cadence=2)
+    cfg = _cfg(cadence=2, delay=2, projection={"enabled": projection}, swap={"cadence": 2})
     results = []
     for poison in (None, 6):  # tick 6 is a fire tick and not a step's first tick: live weights are NaN there
         circ = _circuit(cfg, state)
@@ -136,7 +141,7 @@ def test_fire_is_pure_and_reads_only_snapshots(tiny, projection):
 
 def test_retention_bound_and_delay_over_many_ticks(tiny):
     _, _, state, _, _, batch, moved = tiny
-    cfg = _cfg(cadence=2, delay=5, projection=False, swap_cadence=2)
+    cfg = _cfg(cadence=2, delay=5, projection={"enabled": False}, swap={"cadence": 2})
     circ = _circuit(cfg, state)
     cs = _cs(circ)
     bound = 5 // 2 + 1
@@ -160,7 +165,7 @@ def test_only_the_kept_ticks_need_the_anchor_fields(tiny, projection, kept):
     tick's batch. The loop computes ℓ_ref^dense for those mini-batches only, so the others may lack it; a kept
     one without it is refused, naming the tick and the field, before anything changes."""
     _, _, state, _, _, batch, moved = tiny
-    circ = _circuit(_cfg(cadence=4, delay=2, projection=projection, swap_cadence=2), state)
+    circ = _circuit(_cfg(cadence=4, delay=2, projection={"enabled": projection}, swap={"cadence": 2}), state)
     assert [t for t in range(1, 9) if circ.keeps(t)] == kept
 
     def rows(tau):
@@ -183,7 +188,7 @@ def test_only_the_kept_ticks_need_the_anchor_fields(tiny, projection, kept):
 def test_nonfinite_forecast_is_skipped_counted_and_changes_no_state(tiny, capsys):
     """Before, the forecast's FloatingPointError ended the run; now that fire is skipped like a non-finite gradient."""
     _, _, state, _, _, batch, moved = tiny
-    cfg = _cfg(cadence=2, delay=2, projection=True, swap_cadence=2)
+    cfg = _cfg(cadence=2, delay=2, projection={"enabled": True}, swap={"cadence": 2})
     circ = _circuit(cfg, state)
     cs = _cs(circ)
     bad = moved(state, 2)
@@ -227,13 +232,15 @@ def test_merger_none_and_cold_merger_leave_the_step_bit_identical(tiny):
 
     dense, _ = run(jit_train_step(make_train_step(loss_fn, opt), None, donate=False), base)
     # merger none: no circuit state and the transform hands back the very gradient object (the dense step)
-    none = AnchorCircuit(_cfg(merger="none", projection=False, swap_cadence=0), cfg.model, state.params)
+    none = AnchorCircuit(
+        _cfg(merger={"type": "none"}, projection={"enabled": False}, swap={"cadence": 0}), cfg.model, state.params
+    )
     assert none.init_merger_state() is None and none.init_moments() is None
     g = jax.tree.map(jnp.ones_like, state.params)
     g2, cs_none, m_none = none.grad_transform(g, base)
     assert g2 is g and m_none == {} and cs_none is base
     # signed_ema before the first fire: the identity branch, bit for bit the dense update
-    sig = _circuit(_cfg(cadence=2, delay=2, projection=False, swap_cadence=2), state)
+    sig = _circuit(_cfg(cadence=2, delay=2, projection={"enabled": False}, swap={"cadence": 2}), state)
     cs = _cs(sig)
     step = jit_train_step(make_train_step(loss_fn, opt, grad_transform=sig.grad_transform), None, donate=False)
     p_cold, m_cold = run(step, cs)
@@ -252,9 +259,9 @@ def test_disabled_anchor_is_absent_from_the_circuit_state(tiny):
 
     _, mesh, state, _, _, _, _ = tiny
     for anchor, present in (
-        ({"enabled": False, "swap_cadence": 0}, set()),
-        ({"merger": "none", "projection": False, "swap_cadence": 0}, set()),
-        ({"swap_cadence": 0}, {"merger"}),
+        ({"enabled": False, "swap": {"cadence": 0}}, set()),
+        ({"merger": {"type": "none"}, "projection": {"enabled": False}, "swap": {"cadence": 0}}, set()),
+        ({"swap": {"cadence": 0}}, {"merger"}),
         ({}, {"merger", "moments"}),
     ):
         t = GRPOTrainer.__new__(GRPOTrainer)
@@ -270,13 +277,13 @@ def test_disabled_anchor_is_absent_from_the_circuit_state(tiny):
 @pytest.mark.parametrize(
     "sets, field",
     [
-        (["anchor.merger=none"], "anchor.projection"),
-        (["anchor.replay_paired_batch=false"], "anchor.projection"),
-        (["anchor.cadence=3", "anchor.merger_cadence=2"], "anchor.cadence"),
+        (["anchor.merger.type=none"], "anchor.projection"),
+        (["anchor.replay_paired_batch=false"], "anchor.replay_paired_batch"),
+        (["anchor.cadence=3", "anchor.merger.cadence=2"], "anchor.cadence"),
         (["anchor.owns_q=true"], "anchor.owns_q"),
-        (["anchor.enabled=false"], "anchor.swap_cadence"),
-        (["anchor.swap_alpha=1.5"], "anchor.swap_alpha"),
-        (["anchor.swap_beta1=1.0"], "anchor.swap_beta1"),
+        (["anchor.enabled=false"], "anchor.swap.cadence"),
+        (["anchor.swap.alpha=1.5"], "anchor.swap.alpha"),
+        (["anchor.swap.beta1=1.0"], "anchor.swap.beta1"),
     ],
 )
 def test_cross_circuit_rules_name_the_field(tmp_path, sets, field):

@@ -12,7 +12,9 @@ from tiny_run import tiny_config
 pytestmark = pytest.mark.slow  # end-to-end runs: `make test-fast` skips them, `make test` (CI) runs them
 
 TINY = tiny_config(
-    name="tiny", anchor={"enabled": True, "cadence": 4, "delay": 4, "window": 2, "swap_cadence": 2}, train={"steps": 6}
+    name="tiny",
+    anchor={"enabled": True, "cadence": 4, "delay": 4, "projection": {"window": 2}, "swap": {"cadence": 2}},
+    train={"steps": 6},
 )
 
 
@@ -86,7 +88,7 @@ def test_dense_reference_only_for_the_rows_the_anchor_keeps(tmp_path):
         name="ref_dense",
         grpo={"kl_coef": 0.05},
         fast={"codec": {"type": "prf_mask", "p": 0.5}},
-        anchor={"enabled": True, "cadence": 4, "delay": 2, "window": 2, "projection": False},
+        anchor={"enabled": True, "cadence": 4, "delay": 2, "projection": {"enabled": False, "window": 2}},
         train={"steps": 4},
     )
     cfg = load_config(data=data)

@@ -1,14 +1,13 @@
 """Merger algebra (design §4.4, §8.6): every rule against a hand-computed numpy result."""
 
-from dataclasses import replace
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from twocircuit_jax.anchor.merger import init_merger, merge, select_targets, update_ema
-from twocircuit_jax.config.sections import AnchorConfig
+from twocircuit_jax.config.anchor import MergerConfig
+from twocircuit_jax.config.base import from_dict
 
 
 def _params(seed=0):
@@ -30,8 +29,9 @@ def _np(tree):
     return jax.tree_util.tree_map(np.asarray, tree)
 
 
-def _cfg(**kw):
-    return replace(AnchorConfig(), **kw)
+def _cfg(merger="signed_ema", **kw):
+    """The merger section `anchor.merger: {type: merger, **kw}`, parsed as a config file's would be."""
+    return from_dict(MergerConfig, {"type": merger, **kw}, "anchor.merger")
 
 
 def _fire(cfg, state, ga):
@@ -53,9 +53,12 @@ def test_bypass_until_m_exists_and_none_is_identity():
         for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(g2)):
             assert np.array_equal(np.asarray(a), np.asarray(b))
         assert float(met["merger/applied"]) == 0.0 and int(st.cold_m_fallbacks) == 0
-    cfg = _cfg(merger="none")
-    st = _fire(cfg, init_merger(p, cfg), _params(2))
-    g2, _, _ = merge(st, g, cfg, True)
+    ema = _cfg()
+    st = _fire(ema, init_merger(p, ema), _params(2))  # an M exists: `none` must still leave G alone
+    g2, st2, met = merge(st, g, _cfg(merger="none"), True)
+    assert st2 is st and met == {}
+    with pytest.raises(ValueError, match="keeps no state"):
+        init_merger(p, _cfg(merger="none"))
     for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(g2)):
         assert a is b or np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
 
@@ -73,8 +76,8 @@ def test_ema_in_fp32():
 
 def test_signed_ema_and_cold_guard():
     p, g, ga = _params(0), _params(1), _params(2)
-    cfg = _cfg(merger="signed_ema", alpha=0.25, beta_anc=0.0, target_scope="decoder")
-    st = _fire(cfg, init_merger(p, cfg), ga)
+    cfg = _cfg(merger="signed_ema", alpha=0.25, beta_anc=0.0)
+    st = _fire(cfg, init_merger(p, cfg, "decoder"), ga)
     g2, st2, met = merge(st, g, cfg, False)
     k = "layers/q_proj/kernel"
     gn, mn = np.asarray(g["layers"]["q_proj"]["kernel"]), np.asarray(ga["layers"]["q_proj"]["kernel"])
@@ -87,7 +90,7 @@ def test_signed_ema_and_cold_guard():
     # Cold M on one target: G′ = G there and the fallback counter moves.
     ga_cold = jax.tree_util.tree_map(lambda x: x, ga)
     ga_cold["layers"]["down_proj"]["kernel"] = jnp.zeros_like(ga["layers"]["down_proj"]["kernel"])
-    st = _fire(cfg, init_merger(p, cfg), ga_cold)
+    st = _fire(cfg, init_merger(p, cfg, "decoder"), ga_cold)
     g3, st3, _ = merge(st, g, cfg, False)
     assert np.array_equal(
         np.asarray(g3["layers"]["down_proj"]["kernel"]), np.asarray(g["layers"]["down_proj"]["kernel"])
@@ -98,9 +101,9 @@ def test_signed_ema_and_cold_guard():
 
 def test_signed_gate_omega_and_decay():
     p, g = _params(0), _params(1)
-    cfg = _cfg(merger="signed_gate", alpha=0.25, beta_anc=0.5, gate_decay=0.75, target_scope="decoder")
+    cfg = _cfg(merger="signed_gate", alpha=0.25, beta_anc=0.5, decay=0.75)
     ga1, ga2 = _params(2), _params(3)
-    st = _fire(cfg, init_merger(p, cfg), ga1)
+    st = _fire(cfg, init_merger(p, cfg, "decoder"), ga1)
     assert float(st.omega) == 0.0  # M_old = 0 has no signs to agree with
     st = _fire(cfg, st, ga2)
     tg = lambda t: select_targets(t, "decoder")  # noqa: E731
@@ -121,7 +124,7 @@ def test_signed_gate_omega_and_decay():
 
 def test_delayed_ef_reproduces_anchor_gradient_then_decays():
     p, ga = _params(0), _params(2)
-    cfg = _cfg(merger="delayed_ef", ef_lambda=1.0, ef_decay=1.0, beta_anc=0.0)
+    cfg = _cfg(merger="delayed_ef", weight=1.0, decay=1.0, beta_anc=0.0)
     st = _fire(cfg, init_merger(p, cfg), ga)
     g_fire, g_held = _params(1), _params(4)
     out, st, _ = merge(st, g_fire, cfg, True)
@@ -129,7 +132,7 @@ def test_delayed_ef_reproduces_anchor_gradient_then_decays():
         np.testing.assert_allclose(np.asarray(select_targets(out)[k]), np.asarray(v), rtol=1e-6, atol=1e-6)
     assert np.array_equal(np.asarray(out["step_ids"]), np.asarray(g_fire["step_ids"]))
     # Held tick with λ=0.5, decay 0.5: G′ = G + 0.5·0.5¹·(M − G_fire).
-    cfg2 = replace(cfg, ef_lambda=0.5, ef_decay=0.5)
+    cfg2 = _cfg(merger="delayed_ef", weight=0.5, decay=0.5, beta_anc=0.0)
     out2, _, _ = merge(st, g_held, cfg2, False)
     for k, v in select_targets(g_held).items():
         want = np.asarray(v) + 0.25 * (np.asarray(select_targets(ga)[k]) - np.asarray(select_targets(g_fire)[k]))
@@ -138,7 +141,7 @@ def test_delayed_ef_reproduces_anchor_gradient_then_decays():
 
 def test_blend():
     p, g, ga = _params(0), _params(1), _params(2)
-    cfg = _cfg(merger="blend", blend_eta=0.3, beta_anc=0.0)
+    cfg = _cfg(merger="blend", eta=0.3, beta_anc=0.0)
     st = _fire(cfg, init_merger(p, cfg), ga)
     out, _, met = merge(st, g, cfg, False)
     for k, v in select_targets(g).items():
@@ -157,3 +160,44 @@ def test_jit_with_traced_fire_flag():
     e, _, _ = merge(st, _params(1), cfg, True)
     np.testing.assert_allclose(np.asarray(a["embed"]), np.asarray(e["embed"]), rtol=1e-6)
     assert not np.allclose(np.asarray(a["embed"]), np.asarray(b["embed"]))
+
+
+def test_each_merger_keeps_only_its_own_state():
+    """One state type per merger: ω only for signed_gate, δ only for delayed_ef; a state of another merger is
+    refused rather than read."""
+    from twocircuit_jax.anchor import merger as mg
+
+    p = _params(0)
+    want = {
+        "signed_ema": (mg.SignedEmaState, ("m", "fired", "age", "cold_m_fallbacks")),
+        "signed_gate": (mg.SignedGateState, ("m", "fired", "omega", "age", "cold_m_fallbacks")),
+        "blend": (mg.BlendState, ("m", "fired", "age", "cold_m_fallbacks")),
+        "delayed_ef": (mg.DelayedEfState, ("m", "delta", "fired", "age", "cold_m_fallbacks")),
+    }
+    for mode, (cls, fields) in want.items():
+        st = init_merger(p, _cfg(merger=mode), "decoder")
+        assert type(st) is cls and st._fields == fields
+        assert list(st.m) == ["layers/down_proj/kernel", "layers/q_proj/kernel"]
+    with pytest.raises(TypeError, match="expected SignedGateState"):
+        merge(init_merger(p, _cfg()), _params(1), _cfg(merger="signed_gate"), True)
+
+
+def test_legacy_state_maps_to_each_mergers_own():
+    """A checkpoint written before the per-merger states holds one LegacyMergerState; `legacy_like` is its restore
+    target and `from_legacy` keeps the fields the merger reads, values unchanged."""
+    from twocircuit_jax.anchor import merger as mg
+
+    p = _params(0)
+    for mode in ("signed_ema", "signed_gate", "blend", "delayed_ef"):
+        cfg = _cfg(merger=mode)
+        st = _fire(cfg, init_merger(p, cfg), _params(2))
+        like = mg.legacy_like(st)
+        assert like._fields == ("m", "delta", "fired", "omega", "age", "cold_m_fallbacks")
+        assert (like.delta != {}) == (mode == "delayed_ef")  # old states held δ for delayed_ef only
+        old = like._replace(omega=jnp.float32(0.125) if mode == "signed_gate" else jnp.float32(0.0))
+        back = mg.from_legacy(old, type(st))
+        assert type(back) is type(st) and jax.tree.structure(back) == jax.tree.structure(st)
+        assert all(np.array_equal(np.asarray(back.m[k]), np.asarray(st.m[k])) for k in st.m)
+        assert int(back.fired) == 1
+        if mode == "signed_gate":
+            assert float(back.omega) == 0.125

@@ -20,7 +20,7 @@ def _same(a, b):
 
 def test_nan_fire_is_skipped_counted_and_kept_across_resume(tiny, capsys):  # noqa: F811
     _, _, state, _, _, batch, moved = tiny
-    cfg = _cfg(cadence=2, delay=2, projection=False, swap_cadence=2)
+    cfg = _cfg(cadence=2, delay=2, projection={"enabled": False}, swap={"cadence": 2})
     circ = _circuit(cfg, state)
     cs = _cs(circ)
 

@@ -15,7 +15,7 @@ CFG = tiny_config(
     optim={"lr": 3e-3},
     model={"num_layers": 4},
     fast={"codec": "lowrank", "rank": 3},
-    anchor={"enabled": True, "cadence": 4, "delay": 4, "window": 2},
+    anchor={"enabled": True, "cadence": 4, "delay": 4, "projection": {"window": 2}},
     train={"steps": 5},
 )
 

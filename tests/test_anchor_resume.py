@@ -16,7 +16,7 @@ CFG = tiny_config(
     fast={"codec": "lowrank", "rank": 3},
     grpo={"format_penalty": -1.0},  # reward variance on a random model, so the updates are not all zero
     # delay < cadence: the batch a fire needs was retained before the interruption, so it must be checkpointed
-    anchor={"enabled": True, "cadence": 4, "delay": 2, "window": 2, "swap_cadence": 2},
+    anchor={"enabled": True, "cadence": 4, "delay": 2, "projection": {"window": 2}, "swap": {"cadence": 2}},
     train={"steps": 6, "checkpoint_every": 1},
 )
 
@@ -50,6 +50,66 @@ def test_anchored_compressed_run_resumes_exactly(tmp_path, monkeypatch):
         # compile time and cache counts are logged on the steps that compiled: a resumed process compiles again
         compiled = {"time/compile_s", "time/compile_cache_hits", "time/compile_cache_misses"}
         assert set(ra) - compiled == set(rb) - compiled
+        for k, v in ra.items():
+            if k.startswith("time/") or not isinstance(v, (int, float)):
+                continue
+            assert rb[k] == pytest.approx(v, abs=1e-6, rel=1e-6), (ra["step"], k)
+
+
+def _old_flat_anchor(a: dict) -> dict:
+    """The anchor section as the code before the typed sections saved it (every key flat)."""
+    m, p, s = a["merger"], a["projection"], a["swap"]
+    out = {k: a[k] for k in ("enabled", "cadence", "delay", "target_scope", "owns_q")}
+    out.update(replay_paired_batch=True, batch_scope="ppo_minibatch", warmup_mode="stale_correct")
+    out.update(merger=m["type"], beta_anc=m["beta_anc"], merger_cadence=m["cadence"], alpha=m["alpha"])
+    out.update(gate_decay=m["decay"], ef_lambda=1.0, ef_decay=1.0, blend_eta=0.5, projection=p["enabled"])
+    out.update({k: p[k] for k in ("strength", "window", "min_snapshots", "window_mode", "max_snapshots")})
+    out.update({f"swap_{k}": v for k, v in s.items()})
+    return out
+
+
+def test_a_checkpoint_of_the_old_merger_state_resumes_exactly(tmp_path, monkeypatch):
+    """A checkpoint as the code before the per-merger states wrote it: the merger's state the one MergerState of
+    every merger (here signed_gate's ω beside an empty δ), no meta `merger_state`, the saved config's anchor flat.
+    The resume maps it to SignedGateState and repeats the uninterrupted run step for step."""
+    from twocircuit_jax.anchor.merger import LegacyMergerState, SignedGateState
+    from twocircuit_jax.train import loop
+
+    raw = dict(CFG, anchor={**CFG["anchor"], "merger": {"type": "signed_gate"}})
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert main(["train", "--config", str(cfg), "--out", str(full), "--no-progress"]) == 0
+    real_grpo, real_state, real_meta = loop.GRPOTrainer.grpo_step, loop.GRPOTrainer._ckpt_state, loop.GRPOTrainer._meta
+
+    def old_state(self):
+        out = real_state(self)
+        m = out["circuit"].merger
+        assert isinstance(m, SignedGateState)
+        old = LegacyMergerState(m.m, {}, m.fired, m.omega, m.age, m.cold_m_fallbacks)
+        return {**out, "circuit": out["circuit"]._replace(merger=old)}
+
+    def old_meta(self, gs, metrics=None):
+        meta = real_meta(self, gs, metrics)
+        del meta["merger_state"]
+        meta["config"]["anchor"] = _old_flat_anchor(meta["config"]["anchor"])
+        return meta
+
+    def dying(self, gs):
+        if gs == 4:
+            raise KeyboardInterrupt
+        return real_grpo(self, gs)
+
+    monkeypatch.setattr(loop.GRPOTrainer, "_ckpt_state", old_state)
+    monkeypatch.setattr(loop.GRPOTrainer, "_meta", old_meta)
+    monkeypatch.setattr(loop.GRPOTrainer, "grpo_step", dying)
+    assert main(["train", "--config", str(cfg), "--out", str(cut), "--no-progress"]) == 130
+    monkeypatch.undo()
+    assert main(["train", "--config", str(cfg), "--out", str(cut), "--no-progress", "--resume"]) == 0
+    a, b = _rows(full), _rows(cut)
+    assert [r["step"] for r in b] == list(range(7))
+    assert sum(r.get("anchor/fire", 0) for r in a[:4]) >= 1  # M exists in the checkpoint: the restore carries it
+    for ra, rb in zip(a[4:], b[4:]):
         for k, v in ra.items():
             if k.startswith("time/") or not isinstance(v, (int, float)):
                 continue

@@ -74,7 +74,13 @@ def test_powersgd_hlo_bytes_match_formula(comm_bytes, capsys):
 def test_anchor_fires_count_on_the_config_side(comm_bytes, capsys):
     """With the anchor on, each fire's dense gradient mean is compiled and counted at one fire per `cadence` ticks;
     the dense twin has no anchor. One fire's reduction is the dense step's gradient reduction."""
-    sets = ("fast.codec=none", "anchor.enabled=true", "anchor.cadence=2", "anchor.delay=2", "anchor.projection=false")
+    sets = (
+        "fast.codec=none",
+        "anchor.enabled=true",
+        "anchor.cadence=2",
+        "anchor.delay=2",
+        "anchor.projection.enabled=false",
+    )
     d, c, r, out = final(comm_bytes, capsys, *sets)
     rows = {
         name: (int(t), float(h), float(b), float(a))

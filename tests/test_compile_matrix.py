@@ -50,7 +50,7 @@ def config(act, grad, anchor, mesh, kl=0.0):
             "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 8, "eval_size": 8},
             "grpo": {"kl_coef": kl},
             "fast": {"pp_size": 2, "codec": ACT[act], "grad_codec": GRAD[grad]},
-            "anchor": {"enabled": anchor, "cadence": 2, "delay": 2, "projection": False},
+            "anchor": {"enabled": anchor, "cadence": 2, "delay": 2, "projection": {"enabled": False}},
             "train": {"train_batch": 4, "mini_batch": 4, "max_prompt_len": 4},
         }
     )

@@ -81,7 +81,7 @@ def test_lossy_codec_lowers_the_cosine_and_shows_at_each_boundary(setup):
 
 def test_merger_moves_the_applied_gradient(setup):
     params = setup[2]
-    acfg = run_cfg(anchor={"enabled": True, "cadence": 2, "delay": 2, "window": 2, "projection": False}).anchor
+    acfg = run_cfg(anchor={"enabled": True, "cadence": 2, "delay": 2, "projection": {"enabled": False}}).anchor.merger
     # M from a gradient that disagrees with the dense one: the signed merger must pull the cosine down.
     st = update_ema(init_merger(params, acfg), jax.tree.map(lambda x: -jnp.ones_like(x) * jnp.sign(x), params), acfg)
     from twocircuit_jax.anchor.merger import merge

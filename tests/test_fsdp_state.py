@@ -227,7 +227,7 @@ def test_anchor_state_sharded_like_params():
     from twocircuit_jax.model.qwen2 import init_params
     from twocircuit_jax.parallel.host import to_global
 
-    cfg = _run_cfg(2, 4, merger="delayed_ef", swap_cadence=2)
+    cfg = _run_cfg(2, 4, merger={"type": "delayed_ef"}, swap={"cadence": 2})
     mesh = pmesh.make_mesh(cfg.mesh, jax.devices())
     host = jax.tree.map(np.asarray, init_params(cfg.model, jax.random.key(0)))
     p_sh = pmesh.param_shardings(host, mesh)
@@ -332,7 +332,7 @@ def test_train_loop_hierarchical_powersgd_with_anchor(tmp_path):
         mesh={"data": 2, "fsdp": 4},
         train={"steps": 3},
         fast={"pp_size": 2, "grad_codec": {"type": "powersgd", "rank": 2, "start_after": 1}},
-        anchor={"enabled": True, "cadence": 2, "delay": 2, "window": 2, "swap_cadence": 2},
+        anchor={"enabled": True, "cadence": 2, "delay": 2, "projection": {"window": 2}, "swap": {"cadence": 2}},
     )
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(raw))
     seen, real = {}, loop.GRPOTrainer.run

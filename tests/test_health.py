@@ -106,7 +106,7 @@ def test_guard_waits_for_patience_and_escalates(tmp_path):
 def test_mitigations_change_one_knob_each():
     cfg = load_config(
         data={
-            "anchor": {"enabled": True, "cadence": 8, "merger_cadence": 4},
+            "anchor": {"enabled": True, "cadence": 8, "merger": {"cadence": 4}},
             "grpo": {"kl_coef": 0.002},
             "fast": {"pp_size": 4},
         }
@@ -114,7 +114,7 @@ def test_mitigations_change_one_knob_each():
     assert mitigate(cfg, "anchor_cadence")[0].anchor.cadence == 4
     assert mitigate(cfg, "kl")[0].grpo.kl_coef == pytest.approx(0.02)
     assert mitigate(cfg, "tis")[0].grpo.tis == "token"
-    assert mitigate(cfg, "swap")[0].anchor.swap_cadence == 8
+    assert mitigate(cfg, "swap")[0].anchor.swap.cadence == 8
     assert mitigate(cfg, "headroom")[0].sampler.sampling.max_new_tokens == 48  # 32 x 1.5
     both = apply_mitigations(cfg, ["kl", "tis"])
     assert both.grpo.kl_coef == pytest.approx(0.02) and both.grpo.tis == "token" and cfg.grpo.tis == "off"

@@ -167,7 +167,7 @@ def test_the_anchor_keeps_the_fused_pass_and_the_same_run(tmp_path, monkeypatch,
         **CFG,
         "grpo": {**CFG["grpo"], "kl_coef": 0.05},
         "fast": {**CFG["fast"], "codec": codec},
-        "anchor": {"enabled": True, "cadence": 2, "delay": 2, "window": 2, "swap_cadence": 2},
+        "anchor": {"enabled": True, "cadence": 2, "delay": 2, "projection": {"window": 2}, "swap": {"cadence": 2}},
         "train": {**CFG["train"], "steps": 4},
     }
     runs = {}

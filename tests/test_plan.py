@@ -40,7 +40,7 @@ def tiny_tpu(tmp_path_factory):
     from contextlib import redirect_stdout
 
     path = tmp_path_factory.mktemp("plan") / "plan.json"
-    sets = ["anchor.enabled=true", "anchor.cadence=2", "anchor.delay=2", "anchor.projection=false"]
+    sets = ["anchor.enabled=true", "anchor.cadence=2", "anchor.delay=2", "anchor.projection.enabled=false"]
     args = ["plan", "--config", TINY, "--topology", "tpu:v5e-8", "--json", str(path)]
     buf = io.StringIO()
     with redirect_stdout(buf):

@@ -84,7 +84,7 @@ CASES = {
     "anchor_lowrank_probe": dict(
         grpo={"kl_coef": 0.01},
         fast={"codec": {"type": "lowrank", "rank": 3}, "codec_reference": True},
-        anchor={"enabled": True, "cadence": 2, "delay": 2, "projection": False},
+        anchor={"enabled": True, "cadence": 2, "delay": 2, "projection": {"enabled": False}},
         train={"probe_every": 1},
     ),
     "fused_powersgd": dict(

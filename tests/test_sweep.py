@@ -17,7 +17,7 @@ from twocircuit_jax.train.sweep import load_sweep
 # end-to-end tests are marked slow: `make test-fast` skips them, `make test` (CI) runs them
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = tiny_config(name="tiny", anchor={"cadence": 2, "delay": 2, "window": 2})
+TINY = tiny_config(name="tiny", anchor={"cadence": 2, "delay": 2, "projection": {"window": 2}})
 
 
 def _flat(d, pre=""):
@@ -134,10 +134,10 @@ def test_shipped_sweeps_are_the_seed_arms():
     assert base.anchor.enabled and base.fast.codec_type != "none" and base.grpo.clip_high == 0.2
     assert not arms["uncompressed"].anchor.enabled and arms["uncompressed"].fast.codec_type == "none"
     assert arms["anchor_2x"].anchor.cadence * 2 == base.anchor.cadence
-    assert not arms["anchor_2x_no_projection"].anchor.projection
+    assert not arms["anchor_2x_no_projection"].anchor.projection.enabled
     assert arms["kl_0.01"].grpo.kl_coef == 0.01 and arms["clip_high_0.28"].grpo.clip_high == 0.28
     _, a4 = load_sweep(os.path.join(ROOT, "configs", "sweeps", "seed004_opt_swap.yaml"))
-    assert dict(a4)["opt_swap"].anchor.swap_cadence > 0 and dict(a4)["compressed"].anchor.swap_cadence == 0
+    assert dict(a4)["opt_swap"].anchor.swap.cadence > 0 and dict(a4)["compressed"].anchor.swap.cadence == 0
 
 
 STRENGTH = {"prf_mask": "p", "lowrank": "rank", "sr_quant": "quant_bits"}  # each codec's strength knob
@@ -170,9 +170,9 @@ def test_collapse_experiments_are_one_knob_per_arm(name):
     assert arms["dense"].fast.codec_type == "none" and not arms["dense"].anchor.enabled
     assert arms["compressed"].fast.codec_type == "lowrank" and not arms["compressed"].anchor.enabled
     assert arms["anchor"].anchor.enabled and not arms["anchor"].guard.enabled and arms["anchor"].grpo.tis == "off"
-    assert arms["anchor_tis"].grpo.tis == "token" and arms["anchor_swap"].anchor.swap_cadence > 0
+    assert arms["anchor_tis"].grpo.tis == "token" and arms["anchor_swap"].anchor.swap.cadence > 0
     g = arms["anchor_guard"].guard
-    assert g.enabled and g.action == "rollback" and arms["anchor_guard"].anchor.swap_cadence == 0
+    assert g.enabled and g.action == "rollback" and arms["anchor_guard"].anchor.swap.cadence == 0
     assert arms["guard"].guard.enabled and not arms["guard"].anchor.enabled  # the guard alone on the compressed arm
     harsh = name == "collapse_harsh"
     a = arms["anchor"]

@@ -54,12 +54,6 @@ _ZERO_COUNTERS = ("anchor/optimizer_steps", "anchor/rollouts_generated", "anchor
 class AnchorCircuit:
     def __init__(self, run_cfg, model_cfg, params, sketcher=None, pipeline=None):
         a = self.cfg = run_cfg.anchor
-        if a.batch_scope != "ppo_minibatch":
-            raise ConfigError("anchor.batch_scope", "only ppo_minibatch replay is implemented")
-        if a.warmup_mode != "stale_correct":
-            raise ConfigError(
-                "anchor.warmup_mode", "only stale_correct is implemented (q_only needs an anchor-owned low-rank basis)"
-            )
         # Anchor-owned low-rank basis: every fire's dense forward also sketches the activations (unchanged) with
         # `sketcher(basis_state, attention_mask) -> (hook, layers)`, handed in by the loop; the fire returns the
         # sketch, and the loop gives it to the basis (one power-iteration step, staged). The anchor never sees the
@@ -73,14 +67,14 @@ class AnchorCircuit:
         self.dtype = model_cfg.param_dtype  # the sampler's dtype: snapshots are exactly the generating weights
         self.tps = run_cfg.ticks_per_step * run_cfg.train.ppo_epochs
         self.buffer = ReplayBuffer(a.cadence, a.delay, self.dtype, ticks_per_step=self.tps)
-        self.window = SnapshotWindow.from_config(a) if a.projection else None
-        self.merger_on = a.merger != "none"
+        self.window = SnapshotWindow.from_config(a.projection) if a.projection.enabled else None
+        self.merger_on = a.merger_type != "none"
         self._batch_keys = anchor_batch_keys(run_cfg.grpo)
         # Carry of the fire: merger state and anchor moments (both sharded like params; moments: swap only).
         by_path = {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(self.param_sh)[0]}
         self._params_like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         self.mom_sh = None
-        if a.swap_cadence > 0:
+        if a.swap.cadence > 0:
             mom = jax.eval_shape(lambda: init_anchor_moments(params, a.target_scope))
             self.mom_sh = type(mom)(m={k: by_path[k] for k in mom.m}, v={k: by_path[k] for k in mom.v}, fired=self.rep)
         # train.micro_batch: the fire accumulates over micro-batches like the train step (one micro-batch's
@@ -98,7 +92,9 @@ class AnchorCircuit:
         # The merger's M (and δ) sharded like their parameters (fsdp: 1/fsdp per device), scalars replicated.
         self.merger_sh = None
         if self.merger_on:
-            self.merger_sh = merger_shardings(jax.eval_shape(lambda: init_merger(params, a)), self.param_sh)
+            self.merger_sh = merger_shardings(
+                jax.eval_shape(lambda: init_merger(params, a.merger, a.target_scope)), self.param_sh
+            )
         carry_sh = {"merger": self.rep if self.merger_sh is None else self.merger_sh, "moments": self.mom_sh}
         # One jitted dense forward/backward (+ EMA and moment updates), compiled once: fixed batch keys/shapes,
         # snapshot params put on the parameter shardings. The carry is donated; the trainer state is not an input.
@@ -130,7 +126,7 @@ class AnchorCircuit:
         if not self.merger_on:
             return None
         like, a = self._params_like, self.cfg
-        return dispatch.jit(lambda: init_merger(like, a), out_shardings=self.merger_sh)()
+        return dispatch.jit(lambda: init_merger(like, a.merger, a.target_scope), out_shardings=self.merger_sh)()
 
     def init_moments(self):
         """cs.moments (the swap's source), or None without the swap."""
@@ -152,15 +148,15 @@ class AnchorCircuit:
 
     def swap_due(self, tau: int) -> bool:
         a = self.cfg
-        return a.swap_cadence > 0 and tau % a.swap_cadence == 0 and self.fires > 0
+        return a.swap.cadence > 0 and tau % a.swap.cadence == 0 and self.fires > 0
 
     def _fire_fn(self, grad_fn, params, batch, carry, basis):
         grads, metrics, sketch = grad_fn(params, batch, basis)  # the sketch is summed over the global batch
         out = dict(carry)
         if carry.get("merger") is not None:
-            out["merger"] = update_ema(carry["merger"], grads, self.cfg)
+            out["merger"] = update_ema(carry["merger"], grads, self.cfg.merger)
         if carry.get("moments") is not None:
-            out["moments"] = update_anchor_moments(carry["moments"], grads, self.cfg.swap_beta1, self.cfg.swap_beta2)
+            out["moments"] = update_anchor_moments(carry["moments"], grads, self.cfg.swap.beta1, self.cfg.swap.beta2)
         # A non-finite gradient, EMA or moment is never applied: the whole carry stays as it was (fired counts too).
         # A select inside the program: no host sync here; the flag is read with the step's metrics (step_metrics).
         ok = all_finite((grads, out))
@@ -177,7 +173,7 @@ class AnchorCircuit:
         st, fire = cs.merger, cs.clock.anchor_fire
 
         def on(_):
-            return merge(st, grads, self.cfg, fire)
+            return merge(st, grads, self.cfg.merger, fire)
 
         def off(_):
             shapes = jax.eval_shape(on, None)[2]
@@ -213,7 +209,7 @@ class AnchorCircuit:
             cs, metrics, sketch = self._fire(tau, batch, cs, basis)
         if self.merger_on:
             if not self.fires:
-                self.rank1_bypass_ticks += int(a.projection)  # M not ready: the merger bypasses this tick
+                self.rank1_bypass_ticks += int(a.projection.enabled)  # M not ready: the merger bypasses this tick
             clock = cs.clock._replace(anchor_fire=jnp.asarray(fire), anchor_merge=jnp.asarray(self.merge_due(tau)))
             cs = cs._replace(clock=clock)
         return cs, metrics, sketch
@@ -231,7 +227,7 @@ class AnchorCircuit:
             window.add_exact(rep.snapshot_tick, rep.params)
             if window.ready:
                 try:
-                    weights, r1 = window.forecast(self._gen_tick, self.cfg.strength)
+                    weights, r1 = window.forecast(self._gen_tick, self.cfg.projection.strength)
                 except FloatingPointError:  # a non-finite snapshot or forecast: this fire is skipped whole (no
                     # backward; M, the moments, Q's sketch and the window stay as they were), counted in
                     # anchor/skipped and warned by step_metrics, like a non-finite gradient
@@ -264,7 +260,7 @@ class AnchorCircuit:
             if self._swap_jit is None:  # built once, with the trainer's own opt-state shardings
                 opt_sh = jax.tree.map(lambda x: x.sharding, state.opt_state)
                 fn = functools.partial(
-                    swap_optimizer_moments, alpha=a.swap_alpha, scale_match=a.swap_scale_match, mode=a.swap_mode
+                    swap_optimizer_moments, alpha=a.swap.alpha, scale_match=a.swap.scale_match, mode=a.swap.mode
                 )
                 self._swap_jit = dispatch.jit(
                     fn, in_shardings=(opt_sh, self.mom_sh), out_shardings=(opt_sh, self.rep), donate_argnums=(0,)
@@ -307,7 +303,7 @@ class AnchorCircuit:
             out["anchor/fire_tick"] = s["fire_ticks"][-1]
             out["anchor/data_delay"] = float(np.mean([d for d, _ in s["replays"]]))
             out["anchor/weight_staleness"] = float(np.mean([w for _, w in s["replays"]]))
-        if self.cfg.swap_cadence > 0:
+        if self.cfg.swap.cadence > 0:
             out["swap/count"] = self.swaps
             if s["rhos"]:
                 out["swap/rho"] = float(np.mean([float(r) for r in s["rhos"]]))

@@ -1,9 +1,11 @@
 """Merger (design §4.4): the EMA M of anchor gradients and the rules that let M correct the fast gradient G.
 
-Optax shape: `init_merger` builds a `MergerState`, `update_ema` folds a fresh anchor gradient into M on a fire,
-`merge` rewrites G before clipping. All three are pure and jittable; the config (`AnchorConfig`) is static,
-`is_fire_tick` may be traced; `merger_shardings` places the state like the parameters. The caller decides when to call `merge` (every `merger_cadence` ticks); `age`
-counts `merge` calls since the last fire tick, which equals ticks at the default cadence of 1.
+Optax shape: `init_merger` builds the merger's own state (`SignedEmaState`, `SignedGateState`, `BlendState`,
+`DelayedEfState`), `update_ema` folds a fresh anchor gradient into M on a fire, `merge` rewrites G before clipping.
+All three are pure and jittable; the config (the merger section `anchor.merger`) is static, `is_fire_tick` may be
+traced; `merger_shardings` places the state like the parameters. The caller decides when to call `merge` (every
+`anchor.merger.cadence` ticks); `age` counts `merge` calls since the last fire tick, which equals ticks at the
+default cadence of 1.
 
 M, δ and the per-target state are dicts keyed by the '/'-joined parameter path of each *target* leaf, so
 `target_scope='decoder'` holds no memory for embeddings or norms; non-target leaves of G pass through untouched.
@@ -21,7 +23,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from twocircuit_jax.names import path_str
 
 COLD_M_EPS = 1e-12  # ‖M‖ at or below this has no usable direction (design §4.4 cold-M guard)
-MERGERS = ("signed_ema", "signed_gate", "delayed_ef", "blend", "none")
 _DECODER_RE = re.compile(r"(^|/)layers/(q|k|v|o|gate|up|down)_proj/kernel$")
 
 
@@ -53,32 +54,107 @@ def _norm(x):
 
 
 # ------------------------------------------------------------------------------------------------------ state
-class MergerState(NamedTuple):
-    m: Dict[str, jax.Array]  # {target path: fp32 [leaf shape]} EMA of anchor gradients, 0 before any fire
-    delta: Dict[str, jax.Array]  # {target path: fp32 [leaf shape]} delayed_ef δ = M − G(fire tick); {} otherwise
-    fired: jax.Array  # int32 [] number of fires folded into M (M exists iff > 0)
-    omega: jax.Array  # fp32 [] learned gate ω of signed_gate (ω₀ = 0)
-    age: jax.Array  # int32 [] merge calls since the last fire tick (0 on the fire tick)
-    cold_m_fallbacks: jax.Array  # int32 [] target tensors that fell back to G because ‖M‖ <= 1e-12
+# One state type per merger (optax style): each holds only what its rule reads. Shared fields keep one meaning:
+#   m                 {target path: fp32 [leaf shape]} EMA of anchor gradients, 0 before any fire
+#   fired             int32 [] number of fires folded into M (M exists iff > 0)
+#   age               int32 [] merge calls since the last fire tick (0 on the fire tick)
+#   cold_m_fallbacks  int32 [] target tensors that fell back to G because ‖M‖ <= 1e-12
+class SignedEmaState(NamedTuple):
+    m: Dict[str, jax.Array]  # {target path: fp32 [leaf shape]}
+    fired: jax.Array  # int32 []
+    age: jax.Array  # int32 []
+    cold_m_fallbacks: jax.Array  # int32 []
 
 
-def init_merger(params, cfg=None) -> MergerState:
-    """Zero state; `cfg` (AnchorConfig) picks the target scope and whether δ is allocated (delayed_ef only)."""
-    scope = getattr(cfg, "target_scope", "all")
-    mode = getattr(cfg, "merger", "signed_ema")
-    zeros = {k: jnp.zeros(jnp.shape(x), jnp.float32) for k, x in select_targets(params, scope).items()}
-    delta = dict(zeros) if mode == "delayed_ef" else {}
-    return MergerState(
-        m=zeros,
-        delta=delta,
-        fired=jnp.zeros((), jnp.int32),
-        omega=jnp.zeros((), jnp.float32),
-        age=jnp.zeros((), jnp.int32),
-        cold_m_fallbacks=jnp.zeros((), jnp.int32),
+class SignedGateState(NamedTuple):
+    m: Dict[str, jax.Array]  # {target path: fp32 [leaf shape]}
+    fired: jax.Array  # int32 []
+    omega: jax.Array  # fp32 [] learned gate ω (ω₀ = 0): sign agreement of successive anchor gradients
+    age: jax.Array  # int32 []
+    cold_m_fallbacks: jax.Array  # int32 []
+
+
+class BlendState(NamedTuple):
+    m: Dict[str, jax.Array]  # {target path: fp32 [leaf shape]}
+    fired: jax.Array  # int32 []
+    age: jax.Array  # int32 []
+    cold_m_fallbacks: jax.Array  # int32 []
+
+
+class DelayedEfState(NamedTuple):
+    m: Dict[str, jax.Array]  # {target path: fp32 [leaf shape]}
+    delta: Dict[str, jax.Array]  # {target path: fp32 [leaf shape]} δ = M − G(fire tick), decayed while held
+    fired: jax.Array  # int32 []
+    age: jax.Array  # int32 []
+    cold_m_fallbacks: jax.Array  # int32 []
+
+
+STATES = {
+    "signed_ema": SignedEmaState,
+    "signed_gate": SignedGateState,
+    "blend": BlendState,
+    "delayed_ef": DelayedEfState,
+}
+
+
+class LegacyMergerState(NamedTuple):
+    """The one state of every merger that checkpoints written before the per-merger states hold (restore target
+    only; `from_legacy` maps it to the merger's own state)."""
+
+    m: Dict[str, jax.Array]
+    delta: Dict[str, jax.Array]  # {} unless delayed_ef
+    fired: jax.Array
+    omega: jax.Array
+    age: jax.Array
+    cold_m_fallbacks: jax.Array
+
+
+def legacy_like(state):
+    """The LegacyMergerState an old checkpoint holds for a merger whose current state is `state` (arrays or
+    shapes): δ only for delayed_ef, ω always (a scalar)."""
+    scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=getattr(state.fired, "sharding", None))
+    return LegacyMergerState(
+        m=state.m,
+        delta=getattr(state, "delta", {}),
+        fired=state.fired,
+        omega=getattr(state, "omega", scalar),
+        age=state.age,
+        cold_m_fallbacks=state.cold_m_fallbacks,
     )
 
 
-def merger_shardings(state: MergerState, param_shardings) -> MergerState:
+def from_legacy(old: LegacyMergerState, state_type):
+    """The fields of `state_type` picked out of a restored LegacyMergerState (the rest were unused by its merger)."""
+    return state_type(**{k: getattr(old, k) for k in state_type._fields})
+
+
+def merger_type(cfg) -> str:
+    """The merger's `type:` name of a merger section (config/anchor.py)."""
+    from twocircuit_jax.config.anchor import MergerConfig
+    from twocircuit_jax.config.base import type_name
+
+    return type_name(MergerConfig, cfg)
+
+
+def init_merger(params, cfg, target_scope: str = "all"):
+    """Zero state of the merger section `cfg` (config/anchor.py) over the `target_scope` leaves of `params`."""
+    mode = merger_type(cfg)
+    if mode not in STATES:
+        raise ValueError(f"anchor.merger.type {mode!r} keeps no state; allowed: {sorted(STATES)}")
+    zeros = {k: jnp.zeros(jnp.shape(x), jnp.float32) for k, x in select_targets(params, target_scope).items()}
+    fields = {
+        "m": zeros,
+        "delta": dict(zeros),
+        "fired": jnp.zeros((), jnp.int32),
+        "omega": jnp.zeros((), jnp.float32),
+        "age": jnp.zeros((), jnp.int32),
+        "cold_m_fallbacks": jnp.zeros((), jnp.int32),
+    }
+    cls = STATES[mode]
+    return cls(**{k: fields[k] for k in cls._fields})
+
+
+def merger_shardings(state, param_shardings):
     """Where the merger state lives: M and δ (fp32, one per target leaf) sharded like their parameter, so with fsdp
     each device holds 1/fsdp of them (Qwen2.5-1.5B decoder targets: 5.2 GB fp32 replicated); the scalars
     replicated. `state` may be shapes (jax.eval_shape of `init_merger`); `param_shardings` is the params' pytree
@@ -86,17 +162,10 @@ def merger_shardings(state: MergerState, param_shardings) -> MergerState:
     flat = jax.tree_util.tree_flatten_with_path(param_shardings)[0]
     by_path = {path_str(p): s for p, s in flat}
     rep = NamedSharding(flat[0][1].mesh, PartitionSpec())
-    return MergerState(
-        m={k: by_path[k] for k in state.m},
-        delta={k: by_path[k] for k in state.delta},
-        fired=rep,
-        omega=rep,
-        age=rep,
-        cold_m_fallbacks=rep,
-    )
+    return type(state)(*({k: by_path[k] for k in v} if isinstance(v, dict) else rep for v in state))
 
 
-def _anchor_targets(state: MergerState, g_anchor) -> Dict[str, jax.Array]:
+def _anchor_targets(state, g_anchor) -> Dict[str, jax.Array]:
     """Pick M's targets out of a params-shaped gradient (or a {path: leaf} dict); a missing target is an error."""
     flat = {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(g_anchor)[0]}
     missing = sorted(set(state.m) - set(flat))
@@ -105,18 +174,20 @@ def _anchor_targets(state: MergerState, g_anchor) -> Dict[str, jax.Array]:
     return {k: flat[k] for k in state.m}
 
 
-def update_ema(state: MergerState, g_anchor, cfg) -> MergerState:
-    """On a fire: M ← β_anc·M + (1−β_anc)·G_anchor in fp32; signed_gate also refreshes ω from M_old vs G_anchor."""
+def update_ema(state, g_anchor, cfg):
+    """On a fire: M ← β_anc·M + (1−β_anc)·G_anchor in fp32; signed_gate also refreshes ω from M_old vs G_anchor.
+    `cfg` is the merger section (config/anchor.py)."""
     beta = jnp.float32(cfg.beta_anc)
     ga = {k: _f32(x) for k, x in _anchor_targets(state, g_anchor).items()}
     m_new = {k: beta * state.m[k] + (1.0 - beta) * ga[k] for k in state.m}
-    omega = state.omega
-    if cfg.merger == "signed_gate" and state.m:
+    new = state._replace(m=m_new, fired=state.fired + 1)
+    if isinstance(state, SignedGateState) and state.m:
         # Agreement of the old EMA's signs with the fresh anchor gradient, averaged over every target element.
         agree = sum(jnp.sum(jnp.sign(state.m[k]) * jnp.sign(ga[k])) for k in state.m)
         count = sum(int(state.m[k].size) for k in state.m)
-        omega = 0.5 * omega + 0.5 * jnp.clip(agree / max(count, 1), 0.0, 1.0)
-    return state._replace(m=m_new, fired=state.fired + 1, omega=jnp.asarray(omega, jnp.float32))
+        omega = 0.5 * state.omega + 0.5 * jnp.clip(agree / max(count, 1), 0.0, 1.0)
+        new = new._replace(omega=jnp.asarray(omega, jnp.float32))
+    return new
 
 
 # ------------------------------------------------------------------------------------------------------ merge
@@ -124,26 +195,28 @@ def _signed(g, m, alpha):
     return alpha * g + (1.0 - alpha) * jnp.abs(g) * jnp.sign(m)
 
 
-def merge(state: MergerState, g, cfg, is_fire_tick):
-    """Rewrite the fast gradient G (params pytree) with M. Returns (G′, state′, metrics); G′ = G until M exists."""
-    mode = cfg.merger
-    if mode not in MERGERS:
-        raise ValueError(f"anchor.merger must be one of {MERGERS}, got {mode!r}")
+def merge(state, g, cfg, is_fire_tick):
+    """Rewrite the fast gradient G (params pytree) with M. Returns (G′, state′, metrics); G′ = G until M exists.
+    `cfg` is the merger section (config/anchor.py); its type picks the rule and must match the state's."""
+    mode = merger_type(cfg)
     if mode == "none":
         return g, state, {}
+    if type(state) is not STATES[mode]:
+        raise TypeError(f"merger {mode} got a {type(state).__name__}; expected {STATES[mode].__name__}")
     fire = jnp.asarray(is_fire_tick, bool)
     ready = state.fired > 0
     age = jnp.where(fire, 0, state.age)
-    alpha = jnp.float32(cfg.alpha)
-    w = state.omega * jnp.float32(cfg.gate_decay) ** age.astype(jnp.float32)
-    ef_coef = jnp.float32(cfg.ef_lambda) * jnp.float32(cfg.ef_decay) ** age.astype(jnp.float32)
+    if mode == "signed_gate":
+        w = state.omega * jnp.float32(cfg.decay) ** age.astype(jnp.float32)
+    if mode == "delayed_ef":
+        ef_coef = jnp.float32(cfg.weight) * jnp.float32(cfg.decay) ** age.astype(jnp.float32)
 
     flat, treedef = jax.tree_util.tree_flatten_with_path(g)
     names = [path_str(p) for p, _ in flat]
     missing = sorted(set(state.m) - set(names))
     if missing:
         raise KeyError(f"gradient lacks merger targets {missing[:4]}")
-    out, rel, delta_new, cold = [], {}, dict(state.delta), jnp.zeros((), jnp.int32)
+    out, rel, delta_new, cold = [], {}, dict(getattr(state, "delta", {})), jnp.zeros((), jnp.int32)
     for name, (_, leaf) in zip(names, flat):
         if name not in state.m:
             out.append(leaf)
@@ -152,13 +225,13 @@ def merge(state: MergerState, g, cfg, is_fire_tick):
         m_norm = _norm(m)
         is_cold = m_norm <= COLD_M_EPS
         if mode == "signed_ema":
-            new = _signed(gf, m, alpha)
+            new = _signed(gf, m, jnp.float32(cfg.alpha))
         elif mode == "signed_gate":
             # Fire tick: the full signed rule (w = 1); held ticks: the decayed learned gate.
             wt = jnp.where(fire, 1.0, w)
-            new = (1.0 - wt) * gf + wt * _signed(gf, m, alpha)
+            new = (1.0 - wt) * gf + wt * _signed(gf, m, jnp.float32(cfg.alpha))
         elif mode == "blend":
-            eta = jnp.float32(cfg.blend_eta)
+            eta = jnp.float32(cfg.eta)
             scale = _norm(gf) / jnp.where(is_cold, 1.0, m_norm)
             new = (1.0 - eta) * gf + eta * scale * m
         else:  # delayed_ef: δ is the anchor-minus-fast gap measured on the fire tick, decayed while held
@@ -173,7 +246,9 @@ def merge(state: MergerState, g, cfg, is_fire_tick):
         rel[name] = jnp.where(g_norm > 0, _norm(_f32(g_new) - gf) / jnp.where(g_norm > 0, g_norm, 1.0), 0.0)
         out.append(g_new)
 
-    new_state = state._replace(delta=delta_new, age=age + 1, cold_m_fallbacks=state.cold_m_fallbacks + cold)
+    new_state = state._replace(age=age + 1, cold_m_fallbacks=state.cold_m_fallbacks + cold)
+    if mode == "delayed_ef":
+        new_state = new_state._replace(delta=delta_new)
     metrics = {f"merger/rel_change/{k}": v for k, v in rel.items()}
     metrics["merger/rel_change"] = (sum(rel.values()) / len(rel)) if rel else jnp.zeros((), jnp.float32)
     metrics["merger/applied"] = ready.astype(jnp.float32)

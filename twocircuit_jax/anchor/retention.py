@@ -219,7 +219,8 @@ def host_bytes(cfg, params_like=None) -> dict:
     )
     tps = cfg.ticks_per_step * cfg.train.ppo_epochs
     n_buf = max_snapshots(a.cadence, a.delay, tps)
-    n_win = (a.window if a.window_mode == "sliding_window" else a.max_snapshots) if a.projection else 0
+    p = a.projection
+    n_win = (p.window if p.window_mode == "sliding_window" else p.max_snapshots) if p.enabled else 0
     from twocircuit_jax.anchor.loss import anchor_batch_keys
 
     rows, T = cfg.train.mini_batch * cfg.sampler.n, cfg.train.max_prompt_len + cfg.sampler.sampling.max_new_tokens

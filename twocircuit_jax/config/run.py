@@ -78,12 +78,6 @@ class RunConfig:
                 "anchor.owns_q",
                 f"owns_q: true needs a fast.codec that learns a basis{_learners()}",
             )
-        if a.warmup_mode == "q_only":
-            require(
-                f.codec.learns_basis and self.anchor_owns_q,
-                "anchor.warmup_mode",
-                f"q_only needs a fast.codec that learns a basis{_learners()}, with an anchor-owned basis",
-            )
         if self.guard.enabled:
             for m in self.guard.mitigations:
                 if m in ("swap", "anchor_cadence"):
@@ -181,19 +175,25 @@ def _read_yaml(path: str) -> dict:
 
 
 def _sections_in_context(parent: dict, child: dict) -> dict:
-    """Before a child file is merged over its base: when the child writes `fast` codec sections and the base still
-    uses the flat shorthand, the base is put in section form first, so the child's values win (a flat `rank: 3` in
-    the base must not beat the child's `codec: {rank: 8}`). A flat child merges as flat keys did before: the later
-    file's flat keys win when the merged config is parsed. Mutates `parent`; returns the child."""
+    """Before a child file is merged over its base: when the child writes `fast` codec sections (or `anchor` merger,
+    projection or swap sections) and the base still uses the flat shorthand, the base is put in section form first,
+    so the child's values win (a flat `rank: 3` in the base must not beat the child's `codec: {rank: 8}`). A flat
+    child merges as flat keys did before: the later file's flat keys win when the merged config is parsed. Mutates `parent`; returns the child."""
     cf, pf = child.get("fast"), parent.get("fast")
-    if not (isinstance(cf, dict) and isinstance(pf, dict)):
-        return child
-    if any(isinstance(cf.get(k), dict) for k in ("codec", "grad_codec")) and set(pf) - _FAST_OWN:
-        parent["fast"] = FastConfig.upgrade(pf)
+    if isinstance(cf, dict) and isinstance(pf, dict):
+        if any(isinstance(cf.get(k), dict) for k in ("codec", "grad_codec")) and set(pf) - _FAST_OWN:
+            parent["fast"] = FastConfig.upgrade(pf)
+    ca, pa = child.get("anchor"), parent.get("anchor")  # the same for the anchor's merger, projection and swap
+    if isinstance(ca, dict) and isinstance(pa, dict):
+        flat = set(pa) - _ANCHOR_OWN or not all(isinstance(pa.get(k, {}), dict) for k in _ANCHOR_SECTIONS)
+        if any(isinstance(ca.get(k), dict) for k in _ANCHOR_SECTIONS) and flat:
+            parent["anchor"] = AnchorConfig.upgrade(pa)
     return child
 
 
 _FAST_OWN = {f.name for f in dataclasses.fields(FastConfig)}
+_ANCHOR_SECTIONS = ("merger", "projection", "swap")
+_ANCHOR_OWN = {f.name for f in dataclasses.fields(AnchorConfig)}
 
 
 def _merge(a: dict, b: dict) -> dict:

@@ -7,6 +7,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Optional
 
+from twocircuit_jax.config.anchor import AnchorConfig  # noqa: F401  (a section of RunConfig; its own module)
 from twocircuit_jax.config.base import ConfigError, ConfigWarning, doc, register, registered, require, type_name
 
 
@@ -426,118 +427,6 @@ class FastConfig:
 
     def check(self):
         require(self.pp_size >= 1, "pp_size", f"got {self.pp_size}; must be >= 1")
-
-
-@dataclass(frozen=True)
-class AnchorConfig:
-    """The anchor circuit (design §4)."""
-
-    enabled: bool = field(
-        default=False,
-        metadata=doc("run the anchor circuit: delayed dense replays whose gradient corrects the fast one"),
-    )
-    cadence: int = field(default=20, metadata=doc("optimizer ticks between fires"))
-    delay: int = field(default=20, metadata=doc("replay delay in ticks", "K"))
-    replay_paired_batch: bool = field(
-        default=True, metadata=doc("replay the delayed tick's own mini-batch (the only replay implemented)")
-    )
-    batch_scope: Literal["ppo_minibatch", "rollout_batch"] = field(
-        default="ppo_minibatch",
-        metadata=doc("what a fire replays; only ppo_minibatch (the delayed tick's mini-batch) is implemented"),
-    )
-    beta_anc: float = field(default=0.5, metadata=doc("EMA factor of the anchor gradient", "β_anc"))
-    target_scope: Literal["all", "decoder"] = field(
-        default="all",
-        metadata=doc("tensors the merger and swap act on: all floating tensors, or decoder = the 7 projection kernels"),
-    )
-    owns_q: Literal["auto", True, False] = field(
-        default="auto", metadata=doc("who owns the low-rank basis; auto = anchor iff lowrank")
-    )
-    merger: Literal["signed_ema", "signed_gate", "delayed_ef", "blend", "none"] = field(
-        default="signed_ema",
-        metadata=doc(
-            "how the anchor EMA M rewrites the fast gradient: signed_ema, signed_gate, delayed_ef, blend; none = not"
-        ),
-    )
-    alpha: float = field(default=0.25, metadata=doc("signed_ema weight on the fast gradient", "α"))
-    merger_cadence: int = field(default=1, metadata=doc("ticks between merger applications; must divide cadence"))
-    gate_decay: float = field(
-        default=0.75, metadata=doc("signed_gate: per-merge decay of the gate between fires, in (0, 1)")
-    )
-    ef_lambda: float = field(
-        default=1.0, metadata=doc("delayed_ef: weight of the anchor-minus-fast gap added to the gradient", "λ")
-    )
-    ef_decay: float = field(default=1.0, metadata=doc("delayed_ef: per-merge decay of that weight between fires"))
-    blend_eta: float = field(default=0.5, metadata=doc("blend weight of M", "η"))
-    projection: bool = field(
-        default=True, metadata=doc("fire on a rank-1 forecast of the current generator weights with the current batch")
-    )
-    strength: float = field(
-        default=1.0,
-        metadata=doc("scale of the rank-1 forecast's step past the newest snapshot; 0 = the newest snapshot"),
-    )
-    window: int = field(default=4, metadata=doc("snapshots the sliding window keeps (>= 2)", "W"))
-    min_snapshots: int = field(
-        default=2, metadata=doc("snapshots needed before the forecast is used; earlier fires replay the delayed pair")
-    )
-    window_mode: Literal["sliding_window", "growing_fixed_base"] = field(
-        default="sliding_window",
-        metadata=doc(
-            "sliding_window keeps the newest window snapshots; growing_fixed_base keeps the base and the newest"
-        ),
-    )
-    max_snapshots: int = field(default=8, metadata=doc("growing_fixed_base: snapshots kept in all, base included"))
-    warmup_mode: Literal["stale_correct", "q_only"] = field(
-        default="stale_correct",
-        metadata=doc("fires before the window is ready: stale_correct replays the delayed pair (q_only is refused)"),
-    )
-    swap_cadence: int = field(default=0, metadata=doc("optimizer-state swap period in ticks; 0 = off"))
-    swap_alpha: float = field(default=1.0, metadata=doc("blend of the swap", "κ"))
-    swap_beta1: float = field(
-        default=0.8, metadata=doc("EMA factor of the anchor's first moment of its gradient, in [0, 1)", "β1")
-    )
-    swap_beta2: float = field(
-        default=0.95, metadata=doc("EMA factor of the anchor's second moment of its gradient, in [0, 1)", "β2")
-    )
-    swap_scale_match: bool = field(
-        default=True, metadata=doc("rescale the anchor moments to the norm of Adam's first moment before the swap")
-    )
-    swap_mode: Literal["anchor_moments", "zero"] = field(
-        default="anchor_moments",
-        metadata=doc("anchor_moments: blend Adam's moments toward the anchor's; zero: toward zero"),
-    )
-
-    def check(self):
-        require(self.cadence >= 1, "cadence", f"got {self.cadence}; must be >= 1")
-        require(self.delay >= 0, "delay", f"got {self.delay}; must be >= 0")
-        require(0 <= self.beta_anc < 1, "beta_anc", f"got {self.beta_anc}; allowed [0, 1)")
-        require(0 <= self.alpha <= 1, "alpha", f"got {self.alpha}; allowed [0, 1]")
-        require(0 < self.gate_decay < 1, "gate_decay", f"got {self.gate_decay}; allowed (0, 1)")
-        require(0 <= self.blend_eta <= 1, "blend_eta", f"got {self.blend_eta}; allowed [0, 1]")
-        require(self.merger_cadence >= 1, "merger_cadence", f"got {self.merger_cadence}; must be >= 1")
-        require(self.window >= 2, "window", f"got {self.window}; must be >= 2")
-        require(2 <= self.min_snapshots <= self.window, "min_snapshots", f"got {self.min_snapshots}; allowed 2..window")
-        require(self.swap_cadence >= 0, "swap_cadence", f"got {self.swap_cadence}; must be >= 0 (0 = off)")
-        require(0 <= self.swap_alpha <= 1, "swap_alpha", f"got {self.swap_alpha}; allowed [0, 1]")
-        require(0 <= self.swap_beta1 < 1, "swap_beta1", f"got {self.swap_beta1}; allowed [0, 1)")
-        require(0 <= self.swap_beta2 < 1, "swap_beta2", f"got {self.swap_beta2}; allowed [0, 1)")
-        require(self.strength >= 0, "strength", f"got {self.strength}; must be >= 0")
-        if self.projection and self.enabled:
-            require(self.replay_paired_batch, "projection", "projection needs replay_paired_batch: true")
-            require(self.merger != "none", "projection", "projection needs a merger (anchor.merger != none)")
-            require(
-                self.cadence % self.merger_cadence == 0,
-                "cadence",
-                f"got {self.cadence}; must be divisible by merger_cadence={self.merger_cadence}",
-            )
-        if self.swap_cadence > 0:
-            require(self.enabled, "swap_cadence", "the optimizer-state swap needs anchor.enabled: true")
-        if self.enabled:  # the replay buffer keeps the fast step's own mini-batch: no other replay is implemented
-            require(
-                self.replay_paired_batch,
-                "replay_paired_batch",
-                "got false; only the paired replay (the delayed tick's own mini-batch) is implemented",
-            )
 
 
 @dataclass(frozen=True)

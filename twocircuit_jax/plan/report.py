@@ -42,7 +42,8 @@ def _host(cfg, params) -> dict:
     if not a.enabled:
         return {"anchor_snapshot_bytes": 0.0, "anchor_snapshots": 0, "anchor_batches": 0}
     batches = a.delay // a.cadence + 1
-    snaps = batches + 1 + ((a.window if a.window_mode == "sliding_window" else a.max_snapshots) if a.projection else 0)
+    p = a.projection
+    snaps = batches + 1 + ((p.window if p.window_mode == "sliding_window" else p.max_snapshots) if p.enabled else 0)
     one = float(sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params)))
     return {"anchor_snapshot_bytes": snaps * one, "anchor_snapshots": snaps, "anchor_batches": batches}
 

@@ -23,14 +23,14 @@ class Clock(NamedTuple):
     step: jax.Array  # [] int32 GRPO step gs: the PRF step key of every codec forward (never the tick)
     first_minibatch: jax.Array  # [] bool: this tick's parameters produced ℓ_old (the PPO ratio is exactly 1)
     anchor_fire: jax.Array  # [] bool: an anchor fire folded a fresh gradient into M just before this tick
-    anchor_merge: jax.Array  # [] bool: the merger corrects this tick's gradient (anchor.merger_cadence)
+    anchor_merge: jax.Array  # [] bool: the merger corrects this tick's gradient (anchor.merger.cadence)
 
 
 class CircuitState(NamedTuple):
     clock: Clock
     codec: Any  # activation codec state: LowRankState (the basis, fp32 [H, r] per boundary, replicated) or None
     grad: Any  # gradient codec state: PowerSGDState (Q [m, r] replicated, error memory split over dp) or None
-    merger: Any  # MergerState (fp32, target-leaf shaped, sharded like the params: anchor/merger.py) or None
+    merger: Any  # the merger's own state (anchor/merger.py STATES: fp32, target-leaf shaped, sharded like the params) or None
     moments: Any  # AnchorMoments (fp32 m, v sharded like the params; the swap's source) or None
 
 

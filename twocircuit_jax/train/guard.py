@@ -11,7 +11,7 @@
 Mitigations (pure functions of the run config; each applied one stays for the rest of the run and is re-applied on
 resume from the checkpoint's meta):
   anchor_cadence  anchor.cadence halved (more dense fires)      kl        grpo.kl_coef x guard.kl_factor
-  tis             grpo.tis token (truncated importance sampling)  swap      anchor.swap_cadence = anchor.cadence
+  tis             grpo.tis token (truncated importance sampling)  swap      anchor.swap.cadence = anchor.cadence
   headroom        the generation cap x guard.headroom
 
 The guard's host state (`state_dict`) rides in the checkpoint meta; every action is also one line of
@@ -40,7 +40,8 @@ def mitigate(cfg, name: str):
         cadence = max(1, a.cadence // 2)
         # keep the config valid: the merger cadence must divide the fire cadence
         mc = a.merger_cadence if cadence % a.merger_cadence == 0 else 1
-        return rep(cfg, anchor=rep(a, cadence=cadence, merger_cadence=mc)), f"anchor.cadence {a.cadence} -> {cadence}"
+        merger = rep(a.merger, cadence=mc) if hasattr(a.merger, "cadence") else a.merger
+        return rep(cfg, anchor=rep(a, cadence=cadence, merger=merger)), f"anchor.cadence {a.cadence} -> {cadence}"
     if name == "kl":
         k = cfg.grpo.kl_coef
         new = k * g.kl_factor if k > 0 else g.kl_min
@@ -49,9 +50,11 @@ def mitigate(cfg, name: str):
         old = cfg.grpo.tis
         return rep(cfg, grpo=rep(cfg.grpo, tis="token" if old == "off" else old)), f"grpo.tis {old} -> token"
     if name == "swap":
-        old = cfg.anchor.swap_cadence
+        old = cfg.anchor.swap.cadence
         new = old or cfg.anchor.cadence
-        return rep(cfg, anchor=rep(cfg.anchor, swap_cadence=new)), f"anchor.swap_cadence {old} -> {new}"
+        return rep(
+            cfg, anchor=rep(cfg.anchor, swap=rep(cfg.anchor.swap, cadence=new))
+        ), f"anchor.swap.cadence {old} -> {new}"
     if name == "headroom":
         s = cfg.sampler.sampling
         cap = int(math.ceil(s.max_new_tokens * g.headroom))

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from twocircuit_jax.anchor.merger import from_legacy, legacy_like
 from twocircuit_jax.config.base import ConfigError, to_dict
 from twocircuit_jax.model.hf_io import CheckpointError
 from twocircuit_jax.train import safe_blob
@@ -27,6 +28,8 @@ ANCHOR_BLOB = "anchor_buffers.npz"
 AHEAD_BLOB = "rollouts_ahead.npz"  # train.async_rollouts: the next step's finished rollouts, for an exact resume
 # The checkpoint tree {"train", "circuit"}; layout 1 (no "state_layout" in meta) held {"train", "ctx", "anchor"}.
 STATE_LAYOUT = 2
+# meta["merger_state"]: the merger state's type (anchor/merger.py STATES). Checkpoints without it hold the one
+# LegacyMergerState of every merger, restored as that and mapped to the merger's own state.
 
 
 class TrainerCheckpoints:
@@ -41,6 +44,7 @@ class TrainerCheckpoints:
             "step": gs,
             "state_layout": STATE_LAYOUT,
             "circuit_fields": [k for k, v in zip(self.cs._fields, self.cs) if v is not None],
+            "merger_state": type(self.cs.merger).__name__ if self.cs.merger is not None else None,
             "history": self.history,
             "model_config": to_dict(self.model_cfg),
             "config": to_dict(self.user_cfg),  # a resume compares its config with this one (train/resume_config.py)
@@ -122,9 +126,14 @@ class TrainerCheckpoints:
             # the swap's moments) keeps its fresh value.
             have = meta.get("circuit_fields", self.cs._fields)
             like = CircuitState(*(v if k in have else None for k, v in zip(self.cs._fields, self.cs)))
+            legacy_merger = like.merger is not None and "merger_state" not in meta
+            if legacy_merger:
+                like = like._replace(merger=legacy_like(like.merger))
             state, meta = self.ckpt.restore(step, {"train": self.state, "circuit": like})
-            self.state = state["train"]
-            self.cs = CircuitState(*(r if r is not None else f for f, r in zip(self.cs, state["circuit"])))
+            self.state, restored = state["train"], CircuitState(*state["circuit"])
+            if legacy_merger:
+                restored = restored._replace(merger=from_legacy(restored.merger, type(self.cs.merger)))
+            self.cs = CircuitState(*(r if r is not None else f for f, r in zip(self.cs, restored)))
         elif layout == 1:
             state, meta = self.ckpt.restore(step, self._legacy_tree())
             self.state, self.cs = state["train"], self._from_legacy(state)
@@ -154,7 +163,9 @@ class TrainerCheckpoints:
             if cs.grad is not None:
                 ctx["codec"]["powersgd"] = cs.grad
         if cs.merger is not None:
-            ctx.update(merger=cs.merger, anchor_fire=cs.clock.anchor_fire, anchor_merge=cs.clock.anchor_merge)
+            ctx.update(
+                merger=legacy_like(cs.merger), anchor_fire=cs.clock.anchor_fire, anchor_merge=cs.clock.anchor_merge
+            )
         tree = {"train": self.state, "ctx": ctx}
         if self.anchor:
             tree["anchor"] = {"moments": cs.moments} if cs.moments is not None else {"none": jnp.zeros((), jnp.int32)}
@@ -171,7 +182,10 @@ class TrainerCheckpoints:
             ctx.get("anchor_merge", self.cs.clock.anchor_merge),
         )
         moments = tree.get("anchor", {}).get("moments")
-        return CircuitState(clock, codec.get("lowrank"), codec.get("powersgd"), ctx.get("merger"), moments)
+        merger = ctx.get("merger")
+        if merger is not None:
+            merger = from_legacy(merger, type(self.cs.merger))
+        return CircuitState(clock, codec.get("lowrank"), codec.get("powersgd"), merger, moments)
 
     def _maybe_save_best(self, gs, metrics):
         if "eval/accuracy" in metrics:
