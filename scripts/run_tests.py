@@ -73,8 +73,8 @@ WEIGHTS = {
     "test_anchor_loop.py": (22, 0),
     "test_hf_math_run.py": (21, 0),
     "test_fidelity.py": (21, 10),
-    "test_sweep.py": (20, 1),
-    "test_user_code_timeouts.py": (20, 8),
+    "test_sweep.py": (42, 1),
+    "test_user_code_timeouts.py": (35, 12),
     "test_device_check.py": (20, 20),
     "test_codec_registry.py": (19, 5),
     "test_resume_layout1.py": (18, 18),
@@ -84,7 +84,7 @@ WEIGHTS = {
     "test_grpo_loss.py": (15, 8),
     "test_fast_circuit.py": (15, 15),
     "test_anchor_nonfinite.py": (15, 10),
-    "test_run_lock.py": (14, 0),
+    "test_run_lock.py": (22, 8),
     "test_weight_sync.py": (14, 14),
     "test_sweep_seeds.py": (13, 5),
     "test_eval_suite.py": (13, 3),
@@ -262,6 +262,13 @@ def file_times(tmp: str, groups: int, top: int = 20) -> str:
     if out:
         with open(out, "w") as f:
             json.dump(dict(sorted(secs.items(), key=lambda kv: -kv[1])), f, indent=0)
+        tests: dict[str, float] = {}  # and every test's, in OUT.tests
+        for n in range(1, groups + 1):
+            path = os.path.join(tmp, f"current-{n}.times.json.tests")
+            if os.path.exists(path):
+                tests.update(json.load(open(path)))
+        with open(out + ".tests", "w") as f:
+            json.dump(dict(sorted(tests.items(), key=lambda kv: -kv[1])), f, indent=0)
     heavy = sorted(secs.items(), key=lambda kv: -kv[1])[:top]
     return "heaviest test files (s): " + ", ".join(f"{k} {v:.0f}" for k, v in heavy)
 
