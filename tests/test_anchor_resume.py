@@ -16,7 +16,16 @@ CFG = tiny_config(
     fast={"codec": "lowrank", "rank": 3},
     grpo={"format_penalty": -1.0},  # reward variance on a random model, so the updates are not all zero
     # delay < cadence: the batch a fire needs was retained before the interruption, so it must be checkpointed
-    anchor={"enabled": True, "cadence": 4, "delay": 2, "projection": {"window": 2}, "swap": {"cadence": 2}},
+    # signed_gate (the shipped recipe's merger): its state has the most to carry (ω beside M), and both tests then
+    # run the same programs, compiled once in this process
+    anchor={
+        "enabled": True,
+        "cadence": 4,
+        "delay": 2,
+        "merger": {"type": "signed_gate"},
+        "projection": {"window": 2},
+        "swap": {"cadence": 2},
+    },
     train={"steps": 6, "checkpoint_every": 1},
 )
 
@@ -75,9 +84,8 @@ def test_a_checkpoint_of_the_old_merger_state_resumes_exactly(tmp_path, monkeypa
     from twocircuit_jax.anchor.merger import LegacyMergerState, SignedGateState
     from twocircuit_jax.train import loop
 
-    raw = dict(CFG, anchor={**CFG["anchor"], "merger": {"type": "signed_gate"}})
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(yaml.safe_dump(raw))
+    cfg.write_text(yaml.safe_dump(CFG))
     full, cut = tmp_path / "full", tmp_path / "cut"
     assert main(["train", "--config", str(cfg), "--out", str(full), "--no-progress"]) == 0
     real_grpo, real_state, real_meta = loop.GRPOTrainer.grpo_step, loop.GRPOTrainer._ckpt_state, loop.GRPOTrainer._meta
