@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_run import tiny_config
+from tiny_run import tiny_config, with_device_count
 
 from twocircuit_jax.config import ConfigError, load_config
 from twocircuit_jax.train.loop import GRPOTrainer
@@ -116,7 +116,7 @@ loop.GRPOTrainer(cfg, sys.argv[3], show_progress=False).run()
 def test_threaded_generation_repeats_the_inline_run(tmp_path):
     """One device (a child process): no collectives, so the embedded sampler generates in a background thread
     while the train step runs; the same run as inline generation."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**os.environ, "XLA_FLAGS": with_device_count(1)}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(__file__), env.get("PYTHONPATH")]))
     a, b = str(tmp_path / "threaded"), str(tmp_path / "inline")
     out = subprocess.run(

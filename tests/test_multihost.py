@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 import yaml
-from tiny_run import tiny_config
+from tiny_run import tiny_config, with_device_count
 
 from twocircuit_jax.cli import main
 from twocircuit_jax.parallel.distributed import Launch, resolve
@@ -46,7 +46,7 @@ def _launch(cfg_path, out, *extra, local_devices_flag=False, env1=None):
     if local_devices_flag:
         extra = (*extra, "--local-devices", "4")  # XLA_FLAGS stays at the pytest process's 8: the flag must win
     else:
-        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+        env["XLA_FLAGS"] = with_device_count(4)
     port = _free_port()
     cmd = [sys.executable, "-m", "twocircuit_jax.cli", "train", "--config", cfg_path, "--out", out, "--no-progress"]
     cmd += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", *extra]

@@ -113,3 +113,13 @@ def narrow_batch(n_keys: int = 2):
         "sample_id": jnp.arange(B, dtype=jnp.int32),
     }
     return batch, k
+
+
+def with_device_count(n: int) -> str:
+    """This session's XLA_FLAGS with the fake device count set to n, for a child process: the other flags (the
+    suite's LLVM optimisation level 0, scripts/run_tests.py) stay, so the child compiles as fast as the suite."""
+    import os
+    import re
+
+    rest = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")).split()
+    return " ".join([f"--xla_force_host_platform_device_count={n}", *rest])
