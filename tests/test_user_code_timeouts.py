@@ -68,6 +68,38 @@ class _Task:
         return ScoreResult(float(text == problem.answer), True)
 
 
+class _StepTask:
+    """A scorer whose reward is the step its `begin_step` hook was last given (a curriculum's shape)."""
+
+    cfg = SimpleNamespace(reward_timeout_s=30.0)
+
+    def __init__(self):
+        self.step = 0
+
+    def begin_step(self, gs):
+        self.step = gs
+
+    def score(self, problem, text):
+        return ScoreResult(float(self.step), True)
+
+
+def test_the_scoring_worker_sees_the_step_its_task_began():
+    """The worker is a fork: after `begin_step`, the trainer refreshes it (train/loop.py), or it would score with the
+    state the task had at its first call (the collapse task of tests/test_guard.py would never turn)."""
+    from twocircuit_jax.tasks.bounded import refresh
+
+    task, probs = _StepTask(), [Problem("p0", "q", "4", "4", {})]
+    step = lambda: score_batch(task, probs, ["4"], [1], [False], 8, GRPOConfig())[0][0]  # noqa: E731
+    assert step() == 0.0
+    task.begin_step(3)
+    assert step() == 0.0  # the worker forked at step 0 still scores there: what refresh is for
+    refresh(task)
+    assert step() == 3.0
+    task.begin_step(5)
+    refresh(task)
+    assert step() == 5.0
+
+
 def test_a_hung_scorer_gives_the_failure_reward_and_is_counted():
     probs = [Problem(f"p{i}", "q", "4", "4", {}) for i in range(4)]
     texts = ["4", "hang", "5", "4"]

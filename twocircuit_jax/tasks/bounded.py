@@ -22,7 +22,8 @@ not hold JAX arrays (unpickling one would start JAX in the worker).
 State: the worker lives across calls, so what user code keeps at module level or in its objects (caches, counters,
 a loaded model) persists from call to call inside the worker (never seen by the trainer's process), and starts
 afresh from the fork-time copy after a timeout. Likewise the task and its reward functions are used as they were at
-the fork: a change made to them in the trainer afterwards is not seen by the worker. Environments are the exception:
+the fork: a change made to them in the trainer afterwards is not seen by the worker, except through the task's
+`begin_step(gs)` hook, after which the trainer forks the task's workers again (`refresh`). Environments are the exception:
 each travels to the worker with its call and back with the result, so its state stays the trainer's.
 
 Memory: the fork shares the trainer's pages copy-on-write, and the worker keeps the fork-time copy of each page the
@@ -336,6 +337,19 @@ def worker_for(owner, key: str, target: Callable[[object, object], object]) -> W
     if stale is not None:
         stale.close()
     return w
+
+
+def refresh(owner) -> None:
+    """Close the workers serving `owner`, so that its next bounded call forks a worker from the owner as it is now.
+    For state the trainer changes between calls through the owner's own hooks (a task's `begin_step(gs)`: a
+    curriculum, a reward that depends on the step), which a worker forked earlier would not see. Costs one fork
+    (a few ms) per refresh; owners without such hooks keep their worker for the whole run."""
+    with _OWNED_LOCK:
+        gone = [(k, v[1]) for k, v in _OWNED.items() if k[0] == id(owner) and _deref(v[0]) is owner]
+        for k, _ in gone:
+            del _OWNED[k]
+    for _, w in gone:
+        w.close()
 
 
 def _apply(fn, item):

@@ -29,6 +29,7 @@ from twocircuit_jax.metrics.probe import dense_probe_metrics
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
 from twocircuit_jax.parallel.distributed import is_primary
 from twocircuit_jax.parallel.host import to_global, to_host
+from twocircuit_jax.tasks import bounded
 from twocircuit_jax.train import faults, rollout as ro
 from twocircuit_jax.train.checkpoint import CheckpointManager
 from twocircuit_jax.train.circuit_state import place, set_clock
@@ -341,6 +342,7 @@ class GRPOTrainer(TrainerCheckpoints):
         begin = getattr(self.task, "begin_step", None)  # optional: a task whose scoring depends on the step
         if begin is not None:
             begin(gs)
+            bounded.refresh(self.task)  # its scoring workers fork again from the task as begin_step left it
         return self.collector.collect(gs, self._problems_for(gs), self.sampler, step_seed(self.cfg.train.seed, gs))
 
     def _rollouts(self, gs: int):
