@@ -79,6 +79,7 @@ WEIGHTS = {
     "test_codec_registry.py": (19, 5),
     "test_resume_layout1.py": (18, 18),
     "test_anchor_circuit.py": (17, 17),
+    "test_host_state.py": (20, 20),
     "test_anchor_owned_basis.py": (16, 0),
     "test_fast_powersgd.py": (16, 16),
     "test_grpo_loss.py": (15, 8),

@@ -58,7 +58,7 @@ def test_nan_fire_is_skipped_counted_and_kept_across_resume(tiny, capsys):  # no
     # resume: the count is host state (checkpoint meta)
     again = AnchorCircuit(cfg, cfg.model, state.params)
     again._fire_jit = circ._fire_jit
-    again.load(circ.host_state())
+    again.load_state_dict(circ.state_dict())
     assert again.step_metrics(cs)["anchor/skipped"] == 1
 
 

@@ -88,7 +88,11 @@ def test_a_checkpoint_of_the_old_merger_state_resumes_exactly(tmp_path, monkeypa
     cfg.write_text(yaml.safe_dump(CFG))
     full, cut = tmp_path / "full", tmp_path / "cut"
     assert main(["train", "--config", str(cfg), "--out", str(full), "--no-progress"]) == 0
-    real_grpo, real_state, real_meta = loop.GRPOTrainer.grpo_step, loop.GRPOTrainer._ckpt_state, loop.GRPOTrainer._meta
+    real_grpo, real_state, real_parts = (
+        loop.GRPOTrainer.grpo_step,
+        loop.GRPOTrainer._ckpt_state,
+        loop.GRPOTrainer._host_parts,
+    )
 
     def old_state(self):
         out = real_state(self)
@@ -97,11 +101,11 @@ def test_a_checkpoint_of_the_old_merger_state_resumes_exactly(tmp_path, monkeypa
         old = LegacyMergerState(m.m, {}, m.fired, m.omega, m.age, m.cold_m_fallbacks)
         return {**out, "circuit": out["circuit"]._replace(merger=old)}
 
-    def old_meta(self, gs, metrics=None):
-        meta = real_meta(self, gs, metrics)
+    def old_parts(self, gs, metrics=None):
+        meta, blobs = real_parts(self, gs, metrics)
         del meta["merger_state"]
         meta["config"]["anchor"] = _old_flat_anchor(meta["config"]["anchor"])
-        return meta
+        return meta, blobs
 
     def dying(self, gs):
         if gs == 4:
@@ -109,7 +113,7 @@ def test_a_checkpoint_of_the_old_merger_state_resumes_exactly(tmp_path, monkeypa
         return real_grpo(self, gs)
 
     monkeypatch.setattr(loop.GRPOTrainer, "_ckpt_state", old_state)
-    monkeypatch.setattr(loop.GRPOTrainer, "_meta", old_meta)
+    monkeypatch.setattr(loop.GRPOTrainer, "_host_parts", old_parts)
     monkeypatch.setattr(loop.GRPOTrainer, "grpo_step", dying)
     assert main(["train", "--config", str(cfg), "--out", str(cut), "--no-progress"]) == 130
     monkeypatch.undo()

@@ -271,11 +271,11 @@ def test_rollout_ahead_held_compactly_and_counted():
     }
     assert sum(v.nbytes for v in held.batch.values()) == host_bytes(cfg)["rollout_ahead/bytes"]
     assert host_bytes(cfg)["rollout_ahead/bytes"] == rows * (Tp + Tn) * 10 + rows * 13
-    blob = ahead.dump()
+    blob = ahead.state_dict()
     got = ahead.take(3)
     for k, v in batch.items():
         assert got.batch[k].dtype == v.dtype and np.array_equal(got.batch[k], v), k
-    ahead.load(blob)  # a resume's copy is held compactly too and comes back the same
+    ahead.load_state_dict(blob)  # a resume's copy is held compactly too and comes back the same
     assert ahead._future.result()[0].batch["response_mask"].dtype == np.uint8
     back = ahead.take(3).batch
     assert all(back[k].dtype == v.dtype and np.array_equal(back[k], v) for k, v in batch.items())

@@ -9,15 +9,14 @@ rewards_recomputed}` are structurally 0.
 
 Device state lives in the circuit state the loop threads through (train/circuit_state.py): `cs.merger` (replicated,
 one fixed sharding so the step compiles once) and `cs.moments` (swap only; sharded like the parameters). This
-object keeps configuration, host counters and the host replay buffers. Resume: counters go in the checkpoint's
-meta; the retained batches, host snapshots and projection window go beside it as plain data (`dump_buffers`; the
-trainer stores it without pickle, train/safe_blob.py),
-so a resumed run fires on the same pairs as an uninterrupted one.
+object keeps configuration, host counters and the host replay buffers, all in `state_dict()`. Resume: the
+trainer puts the counters in the checkpoint's meta and the retained batches, host snapshots and projection window
+beside it as plain data (train/trainer_checkpoints.py; stored without pickle, train/safe_blob.py), so a resumed run
+fires on the same pairs as an uninterrupted one.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import sys
 
@@ -29,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from twocircuit_jax.anchor.loss import anchor_batch_keys, make_anchor_grad
 from twocircuit_jax.anchor.merger import init_merger, merge, merger_shardings, path_str, update_ema
 from twocircuit_jax.anchor.projection import SnapshotWindow
-from twocircuit_jax.anchor.retention import ReplayBuffer, _Snapshot
+from twocircuit_jax.anchor.retention import ReplayBuffer
 from twocircuit_jax.anchor.swap import (
     all_finite,
     init_anchor_moments,
@@ -38,7 +37,7 @@ from twocircuit_jax.anchor.swap import (
 )
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
-from twocircuit_jax.parallel.host import to_global, to_host
+from twocircuit_jax.parallel.host import to_global
 from twocircuit_jax.parallel.mesh_context import under
 from twocircuit_jax.train import accumulate
 
@@ -222,8 +221,7 @@ class AnchorCircuit:
         weights, fire_batch, metrics = rep.params, rep.batch, {}
         window = None
         if self.window is not None:
-            window = copy.copy(self.window)  # a shallow trial copy: a raising forecast leaves the window as it was
-            window._ticks, window._snaps = list(self.window._ticks), list(self.window._snaps)
+            window = self.window.copy()  # a trial copy: a raising forecast leaves the window as it was
             window.add_exact(rep.snapshot_tick, rep.params)
             if window.ready:
                 try:
@@ -310,50 +308,31 @@ class AnchorCircuit:
         self._step = _new_step()
         return out
 
-    def dump_buffers(self) -> dict:
-        """Host buffers for an exact resume: retained batches (brought to host), snapshots with their canaries,
-        the projection window, the generator tick. Plain data (dicts, tuples, numpy arrays, bytes): no object that
-        needs pickle; params-sized per held snapshot."""
-        b = self.buffer
+    _COUNTERS = ("fires", "swaps", "rank1_bypass_ticks", "warmup_fires", "anchor_rows", "fast_rows", "skipped")
+
+    def state_dict(self) -> dict:
+        """Host state for an exact resume: {"counters": {name: int} (JSON), "gen_tick": int | None, "buffer": the
+        replay buffer's state, "window": the projection window's state or None}. The buffer and the window hold
+        host arrays, params-sized per held snapshot; every process calls it (a retained batch may be gathered).
+        The per-step accumulators are not in it: `step_metrics` empties them at every step's end, before any
+        checkpoint."""
         return {
-            "snapshots": {k: tuple(v) for k, v in b._snapshots.items()},
-            "batches": [(t, s, to_host(x)) for t, s, x in b._batches],  # every process: may gather
-            "tau": b._tau,
-            "step": b._step,
-            "step_ticks": dict(b._step_ticks),
+            "counters": {k: getattr(self, k) for k in self._COUNTERS},
             "gen_tick": self._gen_tick,
-            "window": None if self.window is None else (list(self.window._ticks), list(self.window._snaps)),
+            "buffer": self.buffer.state_dict(),
+            "window": None if self.window is None else self.window.state_dict(),
         }
 
-    def load_buffers(self, d: dict) -> None:
-        b = self.buffer
-        b._snapshots = {k: _Snapshot(*v) for k, v in d["snapshots"].items()}
-        for snap in b._snapshots.values():  # stored read-only (retention.py); the file gives writable arrays
-            jax.tree_util.tree_map(lambda a: a.setflags(write=False), snap.params)
-        b._tau, b._step, b._step_ticks = d["tau"], d["step"], d["step_ticks"]
-        b._batches = [(t, s, x) for t, s, x in d["batches"]]
+    def load_state_dict(self, d: dict) -> None:
+        """Resume: the counters (a missing one is 0), and the host buffers unless `d["buffer"]` is None (a
+        checkpoint saved without them: the fresh, empty ones stay). The device state comes back in the circuit
+        state."""
+        c = d.get("counters") or {}
+        for k in self._COUNTERS:
+            setattr(self, k, int(c.get(k, 0)))
+        if d.get("buffer") is None:
+            return
+        self.buffer.load_state_dict(d["buffer"])
         self._gen_tick = d["gen_tick"]
-        if self.window is not None and d["window"] is not None:
-            self.window._ticks, self.window._snaps = d["window"]
-
-    def host_state(self) -> dict:
-        return {
-            "fires": self.fires,
-            "swaps": self.swaps,
-            "rank1_bypass_ticks": self.rank1_bypass_ticks,
-            "warmup_fires": self.warmup_fires,
-            "anchor_rows": self.anchor_rows,
-            "fast_rows": self.fast_rows,
-            "skipped": self.skipped,
-        }
-
-    def load(self, host_state, buffers: dict | None = None):
-        """Resume: the host counters and the host buffers (the device state comes back in the circuit state)."""
-        if buffers is not None:
-            self.load_buffers(buffers)
-        h = host_state or {}
-        self.fires, self.swaps = int(h.get("fires", 0)), int(h.get("swaps", 0))
-        self.rank1_bypass_ticks = int(h.get("rank1_bypass_ticks", 0))
-        self.warmup_fires = int(h.get("warmup_fires", 0))
-        self.anchor_rows, self.fast_rows = int(h.get("anchor_rows", 0)), int(h.get("fast_rows", 0))
-        self.skipped = int(h.get("skipped", 0))
+        if self.window is not None and d.get("window") is not None:
+            self.window.load_state_dict(d["window"])

@@ -184,6 +184,25 @@ class SnapshotWindow:
     def ticks(self) -> List[int]:
         return list(self._ticks)
 
+    def copy(self) -> "SnapshotWindow":
+        """A trial copy: its own tick and snapshot lists (the snapshots themselves shared, read-only), so adding to
+        it leaves this window as it was."""
+        out = SnapshotWindow(self.cap, self.min_snapshots, self.mode, self.cap)  # the same cap in either mode
+        out.load_state_dict(self.state_dict())
+        return out
+
+    def state_dict(self) -> dict:
+        """{"ticks": [int], "snaps": [params pytree of host arrays]}: the snapshots held, oldest first."""
+        return {"ticks": list(self._ticks), "snaps": list(self._snaps)}
+
+    def load_state_dict(self, d: dict) -> None:
+        ticks, snaps = [int(t) for t in d["ticks"]], list(d["snaps"])
+        if len(ticks) != len(snaps) or len(ticks) > self.cap:
+            raise ValueError(
+                f"SnapshotWindow: {len(ticks)} ticks and {len(snaps)} snapshots for a window of {self.cap}"
+            )
+        self._ticks, self._snaps = ticks, snaps
+
     @property
     def ready(self) -> bool:
         return len(self._ticks) >= self.min_snapshots

@@ -168,6 +168,35 @@ class ReplayBuffer:
         self._prune()
         return out
 
+    # ------------------------------------------------------------------------------------------- host state
+    def state_dict(self) -> dict:
+        """What an exact resume needs: the snapshots {step: (step, tick, params, canary)}, the retained batches
+        [(tick, step, batch)] brought to host, the last tick and step, the ticks seen per step. Plain data (numpy
+        arrays, bytes canaries, ints): no object that needs pickle; params-sized per held snapshot. Every process
+        calls it: a sharded batch may be gathered."""
+        return {
+            "snapshots": {k: tuple(v) for k, v in self._snapshots.items()},
+            "batches": [(t, s, to_host(x)) for t, s, x in self._batches],
+            "tau": self._tau,
+            "step": self._step,
+            "step_ticks": dict(self._step_ticks),
+        }
+
+    def load_state_dict(self, d: dict) -> None:
+        """The state `state_dict` gave. Snapshot arrays are made read-only again (a file gives writable ones), so
+        the canary check on every replay still guards them."""
+        snaps = {
+            int(k): _Snapshot(int(v[0]), int(v[1]), v[2], tuple(tuple(c) for c in v[3]))
+            for k, v in d["snapshots"].items()
+        }
+        for snap in snaps.values():
+            jax.tree_util.tree_map(lambda a: a.setflags(write=False), snap.params)
+        self._snapshots = snaps
+        self._batches = [(int(t), int(s), x) for t, s, x in d["batches"]]
+        self._tau = None if d["tau"] is None else int(d["tau"])
+        self._step = None if d["step"] is None else int(d["step"])
+        self._step_ticks = {int(k): int(v) for k, v in d["step_ticks"].items()}
+
     # ------------------------------------------------------------------------------------------ inspection
     def current_snapshot(self):
         """The current step's snapshot (host pytree, read-only): for a holder that needs the same weights (the

@@ -72,10 +72,17 @@ class MultiTurn:
     def evaluator(self, problems, greedy: bool):
         return EpisodeEvaluator(self, problems, greedy)
 
-    def state_dict(self):
+    def set_config(self, cfg, sampling) -> None:
+        """A new run config and rollout sampling (a guard mitigation changed them, e.g. the generation cap)."""
+        self.cfg, self.sampling = cfg, sampling
+
+    def state_dict(self) -> dict:
+        """{"env_rng": the numpy bit generator's state} (JSON: a dict of ints and a name)."""
         return {"env_rng": self.rng.bit_generator.state}
 
-    def load_state_dict(self, state) -> None:
+    def load_state_dict(self, state: dict) -> None:
+        """The state `state_dict` gave; an empty one (a checkpoint written before the RNG was saved) keeps the
+        freshly seeded RNG."""
         if state and "env_rng" in state:
             self.rng.bit_generator.state = state["env_rng"]
 

@@ -11,6 +11,7 @@ low-rank basis, or None) and `cs.grad` (the gradient codec's state: PowerSGD's Q
   absorb_aux(codec_state, aux)      traced inside the step: the codec folds the train forward's aux in
   grad_fn(param_shardings)          None (XLA's implicit dp mean) or the gradient codec's shard_map factory
   tick_done()                       host, after each tick (counters)
+  state_dict() / load_state_dict(d)       host counters, for the checkpoint meta
   end_step(codec_state, gs, grad_state)   host, after the last tick: the codec's update, bytes, counters
 The codec state may change between forwards only in end_step (or `activate_basis`, which refuses to run mid-step),
 so no forward inside a step sees a new basis (design §2 step 5).
@@ -289,6 +290,24 @@ class FastCircuit:
         self._mid_step = True
         if self.has_activation_codec:
             self.applications[TRAIN] += 1
+
+    def count_forward(self, tag: str) -> None:
+        """Host: one more codec forward on the `tag` path that ran inside another pass (the old-log-prob view the
+        loop takes from a tick's train forward)."""
+        if tag not in self.applications:
+            raise ValueError(f"unknown forward tag {tag!r}; allowed {', '.join(self.applications)}")
+        self.applications[tag] += 1
+
+    # --- host state (checkpoint meta) ----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The host counters: {"applications": {tag: forwards}, "steps": end_step calls} (JSON values)."""
+        return {"applications": dict(self.applications), "steps": self.steps}
+
+    def load_state_dict(self, d: dict) -> None:
+        """Counters from `state_dict`; a tag the dict lacks starts at 0."""
+        apps = {TRAIN: 0, OLD: 0, REF: 0}
+        apps.update({str(k): int(v) for k, v in d["applications"].items()})
+        self.applications, self.steps = apps, int(d["steps"])
 
     def stage_basis(self, codec_state, Q_new: dict):
         """Stage a new basis (anchor-owned case); it becomes active in end_step only."""

@@ -60,11 +60,17 @@ class SingleTurn:
             self.task, self.tokenizer, problems, t.max_prompt_len, self.sampling.max_new_tokens, greedy=greedy
         )
 
-    def state_dict(self):
-        return None
+    def set_config(self, cfg, sampling) -> None:
+        """A new run config and rollout sampling (a guard mitigation changed them, e.g. the generation cap)."""
+        self.cfg, self.sampling = cfg, sampling
 
-    def load_state_dict(self, state) -> None:
-        pass
+    def state_dict(self) -> dict:
+        """No host state: the problems of a step come from the loop's seeded order."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise ValueError(f"the single-turn collector has no state; got keys {sorted(state)}")
 
 
 def make_collector(cfg, tokenizer, sampling, task=None):

@@ -176,7 +176,7 @@ class GRPOTrainer(TrainerCheckpoints):
             inline = s.backend == "jax" and dispatch.serial_dispatch() and self.mesh.size > 1
             self.ahead = RolloutAhead(threaded=not inline)
             if self._ahead_blob is not None:
-                self.ahead.load(self._ahead_blob)
+                self.ahead.load_state_dict(self._ahead_blob)
         # Run-level files come from process 0 alone; the others run the same steps and write only their shards of
         # each checkpoint (train/checkpoint.py).
         self.logger = None
@@ -197,7 +197,7 @@ class GRPOTrainer(TrainerCheckpoints):
         # refuses any other sampler.sampling).
         self.rollout_sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=self.max_new)
         if getattr(self, "collector", None) is not None:  # a guard mitigation changed the config or the cap
-            self.collector.cfg, self.collector.sampling = self.cfg, self.rollout_sampling
+            self.collector.set_config(self.cfg, self.rollout_sampling)
 
     def _start_sampler(self):
         t = self.cfg.train
@@ -272,7 +272,7 @@ class GRPOTrainer(TrainerCheckpoints):
         tm = self._ticks(gs, dev)
         metrics.update(tm)
         if self.old_from_train and self.codec:  # the tick's forward was the old-log-prob pass: its codec view too
-            self.codec.applications[OLD] += 1
+            self.codec.count_forward(OLD)
             views = ("codec/mask_ratio", "codec/recon_rel_err")  # what summarize_aux reports of an old pass
             metrics.update({f"codec/{OLD}/{k[len('codec/') :]}": tm[k] for k in views if k in tm})
         if self.codec:

@@ -12,8 +12,9 @@ The schedule, with the loop's calls in order:
 So every rollout is exactly one weight version behind the trainer that uses it (`sampler/staleness` 1; step 1's
 and the first after a resume without saved rollouts are 0), and which version made which batch is fixed by the
 schedule, not by timing: a run repeats itself, and a resumed run repeats an uninterrupted one, since the finished
-step-ahead batch is saved with each checkpoint (`dump`/`load`). The loop's TIS weights (grpo.tis) compare the
-trainer's log-probs with the sampler's, so they correct the one version of lag like any other mismatch.
+step-ahead batch is saved with each checkpoint (`state_dict`/`load_state_dict`). The loop's TIS weights
+(grpo.tis) compare the trainer's log-probs with the sampler's, so they correct the one version of lag like any
+other mismatch.
 
 Storage: the held batch keeps its 0/1 masks ([R, T] attention_mask int32, response_mask float32) as uint8 and
 gives them back in their own dtype on `take`/`held` (exact: only arrays whose values are all 0 or 1 are packed);
@@ -130,18 +131,19 @@ class RolloutAhead:
             return None
         return self._gs, expand(*f.result())
 
-    def dump(self) -> Optional[dict]:
-        """The finished rollouts with their step, for a checkpoint (None when nothing finished is held): plain
-        data (dicts, lists, numbers, numpy arrays) that train/safe_blob.py stores without pickle."""
+    def state_dict(self) -> dict:
+        """The finished rollouts with their step, for a checkpoint: {"step": int, "collected": the Collected as a
+        tuple}, or {} when nothing finished is held (rollouts still in flight are not waited for). Plain data
+        (dicts, lists, numbers, numpy arrays) that train/safe_blob.py stores without pickle."""
         held = self.held()
-        return None if held is None else {"step": held[0], "collected": tuple(held[1])}
+        return {} if held is None else {"step": held[0], "collected": tuple(held[1])}
 
-    def load(self, d: dict) -> int:
-        """Hold rollouts from `dump` (a resume); returns their step."""
+    def load_state_dict(self, d: dict) -> None:
+        """Hold the rollouts `state_dict` gave (a resume); {} holds nothing. Whatever was held is dropped first."""
         self.drop()
-        self._gs, self._future = int(d["step"]), cf.Future()
-        self._future.set_result(compact(Collected(*d["collected"])))
-        return self._gs
+        if d:
+            self._gs, self._future = int(d["step"]), cf.Future()
+            self._future.set_result(compact(Collected(*d["collected"])))
 
     def close(self) -> None:
         """Wait for the background thread and stop it. Safe to call twice."""

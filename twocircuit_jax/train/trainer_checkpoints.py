@@ -5,8 +5,10 @@ A checkpoint is the train state and the circuit state as one orbax tree {"train"
 writes it atomically), a meta.json of host state (step, history, anchor and codec counters, health, the environment
 RNG, the guard, the step's metrics line) and blobs: the anchor's replay buffers and, with `train.async_rollouts`,
 the next step's finished rollouts, each a data-only .npz (train/safe_blob.py: nothing in a checkpoint runs code
-when it is loaded). `TrainerCheckpoints` is a mixin of `GRPOTrainer` (train/loop.py): it reads and
-writes the trainer's fields and nothing else.
+when it is loaded). `TrainerCheckpoints` is a mixin of `GRPOTrainer` (train/loop.py): it reads and writes the
+trainer's own fields, and the host objects' state only through their `state_dict()` / `load_state_dict(d)`. Where
+that state lands on disk (which meta key, which blob) is decided here, in `_host_parts` and `_anchor_state`, so
+the files keep the keys older checkpoints have.
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ class TrainerCheckpoints:
     def _ckpt_state(self):
         return {"train": self.state, "circuit": self.cs}
 
-    def _meta(self, gs, metrics=None):
+    def _host_parts(self, gs, metrics=None) -> tuple[dict, dict | None]:
+        """(meta, blobs) of a checkpoint at step `gs`: each host object's state_dict() read once (the anchor's
+        holds params-sized snapshots)."""
         meta = {
             "step": gs,
             "state_layout": STATE_LAYOUT,
@@ -49,19 +53,32 @@ class TrainerCheckpoints:
             "model_config": to_dict(self.model_cfg),
             "config": to_dict(self.user_cfg),  # a resume compares its config with this one (train/resume_config.py)
         }
-        if self.anchor:
-            meta["anchor"] = self.anchor.host_state()
+        blobs = {}
+        if self.anchor:  # counters in the meta; buffers, window and generator tick in their blob
+            a = self.anchor.state_dict()
+            meta["anchor"] = a["counters"]
+            w = a["window"]
+            buffers = {
+                **a["buffer"],
+                "gen_tick": a["gen_tick"],
+                "window": None if w is None else (w["ticks"], w["snaps"]),
+            }
+            blobs[ANCHOR_BLOB] = safe_blob.dumps(buffers)
         if self.codec:
-            meta["codec_applications"] = dict(self.codec.applications)  # host counters of codec forwards
-            meta["codec_steps"] = self.codec.steps
+            c = self.codec.state_dict()  # host counters of codec forwards and end_step calls
+            meta["codec_applications"], meta["codec_steps"] = c["applications"], c["steps"]
         meta["health"] = self.health.state_dict()
-        if self.collector.state_dict() is not None:
-            meta["collector"] = self.collector.state_dict()  # the environment RNG: a resume plays the same games
+        collector = self.collector.state_dict()
+        if collector:  # the environment RNG: a resume plays the same games
+            meta["collector"] = collector
         if self.guard:
             meta["guard"] = self.guard.state_dict()
         if metrics is not None:  # the step's metrics line, restored on resume if the process died before logging it
             meta["metrics"] = json.loads(json.dumps(metrics, default=float))  # numpy scalars as JSON numbers
-        return meta
+        ahead = self.ahead.state_dict() if self.ahead is not None else {}
+        if ahead:
+            blobs[AHEAD_BLOB] = safe_blob.dumps(ahead)
+        return meta, blobs or None
 
     def _resume_step(self) -> int | None:
         """The newest committed checkpoint whose meta.json reads (None: there is none)."""
@@ -108,7 +125,7 @@ class TrainerCheckpoints:
         self._resume_row = meta.get("metrics")
         self._ahead_blob = self.ckpt.read_part(step, AHEAD_BLOB)  # the finished rollouts of step `step` + 1
         self.health.load_state_dict(meta.get("health"))
-        self.collector.load_state_dict(meta.get("collector"))
+        self.collector.load_state_dict(meta.get("collector") or {})
         if self.guard:
             self.guard.load_state_dict(meta.get("guard"))
 
@@ -117,6 +134,7 @@ class TrainerCheckpoints:
         Returns its meta."""
         meta = self.ckpt.read_meta(step)
         layout = meta.get("state_layout", 1)
+        legacy_codec_steps = None
         # The restore targets carry the shardings the arrays come back with. A fresh circuit state's clock is host
         # scalars on one local device: restored like that, it would be a per-process array that cannot then be
         # placed on the global mesh of a multi-process run. Placed first, every leaf returns on its run sharding.
@@ -137,6 +155,8 @@ class TrainerCheckpoints:
         elif layout == 1:
             state, meta = self.ckpt.restore(step, self._legacy_tree())
             self.state, self.cs = state["train"], self._from_legacy(state)
+            if self.codec:  # layout 1 kept the codec's step count in the tree
+                legacy_codec_steps = int(state["ctx"]["codec"]["steps"])
         else:
             raise ConfigError(
                 "--resume",
@@ -144,11 +164,13 @@ class TrainerCheckpoints:
                 f"twocircuit_jax; this one reads layouts 1 and {STATE_LAYOUT}",
             )
         if self.anchor:
-            self.anchor.load(meta.get("anchor"), self.ckpt.read_part(step, ANCHOR_BLOB))
+            self.anchor.load_state_dict(_anchor_state(meta.get("anchor"), self.ckpt.read_part(step, ANCHOR_BLOB)))
         self.history = meta["history"]
-        if self.codec:
-            self.codec.applications.update(meta.get("codec_applications", {}))
-            self.codec.steps = int(meta.get("codec_steps", self.codec.steps))
+        if self.codec:  # a counter the meta lacks keeps its value (layout 1: the steps from the tree)
+            now = self.codec.state_dict()
+            steps = meta.get("codec_steps", legacy_codec_steps if legacy_codec_steps is not None else now["steps"])
+            apps = {**now["applications"], **meta.get("codec_applications", {})}
+            self.codec.load_state_dict({"applications": apps, "steps": steps})
         return meta
 
     def _legacy_tree(self):
@@ -173,8 +195,6 @@ class TrainerCheckpoints:
 
     def _from_legacy(self, tree) -> CircuitState:
         ctx, codec = tree["ctx"], tree["ctx"].get("codec", {})
-        if self.codec:
-            self.codec.steps = int(codec["steps"])
         clock = Clock(
             ctx["step"],
             ctx["first_minibatch"],
@@ -192,7 +212,8 @@ class TrainerCheckpoints:
             best = self.history.get("best")
             if best is None or metrics["eval/accuracy"] > best:
                 self.history["best"] = metrics["eval/accuracy"]
-                self.ckpt.save_best(gs, self._ckpt_state(), self._meta(gs), metrics["eval/accuracy"], self._blobs())
+                meta, blobs = self._host_parts(gs)
+                self.ckpt.save_best(gs, self._ckpt_state(), meta, metrics["eval/accuracy"], blobs)
 
     def _maybe_checkpoint(self, gs, metrics=None, force: bool = False):
         """Periodic checkpoint, and the final one when `train.final_checkpoint`; `force` after a guard action, so a
@@ -200,14 +221,7 @@ class TrainerCheckpoints:
         t = self.cfg.train
         final = gs == t.steps and t.final_checkpoint
         if force or (t.checkpoint_every and gs % t.checkpoint_every == 0) or final:
-            self.ckpt.save(gs, self._ckpt_state(), self._meta(gs, metrics), self._blobs())
-
-    def _blobs(self):
-        blobs = {ANCHOR_BLOB: safe_blob.dumps(self.anchor.dump_buffers())} if self.anchor else {}
-        ahead = self.ahead.dump() if self.ahead is not None else None
-        if ahead is not None:
-            blobs[AHEAD_BLOB] = safe_blob.dumps(ahead)
-        return blobs or None
+            self.ckpt.save(gs, self._ckpt_state(), *self._host_parts(gs, metrics))
 
     def _stop_requested(self, signals) -> bool:
         """Whether a stop signal arrived (faults.StopSignals). Several processes agree first (one tiny all-gather a
@@ -226,7 +240,7 @@ class TrainerCheckpoints:
         would (exit 0)."""
         gs = self.gs
         if self.ckpt.latest() != gs:
-            self.ckpt.save(gs, self._ckpt_state(), self._meta(gs), self._blobs())
+            self.ckpt.save(gs, self._ckpt_state(), *self._host_parts(gs))
         self.summary["preempted_at"] = gs
         if jax.process_index() == 0:
             print(
@@ -234,3 +248,16 @@ class TrainerCheckpoints:
                 f"continue with: twocircuit train --config CONFIG --out {self.run_dir} --resume",
                 flush=True,
             )
+
+
+def _anchor_state(counters: dict | None, buffers: dict | None) -> dict:
+    """AnchorCircuit.state_dict() from a checkpoint: the counters from the meta, the buffers blob as
+    `_host_parts` writes it (None: a checkpoint without one; the anchor keeps its fresh buffers)."""
+    d = {"counters": counters or {}, "gen_tick": None, "buffer": None, "window": None}
+    if buffers is not None:
+        buffers = dict(buffers)
+        window = buffers.pop("window")
+        d.update(gen_tick=buffers.pop("gen_tick"), buffer=buffers)
+        if window is not None:
+            d["window"] = {"ticks": window[0], "snaps": window[1]}
+    return d
