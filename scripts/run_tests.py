@@ -36,7 +36,7 @@ TAPER = 0.7  # each pair of groups (one per process slot) 0.7 of the pair before
 WEIGHTS = {
     "test_compile_matrix.py": (226, 15),
     "test_pipeline.py": (126, 12),
-    "test_micro_batch.py": (110, 110),
+    "test_micro_batch.py": (125, 125),
     "test_preemption.py": (108, 0),
     "test_model_scale.py": (97, 90),
     "test_plan.py": (92, 0),

@@ -17,6 +17,7 @@ from twocircuit_jax.config.sections import ModelConfig
 from twocircuit_jax.grpo.loss import token_entropy, token_logprobs
 from twocircuit_jax.model import head, qwen2
 from twocircuit_jax.parallel import mesh as pmesh, pipeline as pipe
+from twocircuit_jax.train.accumulate import plain_value_and_grad
 from twocircuit_jax.train.grpo_step import make_grpo_loss
 from twocircuit_jax.train.losses import next_token_loss
 from twocircuit_jax.train.setup import make_pipeline
@@ -129,11 +130,11 @@ def test_next_token_nll_and_sft_loss_equal_whole_logits():
         "attention_mask": jnp.ones((4, 12), jnp.int32).at[0, :3].set(0),
         "loss_mask": (jax.random.uniform(k[1], (4, 12)) > 0.3).astype(jnp.int32),
     }
-    whole = jax.jit(jax.value_and_grad(lambda p: next_token_loss(model, p, batch), has_aux=True))
+    whole = jax.jit(plain_value_and_grad(lambda p: next_token_loss(model, p, batch)))
     chunked_cfg = dataclasses.replace(model, logits_chunk=4)
-    chunked = jax.jit(jax.value_and_grad(lambda p: next_token_loss(chunked_cfg, p, batch), has_aux=True))
-    (l0, m0), g0 = whole(p)
-    (l1, m1), g1 = chunked(p)
+    chunked = jax.jit(plain_value_and_grad(lambda p: next_token_loss(chunked_cfg, p, batch)))
+    (l0, m0, _), g0 = whole(p)
+    (l1, m1, _), g1 = chunked(p)
     np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
     assert float(m1["sft/token_acc"]) == float(m0["sft/token_acc"])
     for x, y in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
@@ -165,7 +166,7 @@ def test_grpo_loss_gradient_through_pipe_forward_chunked_equals_whole():
 
     def value_grad(run_cfg, pipeline=None):
         loss = make_grpo_loss(run_cfg.model, run_cfg.grpo, 6, pipeline=pipeline)
-        (v, m), g = jax.jit(jax.value_and_grad(lambda p: loss(p, batch, cs), has_aux=True))(params)
+        (v, m, _), g = jax.jit(plain_value_and_grad(lambda p: loss(p, batch, cs)))(params)
         return v, m, g
 
     v0, m0, g0 = value_grad(cfg)
@@ -213,8 +214,8 @@ def test_anchor_loss_chunked_equals_whole():
 
     def value_grad(chunk):
         model = dataclasses.replace(cfg.model, logits_chunk=chunk)
-        f = jax.value_and_grad(lambda p: anchor_loss(model, cfg.grpo, 6, p, batch), has_aux=True)
-        (v, (m, _)), g = jax.jit(f)(params)
+        f = plain_value_and_grad(lambda p: anchor_loss(model, cfg.grpo, 6, p, batch))
+        (v, m, _), g = jax.jit(f)(params)
         return v, m, g
 
     v0, m0, g0 = value_grad(0)

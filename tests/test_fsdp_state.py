@@ -44,7 +44,7 @@ def loss_fn(params, batch, cs):
         x = x + h * params["layers"]["norm"]["scale"][layer]
     logits = (x * params["final_norm"]) @ params["lm_head"] + 0.1 * (x @ params["embed"].T)
     per_row = jnp.sum(jnp.tanh(logits) ** 2, -1) * jnp.sum(batch["response_mask"], -1)
-    return jnp.sum(per_row) / batch["token_count"], {"logit_mean": jnp.mean(logits)}
+    return jnp.sum(per_row) / batch["token_count"], {"logit_mean": jnp.mean(logits)}, {}
 
 
 def _mesh(data, fsdp, tensor=1):
@@ -71,7 +71,7 @@ def _step_fn(mesh, cfg):
 
     def step(params, batch, grad):
         cs = CircuitState(init_clock(), None, grad, None, None)
-        mean, loss, metrics, cs = fn(params, batch, cs)
+        mean, loss, metrics, _, cs = fn(params, batch, cs)
         return mean, loss, metrics, cs.grad
 
     jitted = dispatch.jit(step, in_shardings=(p_sh, b_sh, g_sh), out_shardings=(p_sh, None, None, g_sh))

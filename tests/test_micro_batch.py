@@ -151,9 +151,13 @@ def test_micro_batch_zero_is_todays_program(data):
     loss = make_grpo_loss(cfg.model, cfg.grpo, NEW, None)
 
     def todays(loss_fn):
+        def pair(*args):  # (loss, metrics, aux) -> jax's (value, has_aux pair)
+            loss, metrics, aux = loss_fn(*args)
+            return loss, (metrics, aux)
+
         def fn(params, batch, cs):
-            (l, m), g = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, cs)
-            return g, l, m, cs
+            (l, (m, aux)), g = jax.value_and_grad(pair, has_aux=True)(params, batch, cs)
+            return g, l, m, aux, cs
 
         return fn
 
@@ -226,6 +230,22 @@ def test_activation_codec_sketch_is_summed_over_micro_batches(data):
     # The codec's error is a ratio of sums over the rows (fast/circuit.py): a micro-batch mean is close, not equal
     # (as over the pipeline's microbatches), and it is a metric only.
     np.testing.assert_allclose(whole[2]["codec/recon_rel_err"], acc[2]["codec/recon_rel_err"], rtol=2e-3)
+
+
+def test_activation_codec_sketch_is_summed_over_the_replicas_of_a_gradient_codec(data):
+    """Under PowerSGD the loss runs per replica (fast/grad_fn.py): its aux is psum-ed over the replicas where the
+    codec declares a leaf summed (sketch, token count), so the circuit state is the XLA-mean step's, whole and over
+    micro-batches; were it averaged like a metric, the token count would be 1/8 of the batch's."""
+    cfg, params, batch = data
+    mesh = _mesh(8)
+    plain = _step(cfg, mesh, params, batch, 0, circuit=FastCircuit(_cfg(codec="lowrank"), cfg.model, mesh))
+    c = FastCircuit(_cfg(codec="lowrank", grad_codec="powersgd", start_after=0), cfg.model, mesh)
+    for mb in (0, 1):
+        grad_fn = make_codec_grad_fn(c.grad_codec, mesh, micro_batch=mb)
+        got = _step(cfg, mesh, params, batch, 0, circuit=c, grad_fn=grad_fn)
+        assert float(got[1].codec.sketch_tokens) == float(plain[1].codec.sketch_tokens) > 0
+        for k in plain[1].codec.sketch:
+            np.testing.assert_allclose(got[1].codec.sketch[k], plain[1].codec.sketch[k], rtol=1e-4, atol=1e-6)
 
 
 def test_anchor_fire_over_micro_batches_equals_the_whole_batch(data):

@@ -14,6 +14,7 @@ from tiny_run import circuit_state, narrow_batch, narrow_run_config, tiny_config
 from twocircuit_jax.config import load_config
 from twocircuit_jax.model.qwen2 import init_params
 from twocircuit_jax.train import loop
+from twocircuit_jax.train.accumulate import plain_value_and_grad
 from twocircuit_jax.train.grpo_step import make_diagnostics_fn, make_grpo_loss, make_logp_fn
 
 
@@ -43,16 +44,16 @@ def test_fused_loss_equals_the_loss_after_separate_passes():
 
     apart = make_grpo_loss(cfg.model, grpo, 6)
     fused = make_grpo_loss(cfg.model, grpo, 6, diagnose=True)
-    grad = lambda f, b: jax.value_and_grad(f, has_aux=True)(params, b, cs)  # noqa: E731
-    (la, ma), ga = grad(apart, {**batch, "old_logp": old, "is_weight": w})
-    (lf, mf), gf = grad(fused, fused_batch)
+    grad = lambda f, b: plain_value_and_grad(f)(params, b, cs)  # noqa: E731
+    (la, ma, _), ga = grad(apart, {**batch, "old_logp": old, "is_weight": w})
+    (lf, mf, _), gf = grad(fused, fused_batch)
     np.testing.assert_allclose(lf, la, rtol=1e-6)
     for x, y in zip(jax.tree.leaves(gf), jax.tree.leaves(ga)):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-9)
     for key, v in diag.items():
         np.testing.assert_allclose(mf[key], v, rtol=1e-6, err_msg=key)
     # the comparison can fail: without the weights the gradient is another one
-    (_, _), g_unweighted = grad(apart, {**batch, "old_logp": old})
+    (_, _, _), g_unweighted = grad(apart, {**batch, "old_logp": old})
     gap = max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(g_unweighted), jax.tree.leaves(ga)))
     assert gap > 1e-3 * max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(ga))
 
@@ -66,9 +67,7 @@ def test_fused_diagnostics_per_replica_are_the_global_ones():
     from twocircuit_jax.fast.grad_fn import _reduce_metrics, global_normalisers
 
     cfg, grpo, params, cs, batch, _, _ = _disagreeing_sampler()
-    (l1, m1), g1 = jax.value_and_grad(make_grpo_loss(cfg.model, grpo, 6, diagnose=True), has_aux=True)(
-        params, batch, cs
-    )
+    (l1, m1, _), g1 = plain_value_and_grad(make_grpo_loss(cfg.model, grpo, 6, diagnose=True))(params, batch, cs)
     axes = ("data", "fsdp")
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(8, 1), axes)
 
@@ -77,7 +76,7 @@ def test_fused_diagnostics_per_replica_are_the_global_ones():
 
         def body(params, batch):
             batch = dict(batch, **global_normalisers(batch["response_mask"], axes))
-            (loss, m), g = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, cs)
+            (loss, m, _), g = plain_value_and_grad(loss_fn)(params, batch, cs)
             return jax.lax.pmean(loss, axes), _reduce_metrics(m, axes), jax.lax.pmean(g, axes)
 
         spec = jax.tree.map(lambda _: P(axes), batch)

@@ -23,13 +23,11 @@ from twocircuit_jax.grpo.tis import tis_weights
 from twocircuit_jax.parallel import mesh as pmesh, pipeline as pipe
 from twocircuit_jax.train import accumulate
 
-AUX = "anchor/aux"  # the hook aux (the basis sketch) as a metrics entry, so accumulation combines it; popped
-
 
 def anchor_loss(
     model_cfg, grpo_cfg, max_new_tokens: int, params, batch, boundary_fn=None, pipeline=None, keep_logp=False
 ):
-    """(loss scalar, (metrics, hook aux)) of the dense anchor pass on `batch` (tokens, attention_mask,
+    """(loss scalar, metrics, hook aux) of the dense anchor pass on `batch` (tokens, attention_mask,
     response_mask, advantages; ref_logp_dense, the reference log-probs with codecs off, when kl_coef > 0;
     sampler_logp when TIS is on; token_count / seq_count, the whole mini-batch's normalisers, when the fire runs
     over micro-batches). `boundary_fn` (parallel/pipeline.forward) only observes: the anchor-owned low-rank
@@ -79,7 +77,7 @@ def anchor_loss(
     }
     if keep_logp:
         metrics[LOGP] = jax.lax.stop_gradient(logp)
-    return loss, (metrics, aux)
+    return loss, metrics, aux
 
 
 LOGP = "rows/logp"  # a per-row entry of the metrics: never leaves the fire
@@ -109,15 +107,13 @@ def make_anchor_grad(
         boundary_fn = None
         if sketcher is not None:
             boundary_fn = lambda mb: (*sketcher(sketch_state, mb["attention_mask"]), {})  # noqa: E731
-        value, (metrics, aux) = anchor_loss(model_cfg, grpo_cfg, max_new_tokens, p, batch, boundary_fn, pipeline, split)
-        return value, dict(metrics, **{AUX: aux})
+        return anchor_loss(model_cfg, grpo_cfg, max_new_tokens, p, batch, boundary_fn, pipeline, split)
 
     dp = pmesh.dp_size(mesh) if mesh is not None else 1
     vg = accumulate.value_and_grad(loss, micro_batch, dp=dp, mesh=mesh)
 
     def fn(params, batch, sketch_state=None):
-        (_, metrics), grads = vg(params, batch, sketch_state)
-        aux = metrics.pop(AUX)
+        (_, metrics, aux), grads = vg(params, batch, sketch_state)
         logp = metrics.pop(LOGP, None)
         if logp is not None and grpo_cfg.tis != "off":
             _, tis = tis_weights(logp, batch["sampler_logp"], batch["response_mask"], grpo_cfg.tis, grpo_cfg.tis_cap)

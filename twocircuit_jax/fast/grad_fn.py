@@ -31,20 +31,21 @@ from twocircuit_jax.train import accumulate
 
 
 def _reduce_metrics(metrics, axes):
-    out, summed = {}, summed_aux_keys()  # aux leaves that add up over replicas; every other aux leaf is averaged
-    for k, v in metrics.items():
-        if isinstance(v, dict):  # the codec's per-boundary aux (train/step.AUX): the only non-scalar entry
-            out[k] = jax.tree_util.tree_map_with_path(
-                lambda p, x: (
-                    jax.lax.psum(x, axes)
-                    if key_name(p[-1]) in summed
-                    else jax.lax.pmean(jnp.asarray(x, jnp.float32), axes)
-                ),
-                v,
-            )
-        else:
-            out[k] = jax.lax.pmean(jnp.asarray(v, jnp.float32), axes)
-    return out
+    """Inside shard_map: the loss's scalar metrics averaged over the replicas of `axes`."""
+    return {k: jax.lax.pmean(jnp.asarray(v, jnp.float32), axes) for k, v in metrics.items()}
+
+
+def _reduce_aux(aux, axes):
+    """Inside shard_map: the codec's per-boundary aux over the replicas of `axes`: the leaves the codec registry
+    declares summed (`summed_aux`: the low-rank sketch, a sum over the global batch, and its token count) psum-ed,
+    every other leaf averaged."""
+    summed = summed_aux_keys()
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: (
+            jax.lax.psum(x, axes) if key_name(p[-1]) in summed else jax.lax.pmean(jnp.asarray(x, jnp.float32), axes)
+        ),
+        aux,
+    )
 
 
 def global_normalisers(response_mask, axes) -> dict:
@@ -58,8 +59,8 @@ def global_normalisers(response_mask, axes) -> dict:
 
 
 def make_codec_grad_fn(codec, mesh, *, axes=BATCH_AXES, micro_batch: int = 0):
-    """factory(loss_fn) -> fn(params, batch, cs) -> (mean grads, loss, metrics, cs with the next cs.grad); `codec` is
-    the registered gradient codec (fast/codecs/base.GradCodec). `micro_batch` > 0: each replica accumulates its
+    """factory(loss_fn) -> fn(params, batch, cs) -> (mean grads, loss, metrics, aux, cs with the next cs.grad);
+    `codec` is the registered gradient codec (fast/codecs/base.GradCodec). `micro_batch` > 0: each replica accumulates its
     gradient over micro-batches of that many of its rows (train/accumulate.py) and the codec reduces the sum once."""
 
     hier = getattr(codec, "replica_axes", None)
@@ -82,20 +83,20 @@ def make_codec_grad_fn(codec, mesh, *, axes=BATCH_AXES, micro_batch: int = 0):
             def body(params, batch, cs):
                 cs = unpack(cs)
                 batch = dict(batch, **global_normalisers(batch["response_mask"], axes))
-                (loss, metrics), grads = accumulate.value_and_grad(loss_fn, micro_batch)(params, batch, cs)
+                (loss, metrics, aux), grads = accumulate.value_and_grad(loss_fn, micro_batch)(params, batch, cs)
                 mean, new_state, pm = codec.reduce(grads, cs.grad, axes)
                 metrics = _reduce_metrics(dict(metrics), axes)
                 metrics.update(pm)
-                return mean, jax.lax.pmean(loss, axes), metrics, new_state
+                return mean, jax.lax.pmean(loss, axes), metrics, _reduce_aux(aux, axes), new_state
 
-            # P() is a pytree prefix: grads, loss and every metric leaf come out replicated (reduced).
+            # P() is a pytree prefix: grads, loss, every metric and aux leaf come out replicated (reduced).
             rep_params = jax.tree.map(lambda _: P(), params)
-            out_specs = (P(), P(), P(), sspec)
+            out_specs = (P(), P(), P(), P(), sspec)
             # With real stages, manual over the batch axes only: `stage` stays with the partitioner, so the
             # pipeline's own shard_map (manual over `stage`) nests inside this one. Otherwise manual over every axis
             # (XLA:CPU aborts on a bf16 all-reduce inside a partially manual shard_map; a codec may reduce in bf16).
             # Hierarchical (`hier`): manual over `data` only, fsdp/tensor left to the partitioner.
-            mean, loss, metrics, new_state = jax.shard_map(
+            mean, loss, metrics, aux, new_state = jax.shard_map(
                 body,
                 mesh=mesh,
                 in_specs=(rep_params, batch_spec, cs_spec_in),
@@ -103,7 +104,7 @@ def make_codec_grad_fn(codec, mesh, *, axes=BATCH_AXES, micro_batch: int = 0):
                 axis_names=set(axes) if part_manual else set(mesh.axis_names),
                 check_vma=False,
             )(params, batch, cs_in)
-            return mean, loss, dict(metrics), cs._replace(grad=new_state)
+            return mean, loss, dict(metrics), aux, cs._replace(grad=new_state)
 
         return fn
 

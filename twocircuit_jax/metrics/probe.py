@@ -112,9 +112,9 @@ def make_fidelity_fn(
     micro-batches of that many rows per replica, like the train step; `compute` is the step's own (accumulating)
     gradient.
 
-    `compute(params, batch, cs) -> (grads, loss, metrics, cs)` is the train step's own gradient (the circuit's grad_fn,
-    PowerSGD included); `grad_transform` the merger (None without the anchor); `make_dense_loss()` the dense GRPO
-    loss (codec None). The batch must be the step's first mini-batch at the weights the tick will update (ratio one,
+    `compute(params, batch, cs) -> (grads, loss, metrics, aux, cs)` is the train step's own gradient (the circuit's
+    grad_fn, PowerSGD included); `grad_transform` the merger (None without the anchor); `make_dense_loss()` the
+    dense GRPO loss (codec None). The batch must be the step's first mini-batch at the weights the tick will update (ratio one,
     so the fast and dense objectives differ only by the view). Error memories and merger states are discarded.
     """
     dense_loss = make_dense_loss()
@@ -181,7 +181,7 @@ def make_fidelity_fn(
 
     def fn(params, ref_params, batch, cs):
         cs = cs._replace(clock=cs.clock._replace(first_minibatch=jnp.asarray(True)))
-        g_pre, _, _, _ = compute(params, batch, cs)
+        g_pre = compute(params, batch, cs)[0]
         g_post = grad_transform(g_pre, cs)[0] if grad_transform is not None else g_pre
         # The dense step on this batch: ratio one, dense reference, TIS weights dense vs sampler.
         lp = dense_logp(params, batch)

@@ -12,9 +12,9 @@ agg_loss) of the whole mini-batch unless the caller set them already (a gradient
 the micro-batch losses, and their gradients, add up to the mini-batch's for every `loss_agg` mode, KL and entropy
 terms included. Metrics combine to the unaccumulated values: `loss/*` (and the anchor's loss terms) summed, `*_max`
 / `*_min` maxed / minned, codec summaries averaged like their aux, every other scalar (a masked mean over response
-tokens) weighted by the micro-batch's response tokens. A dict-valued entry is a codec's per-boundary aux: sketches
-and token counts summed, the rest averaged (parallel/pipeline.reduce_aux); a per-row array is joined back in row
-order.
+tokens) weighted by the micro-batch's response tokens; a per-row array is joined back in row order. The loss's
+third output, the codec's per-boundary aux, is combined on its own: the leaves the codec registry declares summed
+(`summed_aux`: sketches, token counts) added up, the rest averaged (parallel/pipeline.reduce_aux).
 
 micro_batch = 0 (or K = 1) returns the plain `jax.value_and_grad`: no scan, today's program exactly. Cost of K > 1:
 the parameters are read K times per pass and the fp32 gradient carry (4 bytes a parameter) lives through the scan.
@@ -106,9 +106,7 @@ def combine_metrics(stacked: dict, tokens) -> dict:
     w = tokens.astype(F32)
     out = {}
     for n, v in stacked.items():
-        if isinstance(v, dict):
-            out[n] = reduce_aux(v)
-        elif v.ndim > 1:  # a per-row output [K, rows/K, ...]: back in batch row order
+        if v.ndim > 1:  # a per-row output [K, rows/K, ...]: back in batch row order
             out[n] = join_rows(v)
         elif n.startswith("loss/") or n in SUMMED:
             out[n] = jnp.sum(v, axis=0)
@@ -123,15 +121,33 @@ def combine_metrics(stacked: dict, tokens) -> dict:
     return out
 
 
+def plain_value_and_grad(loss_fn):
+    """`jax.value_and_grad(has_aux=True)` over a loss fn(params, ...) -> (loss, metrics, aux): metrics and aux are
+    its has_aux pair, neither differentiated. fn(params, ...) -> ((loss, metrics, aux), grads)."""
+
+    def pair(*args):  # jax's has_aux wants (value, aux): the two outputs that are not differentiated go as one
+        loss, metrics, aux = loss_fn(*args)
+        return loss, (metrics, aux)
+
+    vg = jax.value_and_grad(pair, has_aux=True)
+
+    def fn(*args):
+        (loss, (metrics, aux)), grads = vg(*args)
+        return (loss, metrics, aux), grads
+
+    return fn
+
+
 def value_and_grad(loss_fn, micro_batch: int = 0, *, dp: int = 1, mesh=None):
-    """Like `jax.value_and_grad(loss_fn, has_aux=True)`: fn(params, batch, *rest) -> ((loss, metrics), grads),
-    accumulated over micro-batches of `micro_batch` rows per replica (`dp` replicas hold the batch's rows; inside a
-    shard_map the rows are local: dp = 1). `mesh`: the SPMD path. On a data-only mesh (parameters replicated) each
-    replica accumulates its own rows inside a shard_map and the gradient is summed over replicas once, after the
-    loop (left to the partitioner, XLA all-reduces every micro-batch's gradient inside the loop: K all-reduces);
-    with parameters sharded (fsdp, tensor) the scan runs under the partitioner, the carry on the parameter
-    shardings. Gradients come back in the parameters' dtype, as unaccumulated."""
-    plain = jax.value_and_grad(loss_fn, has_aux=True)
+    """`plain_value_and_grad(loss_fn)`: fn(params, batch, *rest) -> ((loss, metrics, aux), grads) of a loss that
+    returns (loss, metrics, aux), accumulated over micro-batches of `micro_batch` rows per replica (`dp` replicas
+    hold the batch's rows; inside a shard_map the rows are local: dp = 1). `mesh`: the SPMD path. On a data-only
+    mesh (parameters replicated) each replica accumulates its own rows inside a shard_map and the gradient is
+    summed over replicas once, after the loop (left to the partitioner, XLA all-reduces every micro-batch's
+    gradient inside the loop: K all-reduces); with parameters sharded (fsdp, tensor) the scan runs under the
+    partitioner, the carry on the parameter shardings. Gradients come back in the parameters' dtype, as
+    unaccumulated; the aux combined by `reduce_aux` (summed or averaged leaf by leaf, as the codec declares)."""
+    plain = plain_value_and_grad(loss_fn)
     if not micro_batch:
         return plain
     local = _local_accumulation(plain, micro_batch)
@@ -149,34 +165,34 @@ def value_and_grad(loss_fn, micro_batch: int = 0, *, dp: int = 1, mesh=None):
         def body(acc, mb):
             if mesh is not None:
                 mb = {n: _constrain(x, mesh, 0) for n, x in mb.items()}
-            (loss, metrics), g = plain(params, {**shared, **mb}, *rest)
+            (loss, metrics, aux), g = plain(params, {**shared, **mb}, *rest)
             acc = pin(jax.tree.map(lambda a, x: a + x.astype(F32), acc, g))
-            return acc, (loss, metrics, jnp.sum(mb["response_mask"].astype(F32)))
+            return acc, (loss, metrics, aux, jnp.sum(mb["response_mask"].astype(F32)))
 
         zeros = pin(jax.tree.map(lambda p: jnp.zeros(p.shape, F32), params))
-        acc, (losses, metrics, tokens) = jax.lax.scan(body, zeros, stacked)
+        acc, (losses, metrics, aux, tokens) = jax.lax.scan(body, zeros, stacked)
         grads = jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
-        return (jnp.sum(losses), combine_metrics(metrics, tokens)), grads
+        return (jnp.sum(losses), combine_metrics(metrics, tokens), reduce_aux(aux)), grads
 
     return fn
 
 
 def _local_accumulation(plain, micro_batch):
-    """(params, rows, rest) -> (fp32 gradient sum, loss sum, metrics stacked [K], tokens [K]) over this replica's
-    rows (all of them when unsharded)."""
+    """(params, rows, rest) -> (fp32 gradient sum, loss sum, metrics stacked [K], aux stacked [K], tokens [K]) over
+    this replica's rows (all of them when unsharded)."""
 
     def fn(params, batch, rest):
         k = count(batch["response_mask"].shape[0], micro_batch)
         stacked, shared = split(batch, k)
 
         def body(acc, mb):
-            (loss, metrics), g = plain(params, {**shared, **mb}, *rest)
+            (loss, metrics, aux), g = plain(params, {**shared, **mb}, *rest)
             acc = jax.tree.map(lambda a, x: a + x.astype(F32), acc, g)
-            return acc, (loss, metrics, jnp.sum(mb["response_mask"].astype(F32)))
+            return acc, (loss, metrics, aux, jnp.sum(mb["response_mask"].astype(F32)))
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, F32), params)
-        acc, (losses, metrics, tokens) = jax.lax.scan(body, zeros, stacked)
-        return acc, jnp.sum(losses), metrics, tokens
+        acc, (losses, metrics, aux, tokens) = jax.lax.scan(body, zeros, stacked)
+        return acc, jnp.sum(losses), metrics, aux, tokens
 
     return fn
 
@@ -188,36 +204,37 @@ def _replicated_params(mesh) -> bool:
 
 def _per_replica(local, mesh, params, batch, rest):
     """`local` inside a shard_map manual over every axis: the fp32 gradient and loss summed over replicas once
-    (the loss is normalised by the global counts, so the sum is the global value); the per-micro-batch metrics of
-    every replica gathered ([R*K] scalars, tiny) and combined as over micro-batches, exactly; per-row outputs stay
-    with their rows."""
+    (the loss is normalised by the global counts, so the sum is the global value); the per-micro-batch metrics and
+    aux of every replica gathered ([R*K] scalars, tiny; the aux is small: a sketch per boundary) and combined as
+    over micro-batches, exactly; per-row outputs stay with their rows."""
     axes = pmesh.BATCH_AXES
 
     def body(params, batch, rest):
-        acc, loss, metrics, tokens = local(params, batch, rest)
+        acc, loss, metrics, aux, tokens = local(params, batch, rest)
         gather = lambda x: jax.lax.all_gather(x, axes, axis=0, tiled=True)  # noqa: E731  [K, ...] -> [R*K, ...]
-        rows = {n: join_rows(v) for n, v in metrics.items() if not isinstance(v, dict) and v.ndim > 1}
-        summary = {n: jax.tree.map(gather, v) for n, v in metrics.items() if n not in rows}
+        rows = {n: join_rows(v) for n, v in metrics.items() if v.ndim > 1}
+        summary = {n: gather(v) for n, v in metrics.items() if n not in rows}
         metrics = {**combine_metrics(summary, gather(tokens)), **rows}
-        return jax.lax.psum(acc, axes), jax.lax.psum(loss, axes), metrics
+        aux = reduce_aux(jax.tree.map(gather, aux))
+        return jax.lax.psum(acc, axes), jax.lax.psum(loss, axes), metrics, aux
 
     out_shape = jax.eval_shape(functools.partial(_metric_shapes, local), params, batch, rest)
     batch_spec = jax.tree.map(lambda x: P(axes) if jnp.ndim(x) else P(), batch)
-    metric_spec = {n: P(axes) if (not isinstance(v, dict) and v.ndim) else P() for n, v in out_shape.items()}
-    acc, loss, metrics = jax.shard_map(
+    metric_spec = {n: P(axes) if v.ndim else P() for n, v in out_shape.items()}
+    acc, loss, metrics, aux = jax.shard_map(
         body,
         mesh=mesh,
         in_specs=(jax.tree.map(lambda _: P(), params), batch_spec, jax.tree.map(lambda _: P(), rest)),
-        out_specs=(P(), P(), metric_spec),
+        out_specs=(P(), P(), metric_spec, P()),
         check_vma=False,
     )(params, batch, rest)
-    return (loss, metrics), jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
+    return (loss, metrics, aux), jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
 
 
 def _metric_shapes(local, params, batch, rest):
     """One micro-batch's metrics (shapes only: which entries are per-row), traced on the whole batch."""
-    _, _, metrics, _ = local(params, batch, rest)
-    return {n: v if isinstance(v, dict) else v[0] for n, v in metrics.items()}
+    _, _, metrics, _, _ = local(params, batch, rest)
+    return {n: v[0] for n, v in metrics.items()}
 
 
 def _param_pin(params, mesh):

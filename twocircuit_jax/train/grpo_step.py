@@ -17,7 +17,6 @@ from twocircuit_jax.metrics.mismatch import mismatch_metrics
 from twocircuit_jax.names import DENSE, OLD, REF, TRAIN  # noqa: F401  (DENSE, REF: read from here by train/programs.py)
 from twocircuit_jax.parallel import mesh as pmesh, pipeline as pipe
 from twocircuit_jax.train import accumulate
-from twocircuit_jax.train.step import AUX
 
 
 def _policy_pass(model_cfg, params, batch, cs, codec, tag, pipeline=None, entropy_grad=False):
@@ -65,7 +64,8 @@ def make_logp_fn(model_cfg, codec=None, tag: str = OLD, pipeline=None, *, micro_
 def make_grpo_loss(
     model_cfg, grpo_cfg, max_new_tokens: int, codec=None, pipeline=None, diagnose: bool = False, rows_over=None
 ):
-    """loss_fn(params, batch, cs) -> (loss, metrics) for train.step.make_train_step.
+    """loss_fn(params, batch, cs) -> (loss, metrics, aux) for train.step.make_train_step; aux is the codec's raw
+    per-boundary outputs (the low-rank sketch, folded into cs.codec by the step), {} without a codec.
 
     batch carries old_logp (and ref_logp when kl_coef > 0), advantages, response_mask (loss mask applied),
     is_weight (importance weights; absent when TIS is off so that the loss is untouched bit for bit), and
@@ -116,10 +116,10 @@ def make_grpo_loss(
             norm_len=max_new_tokens,
         )
         metrics.update(diag)
-        if codec is not None and aux:
-            metrics.update(codec.summarize(aux))
-            metrics[AUX] = aux  # raw per-boundary outputs (the low-rank sketch): folded into cs.codec by the step
-        return loss, metrics
+        if codec is None or not aux:
+            return loss, metrics, {}
+        metrics.update(codec.summarize(aux))
+        return loss, metrics, aux
 
     return loss_fn
 

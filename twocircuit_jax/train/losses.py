@@ -12,7 +12,7 @@ from twocircuit_jax.model.qwen2 import decoder_with_aux, forward
 def next_token_loss(cfg, params, batch, cs=None):
     """Mean cross-entropy of tokens[:, t] given tokens[:, :t] over positions where batch['loss_mask'][:, t] = 1.
     With `model.logits_chunk` chunking the sequence, the log-probs and the token accuracy come from the chunked head
-    (model/head.py) and the [B, T, V] logits are never whole."""
+    (model/head.py) and the [B, T, V] logits are never whole. (loss, metrics, aux): no codec, so no aux."""
     tokens, mask = batch["tokens"], batch["attention_mask"]
     w = batch["loss_mask"][:, 1:].astype(jnp.float32)
     if chunks_logits(cfg, tokens.shape[1]):
@@ -26,4 +26,4 @@ def next_token_loss(cfg, params, batch, cs=None):
         hit = jnp.argmax(logits, -1) == tgt
     loss = jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
     acc = jnp.sum(hit * w) / jnp.maximum(jnp.sum(w), 1.0)
-    return loss, {"sft/token_acc": acc}
+    return loss, {"sft/token_acc": acc}, {}

@@ -2,12 +2,13 @@
 
 `make_train_step` builds `step(train_state, circuit_state, batch) -> (train_state, circuit_state, metrics)` from
 pluggable pure pieces, so the fast circuit and the anchor add behaviour without forking it:
-  loss_fn(params, batch, cs) -> (loss, metrics)           GRPO loss (fast circuit: codec hooks inside). A metrics
-                                                          entry AUX holds the codec's raw per-boundary outputs.
-  grad_fn(loss_fn) -> fn(params, batch, cs) -> (grads, loss, metrics, cs)   default: jax.value_and_grad, XLA
+  loss_fn(params, batch, cs) -> (loss, metrics, aux)      GRPO loss (fast circuit: codec hooks inside); aux is the
+                                                          codec's raw per-boundary outputs ({} without one), a
+                                                          pytree of its own that never leaves the step.
+  grad_fn(loss_fn) -> fn(params, batch, cs) -> (grads, loss, metrics, aux, cs)   default: jax.value_and_grad, XLA
                                                           inserts the data-parallel mean; PowerSGD replaces it and
                                                           returns its next state in cs.grad.
-  absorb_aux(codec_state, aux) -> codec_state             folds AUX into cs.codec (the low-rank sketch)
+  absorb_aux(codec_state, aux) -> codec_state             folds aux into cs.codec (the low-rank sketch)
   grad_transform(grads, cs) -> (grads, cs, metrics)       merger (anchor circuit), before clipping
   optimizer (optax)                                       clip + AdamW
 `cs` is the circuit state (train/circuit_state.py). Metrics leave the step as scalars only.
@@ -92,9 +93,6 @@ def state_shardings(state: TrainState, mesh) -> TrainState:
     )
 
 
-AUX = "codec/aux"  # the loss's metrics entry with the codec's per-boundary outputs; never leaves the step
-
-
 def default_grad_fn(loss_fn, *, micro_batch: int = 0, mesh=None):
     """XLA's implicit data-parallel mean. `micro_batch` > 0: accumulated over micro-batches of that many rows per
     replica (train/accumulate.py; `mesh` gives the replica count and keeps the batch sharding); 0: no scan."""
@@ -102,8 +100,8 @@ def default_grad_fn(loss_fn, *, micro_batch: int = 0, mesh=None):
     vg = accumulate.value_and_grad(loss_fn, micro_batch, dp=dp, mesh=mesh)
 
     def fn(params, batch, cs):
-        (loss, metrics), grads = vg(params, batch, cs)
-        return grads, loss, metrics, cs
+        (loss, metrics, aux), grads = vg(params, batch, cs)
+        return grads, loss, metrics, aux, cs
 
     return fn
 
@@ -124,9 +122,8 @@ def make_train_step(
     compute = grad_fn(loss_fn) if grad_fn else default_grad_fn(loss_fn, micro_batch=micro_batch, mesh=mesh)
 
     def step(state: TrainState, cs, batch):
-        grads, loss, metrics, cs = compute(state.params, batch, cs)
+        grads, loss, metrics, aux, cs = compute(state.params, batch, cs)
         metrics = dict(metrics)
-        aux = metrics.pop(AUX, None)
         if absorb_aux is not None and aux:
             cs = cs._replace(codec=absorb_aux(cs.codec, aux))
         if grad_transform is not None:
