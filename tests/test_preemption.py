@@ -128,13 +128,14 @@ def test_a_sweep_arm_killed_before_its_first_checkpoint_restarts_on_resume(tmp_p
 _SLOW_REWARD = """
 import os, signal, time
 def slow_on_third(prompts, completions, **fields):
-    # the third scoring call (a step past the first checkpoints) gets SIGTERM and then takes 30 s
+    # the third scoring call (a step past the first checkpoints) sends the trainer SIGTERM and then takes 30 s; it
+    # runs in the trainer's scoring worker (task.reward_timeout_s), a child of the trainer
     path = os.environ["GRACE_COUNTER"]
     n = int(open(path).read()) + 1 if os.path.exists(path) else 1
     open(path, "w").write(str(n))
     if n == 3:
         open(path + ".sent", "w").write(repr(time.time()))
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getppid(), signal.SIGTERM)
         time.sleep(30)
     return [float(len(c) % 2) for c in completions]
 """

@@ -110,6 +110,10 @@ def _serve(target, conn, ppid: int, inherited, progress) -> None:
     each call it writes (position in the batch, start time) to `progress`, shared memory the trainer reads to bound
     the call without a message per call (one message per call cost ~60 us of wake-ups per row, 15 ms a demo step)."""
     os.setpgrp()
+    # The trainer's handlers came with the fork: a SIGTERM or SIGINT here would run the trainer's preemption logic
+    # (its messages, its grace watchdog, its exit 143) inside the worker. The worker ends as a plain process does.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
     for c in inherited:  # the trainer's ends of the other workers' pipes: held here, they would hide its exit
         try:
             c.close()
