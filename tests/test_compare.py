@@ -202,3 +202,41 @@ def test_plot_expands_seeded_sweep_and_draws_bands(tmp_path):
     assert names == [f"sw/compressed/seed_{i}" for i in range(3)] + [f"sw/dense/seed_{i}" for i in range(3)]
     assert main(["plot", str(sweep), "--out", str(tmp_path / "fig")]) == 0
     assert (tmp_path / "fig" / "accuracy_bands.png").stat().st_size > 10_000
+
+
+def test_ladder_one_paired_verdict_per_rung_with_levels_and_figure(tmp_path, capsys):
+    """Three rungs with planted effects -0.10, -0.05, 0.00 (B - A) and B's grad_cos 0.5, 0.7, 0.9: each rung's
+    difference is its own pairs' mean, its interval excludes the other rungs' effects, the levels are the logged
+    constants; the CLI writes the table and the figure, and a ladder that does not match the groups is refused."""
+    sweep, specs, effects, coss, means = tmp_path / "ladder", [], (-0.10, -0.05, 0.0), (0.5, 0.7, 0.9), []
+    for k, (w, eff, cos) in enumerate(zip((64, 128, 192), effects, coss)):
+        a, b = _planted(5, eff, rng_seed=10 + k)
+        means.append(float(np.mean(b - a)))
+        _arm(sweep, f"w{w}_dense", a, gap=1e-7)
+        _arm(sweep, f"w{w}_lowrank", b, gap=0.05 / (k + 1), grad_cos=cos)
+        specs += [f"{sweep}:w{w}_dense", f"{sweep}:w{w}_lowrank"]
+    from twocircuit_jax.metrics.ladder import ladder
+
+    rows = ladder([64, 128, 192], [parse_group(s) for s in specs], n_resamples=4000)
+    for r, eff, cos, k in zip(rows, effects, coss, range(3)):
+        d = r["final_accuracy"]
+        assert d.point == pytest.approx(means[k]) and d.lo <= d.point <= d.hi
+        assert not (d.lo < eff - 0.05 < d.hi) and not (d.lo < eff + 0.05 < d.hi), (eff, d)
+        assert r["grad_cos_mean_b"].point == pytest.approx(cos) and r["grad_cos_mean_a"] is None
+        assert r["gap_mean_b"].point == pytest.approx(0.05 / (k + 1)) and r["gap_mean_a"].point == pytest.approx(1e-7)
+        assert r["pairing"] == "paired, 5 seeds" and r["b"] == f"w{r['x']:g}_lowrank"
+    png, md = tmp_path / "ladder.png", tmp_path / "ladder.md"
+    args = ["compare", "--ladder", "64,128,192", "--ladder-name", "hidden", "--figure", str(png), "--out", str(md)]
+    assert main(args + specs) == 0
+    out = capsys.readouterr().out
+    assert out == md.read_text() and "### hidden" in out
+    assert [ln.split(" | ")[0] for ln in out.splitlines() if "lowrank vs" in ln] == [
+        "| 64",
+        "| 128",
+        "| 192",
+    ]
+    assert "w192_lowrank vs w192_dense" in out and png.stat().st_size > 10_000
+    assert main(["compare", "--ladder", "64,128", *specs]) == 2
+    assert "--ladder" in capsys.readouterr().err
+    assert main(["compare", "--ladder", "64,wide", *specs[:4]]) == 2
+    assert "64,wide" in capsys.readouterr().err

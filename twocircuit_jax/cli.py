@@ -109,6 +109,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--figure", default="", metavar="FILE.png", help="learning curves with 95%% bootstrap bands")
     c.add_argument("--last-k", type=int, default=3, help="evaluations averaged into the last-k accuracy")
     c.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples (default 10000)")
+    c.add_argument(
+        "--ladder", default="", metavar="X1,X2,...", help="groups are A B pairs, one per value: B - A against X"
+    )
+    c.add_argument("--ladder-name", default="ladder value", help="the ladder's knob, for the table and figure")
     h = sub.add_parser("health", help="replay the health gauges over finished runs: first warn/alarm per gauge")
     h.add_argument("runs", nargs="+", metavar="RUN", help="run folder, or sweep folder (expanded into its arms)")
     h.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="e.g. health.gap_ratio_alarm=1.3")
@@ -227,7 +231,10 @@ def _dispatch(args) -> int:
     if args.cmd == "compare":
         from twocircuit_jax.metrics.compare import run_compare
 
-        print(run_compare(args.groups, args.out, args.figure, args.last_k, args.resamples), end="")
+        text = run_compare(
+            args.groups, args.out, args.figure, args.last_k, args.resamples, args.ladder, args.ladder_name
+        )
+        print(text, end="")
         return 0
     if args.cmd == "health":
         return _health(args)

@@ -1,0 +1,105 @@
+"""`twocircuit compare --ladder X1,X2,... A1 B1 A2 B2 ...`: one comparison per rung of a ladder (a width, a rank).
+
+A verdict at one setting says whether B learns next to A there; a ladder asks how that answer moves with a knob.
+The groups come in (A, B) pairs, one pair per ladder value, each paired by seed as `compare` does. Per rung the
+table has B - A of the accuracy scalars with its 95% interval, and each arm's IQM of the mismatch gap and of
+`fidelity/grad_cos` with theirs; the figure draws the three against the knob, intervals as error bars.
+"""
+
+from __future__ import annotations
+
+import os
+
+from twocircuit_jax.config.base import ConfigError
+from twocircuit_jax.metrics import stats
+from twocircuit_jax.metrics.compare import Group, _by_seed, compare
+
+DIFFS = (("final accuracy", "final_accuracy"), ("AUC accuracy", "auc_accuracy"))
+LEVELS = (("mismatch gap (mean)", "gap_mean"), ("grad_cos (mean)", "grad_cos_mean"))
+
+
+def parse_ladder(spec: str, n_groups: int) -> list[float]:
+    """The ladder's values from "64,128,192": numbers, one per (A, B) pair of groups."""
+    try:
+        xs = [float(v) for v in spec.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError("--ladder", f"got {spec!r}; expected numbers like 64,128,192") from None
+    if len(xs) < 2:
+        raise ConfigError("--ladder", f"got {spec!r}; a ladder needs at least two values")
+    if n_groups != 2 * len(xs):
+        raise ConfigError(
+            "--ladder", f"{len(xs)} values need {2 * len(xs)} groups (A B per value, in order), got {n_groups}"
+        )
+    return xs
+
+
+def ladder(xs: list[float], groups: list[Group], last_k: int = 3, n_resamples: int = stats.N_RESAMPLES) -> list[dict]:
+    """One row per rung: x, the pair's labels, B - A per DIFFS key (an Interval, None where not logged) and each
+    arm's IQM per LEVELS key."""
+    kw = dict(n_resamples=n_resamples, seed=0)
+    rows = []
+    for i, x in enumerate(xs):
+        a, b = groups[2 * i], groups[2 * i + 1]
+        by_key = {r["key"]: r for r in compare([a, b], last_k, n_resamples)}
+        row = {"x": x, "a": a.label, "b": b.label, "pairing": by_key[DIFFS[0][1]]["pairing"]}
+        for _, key in DIFFS:
+            row[key] = by_key[key]["diff"]
+        for _, key in LEVELS:
+            for side, g in (("a", a), ("b", b)):
+                vals = list(_by_seed(g, key, last_k).values())
+                row[f"{key}_{side}"] = stats.bootstrap_ci(stats.iqm, vals, **kw) if vals else None
+        rows.append(row)
+    return rows
+
+
+def _ci(x, fmt: str = "{:+.3f}") -> str:
+    return "-" if x is None else f"{fmt.format(x.point)} [{fmt.format(x.lo)}, {fmt.format(x.hi)}]"
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ["x", "B vs A", *(f"B − A {n} [95% CI]" for n, _ in DIFFS)]
+    head += [f"{n} IQM, {s}" for n, _ in LEVELS for s in ("A", "B")] + ["pairing"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [f"{r['x']:g}", f"{r['b']} vs {r['a']}", *(_ci(r[k]) for _, k in DIFFS)]
+        cells += [_ci(r[f"{k}_{s}"], "{:.3g}") for _, k in LEVELS for s in ("a", "b")] + [r["pairing"]]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def _errorbar(ax, xs, cis, label, color):
+    pts = [(x, c) for x, c in zip(xs, cis) if c is not None]
+    if not pts:
+        return
+    x = [p[0] for p in pts]
+    y = [p[1].point for p in pts]
+    err = [[p[1].point - p[1].lo for p in pts], [p[1].hi - p[1].point for p in pts]]
+    ax.errorbar(x, y, yerr=err, fmt="o-", color=color, capsize=4, label=label)
+
+
+def write_figure(rows: list[dict], path: str, xlabel: str = "ladder value") -> str:
+    """Three panels against x: B - A (final and AUC accuracy), the mismatch gap per arm, grad_cos per arm."""
+    from matplotlib.figure import Figure
+
+    xs = [r["x"] for r in rows]
+    fig = Figure(figsize=(16, 4.5), layout="constrained")
+    ax = fig.add_subplot(1, 3, 1)
+    for j, (name, key) in enumerate(DIFFS):
+        _errorbar(ax, xs, [r[key] for r in rows], f"B − A, {name}", f"C{j}")
+    ax.axhline(0.0, color="gray", lw=0.8)
+    ax.axhline(-0.02, color="gray", lw=0.8, ls="--", label="−0.02")
+    ax.set(xlabel=xlabel, ylabel="held-out accuracy difference", title="B − A, paired by seed, 95% CI")
+    for k, (name, key) in enumerate(LEVELS):
+        ax = fig.add_subplot(1, 3, 2 + k)
+        for j, side in enumerate(("a", "b")):
+            label = "A (" + rows[0]["a"] + ", ...)" if side == "a" else "B (" + rows[0]["b"] + ", ...)"
+            _errorbar(ax, xs, [r[f"{key}_{side}"] for r in rows], label, f"C{j + 2}")
+        ax.set(xlabel=xlabel, ylabel=name, title=f"{name}: IQM over seeds, 95% CI")
+        if key == "gap_mean":
+            ax.set_yscale("log")
+    for ax in fig.axes:
+        ax.set_xticks(xs)
+        ax.legend(fontsize="small")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
