@@ -160,7 +160,14 @@ def test_a_non_loopback_host_needs_allow_remote(host):
         assert load_config(data={"sampler": {"host": loop}}).sampler.host == loop
 
 
+# The fake server imports the sampler modules without the package's __init__ (jax and the model: ~1.5 s of CPU, for
+# APIs it never calls), as tests/test_vllm_client_faults.py's fakes do; vllm_server and http_guard are imported as is.
 FAKE = textwrap.dedent("""
+    import importlib.util, sys, types
+    _spec = importlib.util.find_spec("twocircuit_jax")
+    _pkg = types.ModuleType("twocircuit_jax")
+    _pkg.__path__ = list(_spec.submodule_search_locations)
+    sys.modules["twocircuit_jax"] = _pkg
     from twocircuit_jax.sampler import http_guard as hg, vllm_server as vs
 
     class Unreached:
