@@ -5,6 +5,7 @@ tests/test_sampler_security.py is here too, on this server (its stall limit, 2 s
 """
 
 import dataclasses
+import functools
 import math
 import os
 import signal
@@ -82,7 +83,8 @@ def test_generate_shapes_and_determinism(setup):
     assert r.tokens[0:4] != r.tokens[4:8]
 
 
-def _hf_logprobs(model_dir, prompt, resp):
+@functools.lru_cache(maxsize=1)  # one load for the test's six rows
+def _hf_model(model_dir):
     if "torchaudio" not in sys.modules:  # a torchaudio built for another torch breaks `import transformers`
         try:
             import torchaudio  # noqa: F401
@@ -91,7 +93,13 @@ def _hf_logprobs(model_dir, prompt, resp):
     import torch
     import transformers
 
-    model = transformers.Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return transformers.Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _hf_logprobs(model_dir, prompt, resp):
+    import torch
+
+    model = _hf_model(model_dir)
     ids = torch.tensor([prompt + resp])
     with torch.no_grad():
         logp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0]
