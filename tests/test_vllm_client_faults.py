@@ -23,7 +23,18 @@ CFG = ModelConfig(
 )
 SAMPLING = SamplingConfig(max_new_tokens=4)
 
-FAKE = textwrap.dedent("""
+# The fake server and trainer processes import the sampler modules without the package's __init__, which imports jax
+# and the model (~1.5 s of CPU per process on the 2-core machine, 15 processes here) for APIs these processes never
+# call. The code under test (vllm_server's parser, handler and watchdog; VLLMSampler) is imported as it is.
+LIGHT_IMPORT = textwrap.dedent("""
+    import importlib.util, sys, types
+    _spec = importlib.util.find_spec("twocircuit_jax")
+    _pkg = types.ModuleType("twocircuit_jax")
+    _pkg.__path__ = list(_spec.submodule_search_locations)
+    sys.modules["twocircuit_jax"] = _pkg
+""")
+
+FAKE = LIGHT_IMPORT + textwrap.dedent("""
     import os, sys, threading
     from http.server import ThreadingHTTPServer
     from twocircuit_jax.sampler import vllm_server as vs
@@ -128,7 +139,7 @@ def test_dead_server_restarted_with_latest_version(fake):
     assert time.monotonic() - t0 < 10
 
 
-TRAINER = textwrap.dedent("""
+TRAINER = LIGHT_IMPORT + textwrap.dedent("""
     import os, signal, sys, time
     # A trainer started from a terminal: Ctrl-C raises KeyboardInterrupt. A shell starts background jobs with
     # SIGINT ignored, and Python then installs no handler; the test must not depend on how its runner was launched.

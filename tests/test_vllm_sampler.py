@@ -1,15 +1,19 @@
 """The vLLM sampler process end to end: ONE server for the whole module (engine start is ~20 s on CPU).
 
-Tests run in file order and share the server; each leaves it serving a known version.
+Tests run in file order and share the server; each leaves it serving a known version. The real server's half of
+tests/test_sampler_security.py is here too, on this server (its stall limit, 2 s, is that test's).
 """
 
 import dataclasses
+import functools
 import math
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import jax
 import numpy as np
@@ -19,6 +23,7 @@ pytest.importorskip("vllm")
 psutil = pytest.importorskip("psutil")
 
 from hf_models import TINY_VLLM  # noqa: E402
+from test_sampler_security import call, no_file_holds, post  # noqa: E402
 
 from twocircuit_jax.config.sections import SamplerConfig, SamplingConfig  # noqa: E402
 from twocircuit_jax.model import init_params, save_hf  # noqa: E402
@@ -38,7 +43,8 @@ def setup(tmp_path_factory):
     # std 0.3: a peaked policy, so log-prob comparisons are not all near log(1/V).
     params = jax.tree.map(np.asarray, init_params(CFG, jax.random.PRNGKey(0), std=0.3))
     save_hf(CFG, params, str(root / "model"))
-    cfg = SamplerConfig(startup_timeout_s=240, request_timeout_s=120, max_retries=2)
+    # stall_timeout_s: /health reports a load stuck for 2 s (test_the_real_server_refuses_serves_and_reports_a_stuck_load)
+    cfg = SamplerConfig(startup_timeout_s=240, request_timeout_s=120, max_retries=2, stall_timeout_s=2.0)
     s = VLLMSampler(
         cfg,
         str(root / "model"),
@@ -77,7 +83,8 @@ def test_generate_shapes_and_determinism(setup):
     assert r.tokens[0:4] != r.tokens[4:8]
 
 
-def _hf_logprobs(model_dir, prompt, resp):
+@functools.lru_cache(maxsize=1)  # one load for the test's six rows
+def _hf_model(model_dir):
     if "torchaudio" not in sys.modules:  # a torchaudio built for another torch breaks `import transformers`
         try:
             import torchaudio  # noqa: F401
@@ -86,7 +93,13 @@ def _hf_logprobs(model_dir, prompt, resp):
     import torch
     import transformers
 
-    model = transformers.Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return transformers.Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _hf_logprobs(model_dir, prompt, resp):
+    import torch
+
+    model = _hf_model(model_dir)
     ids = torch.tensor([prompt + resp])
     with torch.no_grad():
         logp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0]
@@ -230,6 +243,57 @@ def test_delta_sync_twenty_updates_restart_and_corrupt_delta(setup):
     check_exact(31)
 
 
+def test_the_real_server_refuses_serves_and_reports_a_stuck_load(setup):
+    """401/413/400 where due and a good greedy generate; a load blocked on its file system makes /health 503 after
+    the stall limit while a second, concurrent load waits for it (loads are serialised)."""
+    s, params, root = setup
+    port, token = s.address[1], s._token
+    auth = {"Authorization": f"Bearer {token}"}
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=8)
+    s.update_weights(params, 1)  # served: v1 = the start weights (a step back from the last test's v31: written whole)
+    ref = s.generate([[5, 6, 7], [9]], 1, greedy, seed=0)
+    by_hand = {"prompts": [[5, 6, 7], [9]], "n": 1, "max_new_tokens": 8, "temperature": 0.0, "seed": 0}
+    status, body = post(port, "/generate", by_hand, token=token, timeout=60)
+    assert status == 200 and [r["tokens"] for r in body["rows"]] == ref.tokens
+    assert post(port, "/generate", by_hand, token=None)[0] == 401
+    assert post(port, "/generate", by_hand, token=token[:-1])[0] == 401
+    assert call(port, "POST", "/generate", {**auth, "Content-Length": "-1"})[0] == 400
+    assert call(port, "POST", "/generate", {**auth, "Content-Length": str(s.limits.generate_cap() + 1)})[0] == 413
+    n = s.limits.n + 1
+    status, body = post(port, "/generate", {**by_hand, "n": n}, token=token)
+    assert status == 400 and f"n={n} is outside [1, {s.limits.n}]" in body["error"]
+
+    stuck = root / "exports" / "v00000002"
+    stuck.mkdir()
+    os.mkfifo(stuck / "meta.json")  # a read that blocks until someone writes: a hung file system
+    answers = {}
+
+    def load(v):
+        answers[v] = post(port, "/load", {"version": v}, token=token, timeout=120)
+
+    first = threading.Thread(target=load, args=(2,))
+    first.start()
+    time.sleep(0.5)
+    second = threading.Thread(target=load, args=(1,))
+    second.start()
+    deadline = time.monotonic() + 20
+    while (health := call(port, "GET", "/health", auth))[0] == 200:
+        assert time.monotonic() < deadline, health
+        time.sleep(0.2)
+    assert health[0] == 503 and "2 load request(s) in flight" in health[1]["stuck"], health
+    assert second.is_alive() and 1 not in answers  # the second load waits for the first
+    with open(stuck / "meta.json", "w") as fh:
+        fh.write("{garbled")
+    first.join(60)
+    second.join(60)
+    assert answers[2][0] == 422 and "meta.json: malformed" in answers[2][1]["error"]
+    assert answers[1][0] == 200 and answers[1][1]["version"] == 1
+    assert call(port, "GET", "/health", auth) == (200, {"ok": True, "version": 1})
+    assert s.generate([[5, 6, 7], [9]], 1, greedy, seed=0).tokens == ref.tokens  # v1 again, intact
+    with open(f"/proc/{s.proc.pid}/cmdline", "rb") as fh:
+        assert token.encode() not in fh.read()
+
+
 def test_port_in_use_names_the_port(setup):
     _, _, root = setup
     with socket.socket() as busy:
@@ -261,7 +325,7 @@ def test_port_in_use_names_the_port(setup):
 
 
 def test_close_leaves_no_orphan(setup):
-    s, _, _ = setup
+    s, _, root = setup
     leader = psutil.Process(s.proc.pid)
     family = [leader.pid] + [c.pid for c in leader.children(recursive=True)]
     s.close()
@@ -269,3 +333,4 @@ def test_close_leaves_no_orphan(setup):
     for pid in family:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
     assert not [c for c in psutil.Process().children(recursive=True) if c.pid in family]
+    no_file_holds(root, s._token)  # the server's secret: in its environment only, in no file of the module
