@@ -141,6 +141,9 @@ WEIGHTS = {
 DEFAULT_WEIGHT = 5.0
 # Files whose tests start a vLLM engine (test_vllm_*.py, `twocircuit serve-sampler`): all in one group.
 ENGINE = ("test_vllm_*.py", "test_sampler_security.py")
+# Files that share a session fixture (tests/conftest.py), each tuple kept in one group so the fixture is built once:
+# chain_sum_base, a 300-step SFT (~20 s of CPU), serves the guard's collapse runs and the suite's trained checkpoint.
+TOGETHER = (("test_guard.py", "test_eval_suite.py"),)
 
 
 def taper(groups: int, jobs: int, ratio: float = TAPER) -> list[float]:
@@ -159,8 +162,8 @@ def plan(
     shares: list[float] | None = None,
 ) -> list[list[str]]:
     """Split `files` into at most `groups` non-empty groups whose total weights follow `shares` (default: equal;
-    longest first onto the group least full for its share); the ENGINE files travel together as one unit. Heaviest
-    group first, files sorted within. A weight is seconds, or (seconds, seconds outside `slow`), the second used
+    longest first onto the group least full for its share); the ENGINE files travel together as one unit, and so do
+    the files of each TOGETHER tuple. Heaviest group first, files sorted within. A weight is seconds, or (seconds, seconds outside `slow`), the second used
     when `fast`."""
     weights = WEIGHTS if weights is None else weights
 
@@ -169,7 +172,9 @@ def plan(
         return w if not isinstance(w, tuple) else w[1] if fast else w[0]
 
     engine = [f for f in files if any(fnmatch.fnmatch(os.path.basename(f), p) for p in ENGINE)]
-    units = [[f] for f in files if f not in engine] + ([engine] if engine else [])
+    tied = [u for u in ([f for f in files if os.path.basename(f) in t] for t in TOGETHER) if u]
+    units = [[f] for f in files if f not in engine and not any(f in u for u in tied)] + ([engine] if engine else [])
+    units += tied
     units.sort(key=lambda u: (-sum(map(weight, u)), u[0]))
     bins: list[list[str]] = [[] for _ in range(max(1, groups))]
     share = list(shares) if shares else [1.0] * len(bins)
