@@ -37,7 +37,7 @@ WEIGHTS = {
     "test_compile_matrix.py": (226, 15),
     "test_pipeline.py": (126, 12),
     "test_micro_batch.py": (125, 125),
-    "test_preemption.py": (108, 0),
+    "test_preemption.py": (99, 0),
     "test_model_scale.py": (97, 90),
     "test_plan.py": (92, 0),
     "test_chaos.py": (91, 12),
