@@ -21,3 +21,16 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import jax  # noqa: E402
 
 assert jax.device_count() == 8, f"expected 8 simulated devices, got {jax.device_count()}"
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def chain_sum_base(tmp_path_factory):
+    """(folder, SFT result) of tests/shared_bases.py's base, trained once per process; read-only for its users
+    (test_guard.py, test_eval_suite.py)."""
+    import shared_bases
+
+    out = str(tmp_path_factory.mktemp("chain_sum_base") / "base")
+    return out, shared_bases.build(out)

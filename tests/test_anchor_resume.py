@@ -34,13 +34,21 @@ def _rows(run):
     return [json.loads(l) for l in open(run / "metrics.jsonl")]
 
 
-def test_anchored_compressed_run_resumes_exactly(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    """The uninterrupted run of CFG, trained once: both tests' cut-and-resumed runs must repeat it (read-only)."""
+    root = tmp_path_factory.mktemp("anchor_full")
+    (root / "cfg.yaml").write_text(yaml.safe_dump(CFG))
+    assert main(["train", "--config", str(root / "cfg.yaml"), "--out", str(root / "full"), "--no-progress"]) == 0
+    return root / "full"
+
+
+def test_anchored_compressed_run_resumes_exactly(tmp_path, monkeypatch, full):
     from twocircuit_jax.train import loop
 
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump(CFG))
-    full, cut = tmp_path / "full", tmp_path / "cut"
-    assert main(["train", "--config", str(cfg), "--out", str(full), "--no-progress"]) == 0
+    cut = tmp_path / "cut"
     real = loop.GRPOTrainer.grpo_step
 
     def dying(self, gs):
@@ -77,7 +85,7 @@ def _old_flat_anchor(a: dict) -> dict:
     return out
 
 
-def test_a_checkpoint_of_the_old_merger_state_resumes_exactly(tmp_path, monkeypatch):
+def test_a_checkpoint_of_the_old_merger_state_resumes_exactly(tmp_path, monkeypatch, full):
     """A checkpoint as the code before the per-merger states wrote it: the merger's state the one MergerState of
     every merger (here signed_gate's ω beside an empty δ), no meta `merger_state`, the saved config's anchor flat.
     The resume maps it to SignedGateState and repeats the uninterrupted run step for step."""
@@ -86,8 +94,7 @@ def test_a_checkpoint_of_the_old_merger_state_resumes_exactly(tmp_path, monkeypa
 
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump(CFG))
-    full, cut = tmp_path / "full", tmp_path / "cut"
-    assert main(["train", "--config", str(cfg), "--out", str(full), "--no-progress"]) == 0
+    cut = tmp_path / "cut"
     real_grpo, real_state, real_parts = (
         loop.GRPOTrainer.grpo_step,
         loop.GRPOTrainer._ckpt_state,

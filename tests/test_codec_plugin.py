@@ -42,8 +42,7 @@ def toy():
 
 CFG = tiny_config(
     optim={"lr": 3e-3},
-    model={"num_layers": 4},
-    fast={"codec": {"type": NAME, "rank": 3}},
+    fast={"codec": {"type": NAME, "rank": 3}},  # the tiny 2-block model, pp_size 2: one boundary carries the basis
     anchor={"enabled": True, "cadence": 4, "delay": 4, "window": 2},
     train={"steps": 4},
 )

@@ -4,6 +4,7 @@ end-to-end run of two checkpoints side by side whose numbers match the single-ta
 import json
 
 import pytest
+import shared_bases
 import yaml
 from tiny_run import tiny_config
 
@@ -91,36 +92,29 @@ def test_checkpoint_labels(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_checkpoints_side_by_side_match_the_single_task_eval(tmp_path, capsys):
-    """A random init and its SFT'd version: the trained one wins in-domain; each number is what `twocircuit eval
-    --config` reports for the same problems and checkpoint."""
+def test_two_checkpoints_side_by_side_match_the_single_task_eval(tmp_path, capsys, chain_sum_base):
+    """A random init and its SFT'd version (conftest's shared chain_sum base, trained on the suite's holdout split:
+    train_seed 1, 1000 problems): the trained one wins in-domain; each number is what `twocircuit eval --config`
+    reports for the same problems and checkpoint."""
     from twocircuit_jax.config import load_config
     from twocircuit_jax.model.hf_io import save_hf
     from twocircuit_jax.model.tokenizer import load_tokenizer
     from twocircuit_jax.train.setup import load_model
-    from twocircuit_jax.train.sft import run_sft
 
     d = tiny_config(
-        model={"hidden_size": 64, "head_dim": 32, "intermediate_size": 128},
-        task={
-            "dataset": "chain_sum",
-            "options": CHAIN,
-            "train_size": 1000,
-            "eval_size": 24,
-            "train_seed": 1,
-            "eval_seed": 7,
-        },
+        model=shared_bases.MODEL,
+        task={**shared_bases.TASK, "eval_size": 24, "train_seed": 1, "eval_seed": 7},
         sampler={"sampling": {"max_new_tokens": 6}},
         train={"max_prompt_len": 16, "eval_size": 24},
-        sft={"steps": 200, "batch": 64, "lr": 3e-3, "warmup_steps": 10, "max_len": 16, "eval_every": 200},
     )
+    assert shared_bases.TASK["options"] == CHAIN and SUITE["holdout"] == {"train_seed": 1, "train_size": 1000}
     cfg = load_config(data=d)
     mcfg, params = load_model(cfg, 0)
     save_hf(mcfg, params, str(tmp_path / "init"), tokenizer=load_tokenizer("char"))
-    run_sft(cfg, str(tmp_path / "sft"), log=lambda *a: None)
+    sft = chain_sum_base[0]  # read-only: only evaluated
     suite = _write(tmp_path, SUITE)
     out = tmp_path / "report"
-    args = ["eval", "--suite", suite, "--out", str(out), "--checkpoint", f"init={tmp_path}/init", f"sft={tmp_path}/sft"]
+    args = ["eval", "--suite", suite, "--out", str(out), "--checkpoint", f"init={tmp_path}/init", f"sft={sft}"]
     assert main(args) == 0
     res = json.load(open(out / "mini.json"))
     assert res["checkpoints"] == ["init", "sft"] and (out / "mini.md").is_file() and (out / "mini.png").is_file()
@@ -128,12 +122,12 @@ def test_two_checkpoints_side_by_side_match_the_single_task_eval(tmp_path, capsy
     assert acc["chain_sum"]["sft"] > acc["chain_sum"]["init"] and acc["chain_sum"]["sft"] >= 0.1, acc
     capsys.readouterr()
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(d))
-    for label in ("init", "sft"):
-        assert main(["eval", "--config", str(tmp_path / "cfg.yaml"), "--checkpoint", str(tmp_path / label)]) == 0
+    for label, folder in (("init", tmp_path / "init"), ("sft", sft)):
+        assert main(["eval", "--config", str(tmp_path / "cfg.yaml"), "--checkpoint", str(folder)]) == 0
         single = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert single["eval/accuracy"] == pytest.approx(acc["chain_sum"][label]), label
     # a benchmark whose prompts do not fit is named, exit 2, nothing written
     bad = _write(tmp_path, {**SUITE, "prompt_len": 4}, "tight.yaml")
-    assert main(["eval", "--suite", bad, "--out", str(tmp_path / "r2"), "--checkpoint", str(tmp_path / "sft")]) == 2
+    assert main(["eval", "--suite", bad, "--out", str(tmp_path / "r2"), "--checkpoint", str(sft)]) == 2
     err = capsys.readouterr().err
     assert "benchmarks.chain_sum" in err and "prompt_len" in err and not (tmp_path / "r2").exists()

@@ -99,6 +99,20 @@ def test_plan_balances_by_weight_and_keeps_engines_together():
     assert run.plan(files[:2], groups=5, weights={}) == [["tests/test_a.py"], ["tests/test_b.py"]]
 
 
+def test_plan_keeps_the_files_of_a_together_tuple_in_one_group():
+    run = _runner()
+    a, b = run.TOGETHER[0][:2]  # the shipped tuple: its files share a session fixture
+    files = [f"tests/{a}", "tests/test_x.py", "tests/test_y.py", f"tests/{b}"]
+    weights = {a: 50, b: 50, "test_x.py": 50, "test_y.py": 50}
+    # alone each would take a group of its own: the tuple is one unit of 100, heaviest, the first group
+    assert run.plan(files, groups=4, weights=weights) == [
+        sorted([f"tests/{a}", f"tests/{b}"]),
+        ["tests/test_x.py"],
+        ["tests/test_y.py"],
+    ]
+    assert run.plan(files[:1], groups=2, weights=weights) == [[f"tests/{a}"]]  # one file of a tuple: a unit alone
+
+
 def test_test_fast_plans_with_the_weights_outside_slow():
     run = _runner()
     assert run.skips_slow(["-m", "not slow"]) and run.skips_slow(["-mnot slow and not vllm"])
