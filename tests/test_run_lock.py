@@ -12,6 +12,7 @@ import pytest
 import yaml
 from tiny_run import tiny_config
 
+from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.train import faults
 
 pytestmark = pytest.mark.slow  # real `twocircuit train` processes
@@ -82,3 +83,61 @@ def test_a_trainer_that_fails_to_build_releases_the_folder(tmp_path):
     take = "import sys; from twocircuit_jax.train import faults; faults.lock_run_folder(sys.argv[1]); print('taken')"
     out = subprocess.run([sys.executable, "-c", take, str(run)], env=_env(), capture_output=True, text=True)
     assert out.stdout.strip() == "taken", out.stderr[-2000:]
+
+
+def test_a_forked_worker_does_not_keep_a_killed_trainers_folder(tmp_path):
+    """The scoring and environment workers are forks of the trainer (tasks/bounded.py), and a flock belongs to the
+    open file the fork shares: a worker that kept its copy held the folder after its trainer was SIGKILLed, until it
+    noticed its parent was gone, and a resume started at once was refused. Here a process takes the lock, forks a
+    child that lives on (sleeping), and is SIGKILLed; the folder is taken at once, with the child still alive, and
+    the child's own lock-file copy is gone."""
+    run = tmp_path / "run"
+    run.mkdir()
+    seen = tmp_path / "held_in_child"
+    holder = (
+        "import multiprocessing as mp, os, sys, time\n"
+        "from twocircuit_jax.train import faults\n"
+        "faults.lock_run_folder(sys.argv[1])\n"
+        "def child():\n"
+        "    open(sys.argv[2] + '.tmp', 'w').write(str(len(faults._held)))\n"
+        "    os.rename(sys.argv[2] + '.tmp', sys.argv[2])\n"
+        "    time.sleep(120)\n"
+        "p = mp.get_context('fork').Process(target=child, daemon=False); p.start()\n"
+        "print('child', p.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", holder, str(run), str(seen)],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    child = None
+    try:
+        line = proc.stdout.readline()
+        while line and not line.startswith("child "):
+            line = proc.stdout.readline()
+        assert line, "the holder died before forking"
+        child = int(line.split()[1])
+        deadline = time.time() + 60
+        while not seen.exists():
+            assert time.time() < deadline, "the fork never reported"
+            time.sleep(0.05)
+        assert seen.read_text() == "0"  # the fork kept no lock file of its own
+        with pytest.raises(ConfigError, match="in use"):
+            faults.lock_run_folder(str(run))  # the live holder still holds it
+        proc.kill()
+        proc.wait()
+        os.kill(child, 0)  # the fork is still alive
+        key = faults.lock_run_folder(str(run))  # and the folder is free at once
+        faults.unlock_run_folder(key)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if child is not None:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -95,6 +95,22 @@ LOCK_FILE = "trainer.lock"
 _held: dict[str, list] = {}  # real path -> [open file, holders in this process]
 
 
+def _drop_held_in_child() -> None:
+    """In a forked child (the scoring and environment workers of tasks/bounded.py): close this process's copies of
+    the lock files, without unlocking. A flock belongs to the open file, which the fork shares; a worker that kept
+    its copy would hold the folder after its trainer died (a SIGKILLed trainer's worker lives until it notices),
+    and the resume started at once would be refused. Closing a copy leaves the trainer's hold as it was."""
+    for fh, _ in _held.values():
+        try:
+            fh.close()  # the child's descriptor only; no LOCK_UN, which would release the trainer's hold too
+        except OSError:
+            pass
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_drop_held_in_child)
+
+
 def lock_run_folder(run_dir: str) -> str:
     """Hold `run_dir/trainer.lock` (fcntl.flock, exclusive) for this process: a second trainer on the folder, in
     another process, gets a ConfigError naming the folder and the holder's pid (the CLI's exit 2). The kernel drops
