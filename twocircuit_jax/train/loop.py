@@ -108,14 +108,17 @@ class GRPOTrainer(TrainerCheckpoints):
         staleness = ph.check_staleness(b, col, self.state_version)
         dev, full_mask, truncated = ph.device_batch(b, col)
         self.cs = place(set_clock(self.cs, step=gs), b.cs_sh)  # one input signature for every jitted pass
-        if b.codec and gs == 1:  # a fresh run only: a resumed one restores its basis with the circuit state
-            codec_state, bm = b.codec.bootstrap(self.cs.codec, self.state.params, dev)
-            self.cs = place(self.cs._replace(codec=codec_state), b.cs_sh)  # placed like every later step's
-            metrics.update(bm)
+        self.cs, bm = ph.bootstrap(b, self.state.params, self.cs, gs, dev)
+        metrics.update(bm)
         metrics.update(
             ph.old_logprobs(b, self.state.params, self.cs, gs, dev, full_mask, truncated, col.row_turn, timer)
         )
-        self.state, self.cs, tm, self.comm_hlo = ph.ticks(b, self.state, self.cs, gs, dev, timer, self.comm_hlo)
+        accum: dict = {}  # the ticks' metrics; the trainer's state is current after each tick
+        for first, mb in ph.minibatches(b, dev):
+            self.state, self.cs, self.comm_hlo = ph.tick(
+                b, self.state, self.cs, gs, mb, first, accum, timer, self.comm_hlo
+            )
+        tm = ph.ticks_metrics(b, accum, self.state)
         metrics.update(tm)
         self.cs, cm = ph.end_step(b, self.cs, gs, tm)
         metrics.update(cm)

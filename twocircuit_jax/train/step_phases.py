@@ -2,7 +2,7 @@
 
 `GRPOTrainer.grpo_step` (train/loop.py) calls them in this order: `rollouts` (collected now, or taken from the
 step-ahead generation), `ref_pass` / `old_pass` (ℓ_ref and, unless the train forward gives it, ℓ_old with the step's
-diagnostics and the dense probe), `ticks` (the optimizer updates with the anchor around them). Each returns what it
+diagnostics and the dense probe), `tick` for each of `minibatches` (the optimizer updates with the anchor around them). Each returns what it
 changed (train state, circuit state) and its metrics; none keeps anything between calls. `timer` is the trainer's
 PhaseTimer (train/timing.py): the phases time themselves into it.
 """
@@ -83,6 +83,15 @@ def device_batch(b: BuiltRun, col):
     return b.shard(batch), full_mask, b.shard(truncated)
 
 
+def bootstrap(b: BuiltRun, params, cs, gs, dev) -> tuple:
+    """(circuit state, metrics): the codec's state from the first step's rows before its first tick (the low-rank
+    basis from one dense sketch), at step 1 of a fresh run only: a resumed one restores it with the circuit state."""
+    if not (b.codec and gs == 1):
+        return cs, {}
+    codec_state, bm = b.codec.bootstrap(cs.codec, params, dev)
+    return place(cs._replace(codec=codec_state), b.cs_sh), bm  # placed like every later step's
+
+
 def old_logprobs(b: BuiltRun, params, cs, gs, dev, full_mask, truncated, row_turn, timer) -> dict:
     """ℓ_old (and ℓ_ref with a KL term) for the step, from where `programs.old_from_train` says (decided once, in
     train/programs.py `fuses_old_pass`): the tick's own forward, which then also gives the TIS weights and the
@@ -150,55 +159,63 @@ def anchor_rows(b: BuiltRun, tau, mb, cs):
     return {**mb, "ref_logp_dense": b.programs.logp_anchor_ref(b.ref_params, logp_rows(mb), cs)[0]}
 
 
-def ticks(b: BuiltRun, state, cs, gs, dev, timer, comm_hlo):
-    """Step gs's optimizer ticks: `train.ppo_epochs` passes over its mini-batches, the anchor before and after each.
-    Returns (train state, circuit state, metrics, comm_hlo): `comm_hlo` (staged runs) is the train step's collectives
-    by part, read from its compiled program before its first call when not known yet."""
-    cfg, t, p = b.cfg, b.cfg.train, b.programs
-    probe = p.fidelity is not None and b.probe_due(gs)
-    n_mini = cfg.ticks_per_step
-    accum: dict = {}
-    for epoch in range(t.ppo_epochs):
-        for j, mb in enumerate(ro.split_minibatches(dev, n_mini)):
-            mb = b.shard(mb)
-            tau = int(state.tick) + 1
-            first = j == 0 and epoch == 0
-            # ℓ_old from the train forward; placed, so the anchor's ℓ_ref^dense pass sees the circuit state as
-            # every other pass does (one program, the one train/abstract_step.py builds from shapes)
-            cs = place(set_clock(cs, first_minibatch=first), b.cs_sh)
-            if b.anchor:
-                with timer("anchor"):
-                    basis = cs.codec if b.anchor.owns_q else None
-                    amb = anchor_rows(b, tau, mb, cs)
-                    cs, am, sketch = b.anchor.before_tick(tau, gs, first, amb, state, cs, basis)
-                    if sketch is not None:  # the anchor's dense sketch refreshes the basis (staged)
-                        cs = cs._replace(codec=b.codec.absorb_sketch(cs.codec, sketch))
-                    jax.block_until_ready(cs)
-                merge(accum, to_host(am))
-            with timer("update"):
-                # Both states are donated: `place` commits every leaf to its sharding, no buffer twice.
-                cs = place(cs, b.cs_sh)
-                if probe and first:  # before the tick: the weights and M it will use
-                    merge(accum, to_host(p.fidelity(state.params, b.ref_params, mb, cs)))
-                if b.pipeline is not None and comm_hlo is None:  # once a run, before the first call
-                    comm_hlo = step_comm(p.train_step, (state, cs, mb), pmesh.dp_size(b.mesh), n_mini * t.ppo_epochs)
-                state, cs, m = p.train_step(state, cs, mb)
-                m = to_host(dict(m))  # host sync, once per tick
-            if b.codec:
-                b.codec.tick_done()
-            if b.anchor:
-                with timer("anchor"):
-                    state, sm = b.anchor.after_tick(tau, state, cs)
-                    jax.block_until_ready(state)
-                m.update(to_host(sm))
-            merge(accum, m)
+def minibatches(b: BuiltRun, dev: dict):
+    """(first, mini-batch on the mesh) for each tick of the step: `train.ppo_epochs` passes over its mini-batches;
+    `first`: the step's first tick."""
+    for epoch in range(b.cfg.train.ppo_epochs):
+        for j, mb in enumerate(ro.split_minibatches(dev, b.cfg.ticks_per_step)):
+            yield j == 0 and epoch == 0, b.shard(mb)
+
+
+def tick(b: BuiltRun, state, cs, gs, mb, first, accum: dict, timer, comm_hlo):
+    """One optimizer tick of step gs on mini-batch `mb`, the anchor before and after it. Returns (train state,
+    circuit state, comm_hlo), both states new (the old ones are donated); its metrics go into `accum`. `comm_hlo`
+    (staged runs) is the train step's collectives by part, read from its compiled program before its first call
+    when not known yet."""
+    p = b.programs
+    tau = int(state.tick) + 1
+    # ℓ_old from the train forward; placed, so the anchor's ℓ_ref^dense pass sees the circuit state as every other
+    # pass does (one program, the one train/abstract_step.py builds from shapes)
+    cs = place(set_clock(cs, first_minibatch=first), b.cs_sh)
+    if b.anchor:
+        with timer("anchor"):
+            basis = cs.codec if b.anchor.owns_q else None
+            amb = anchor_rows(b, tau, mb, cs)
+            cs, am, sketch = b.anchor.before_tick(tau, gs, first, amb, state, cs, basis)
+            if sketch is not None:  # the anchor's dense sketch refreshes the basis (staged)
+                cs = cs._replace(codec=b.codec.absorb_sketch(cs.codec, sketch))
+            jax.block_until_ready(cs)
+        merge(accum, to_host(am))
+    with timer("update"):
+        # Both states are donated: `place` commits every leaf to its sharding, no buffer twice.
+        cs = place(cs, b.cs_sh)
+        if p.fidelity is not None and b.probe_due(gs) and first:  # before the tick: the weights and M it will use
+            merge(accum, to_host(p.fidelity(state.params, b.ref_params, mb, cs)))
+        if b.pipeline is not None and comm_hlo is None:  # once a run, before the first call
+            ticks = b.cfg.ticks_per_step * b.cfg.train.ppo_epochs
+            comm_hlo = step_comm(p.train_step, (state, cs, mb), pmesh.dp_size(b.mesh), ticks)
+        state, cs, m = p.train_step(state, cs, mb)
+        m = to_host(dict(m))  # host sync, once per tick
+    if b.codec:
+        b.codec.tick_done()
+    if b.anchor:
+        with timer("anchor"):
+            state, sm = b.anchor.after_tick(tau, state, cs)
+            jax.block_until_ready(state)
+        m.update(to_host(sm))
+    merge(accum, m)
+    return state, cs, comm_hlo
+
+
+def ticks_metrics(b: BuiltRun, accum: dict, state) -> dict:
+    """The step's tick metrics: means over its ticks, counts summed, the tick reached and its learning rate."""
     out = {k: float(np.mean(v)) for k, v in accum.items()}
     for k in ("grad/skipped", "anchor/fire"):
         if k in accum:
             out[k] = float(np.sum(accum[k]))
     out["tick"] = int(state.tick)
-    out["lr"] = learning_rate(cfg.optim, int(state.tick))
-    return state, cs, out, comm_hlo
+    out["lr"] = learning_rate(b.cfg.optim, int(state.tick))
+    return out
 
 
 def end_step(b: BuiltRun, cs, gs, tick_metrics) -> tuple:
