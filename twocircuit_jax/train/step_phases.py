@@ -1,10 +1,11 @@
 """The phases of one GRPO step, as functions of the built run (train/built_run.py) and the state they change.
 
 `GRPOTrainer.grpo_step` (train/loop.py) calls them in this order: `rollouts` (collected now, or taken from the
-step-ahead generation), `ref_pass` / `old_pass` (ℓ_ref and, unless the train forward gives it, ℓ_old with the step's
-diagnostics and the dense probe), `tick` for each of `minibatches` (the optimizer updates with the anchor around them). Each returns what it
-changed (train state, circuit state) and its metrics; none keeps anything between calls. `timer` is the trainer's
-PhaseTimer (train/timing.py): the phases time themselves into it.
+step-ahead generation), `device_batch`, `bootstrap` (step 1's codec basis), `old_logprobs` (ℓ_ref and, unless the
+train forward gives it, ℓ_old with the step's diagnostics and the dense probe: `old_pass`), `tick` for each of
+`minibatches` (the optimizer updates with the anchor around them), `end_step` (the codec's basis refresh). Each
+returns what it changed (train state, circuit state) and its metrics; none keeps anything between calls, and the
+trainer holds the new state after each tick. `timer` is the trainer's PhaseTimer (train/timing.py): the phases time themselves into it.
 """
 
 from __future__ import annotations
