@@ -5,7 +5,8 @@ step-ahead generation), `device_batch`, `bootstrap` (step 1's codec basis), `old
 train forward gives it, ℓ_old with the step's diagnostics and the dense probe: `old_pass`), `tick` for each of
 `minibatches` (the optimizer updates with the anchor around them), `end_step` (the codec's basis refresh). Each
 returns what it changed (train state, circuit state) and its metrics; none keeps anything between calls, and the
-trainer holds the new state after each tick. `timer` is the trainer's PhaseTimer (train/timing.py): the phases time themselves into it.
+trainer holds the new state after each tick. `timer` is the trainer's PhaseTimer (train/timing.py): the phases
+time themselves into it.
 """
 
 from __future__ import annotations
