@@ -54,7 +54,8 @@ def test_trainer_has_at_most_20_instance_attributes():
 
 
 def test_the_attribute_count_sees_every_kind_of_assignment():
-    src = "class C:\n def f(self):\n  self.a = 1\n  self.b, (self.c, x) = 2, (3, 4)\n  self.d += 1\n  self.e: int = 5\n  other.z = 6\n"
+    body = ["self.a = 1", "self.b, (self.c, x) = 2, (3, 4)", "self.d += 1", "self.e: int = 5", "other.z = 6"]
+    src = "class C:\n def f(self):\n" + "".join(f"  {line}\n" for line in body)
     assert self_attributes(src, "C") == {"a", "b", "c", "d", "e"}
 
 
