@@ -255,7 +255,7 @@ def test_merger_none_and_cold_merger_leave_the_step_bit_identical(tiny):
 
 
 def test_disabled_anchor_is_absent_from_the_circuit_state(tiny):
-    from twocircuit_jax.train.loop import GRPOTrainer
+    from twocircuit_jax.train.programs import build_circuits  # what the trainer's assembly calls (built_run.py)
 
     _, mesh, state, _, _, _, _ = tiny
     for anchor, present in (
@@ -264,12 +264,10 @@ def test_disabled_anchor_is_absent_from_the_circuit_state(tiny):
         ({"swap": {"cadence": 0}}, {"merger"}),
         ({}, {"merger", "moments"}),
     ):
-        t = GRPOTrainer.__new__(GRPOTrainer)
-        t.cfg = _cfg(**anchor)
-        t.model_cfg, t.state, t.codec, t.anchor, t.mesh = t.cfg.model, state, None, None, mesh
-        t._build_circuits()
+        cfg = _cfg(**anchor)
+        t = build_circuits(cfg, cfg.model, mesh, state.params)
         fields = {k for k in ("codec", "grad", "merger", "moments") if getattr(t.cs, k) is not None}
-        assert fields == present and (t.anchor is None) == (not t.cfg.anchor.enabled)
+        assert fields == present and (t.anchor is None) == (not cfg.anchor.enabled)
         # the sharding tree has the state's structure: the step's in/out shardings fit it
         assert jax.tree.structure(t.cs) == jax.tree.structure(t.cs_sh, is_leaf=lambda x: hasattr(x, "spec"))
 

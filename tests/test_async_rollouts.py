@@ -102,13 +102,13 @@ _THREADED_AND_INLINE = """
 import json, sys
 from tiny_run import tiny_config
 from twocircuit_jax.config import load_config
-from twocircuit_jax.train import loop
+from twocircuit_jax.train import built_run, loop
 cfg = load_config(data=json.loads(sys.argv[1]))
 tr = loop.GRPOTrainer(cfg, sys.argv[2], show_progress=False)
 assert tr.ahead.threaded, "one device: the embedded sampler generates in the background"
 tr.run()
-real = loop.RolloutAhead
-loop.RolloutAhead = lambda threaded: real(threaded=False)
+real = built_run.RolloutAhead  # the run's assembly makes it (train/built_run.py)
+built_run.RolloutAhead = lambda threaded: real(threaded=False)
 loop.GRPOTrainer(cfg, sys.argv[3], show_progress=False).run()
 """
 

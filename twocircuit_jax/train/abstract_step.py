@@ -139,7 +139,7 @@ def abstract_programs(cfg, devices, *, lowering_platform: str | None = None) -> 
     term; logp_dense, probe_sums and fidelity with the probe; anchor_fire with the anchor, and logp_anchor_ref
     when its dense ℓ_ref is a pass of its own (the codec acts on the reference pass)."""
     from twocircuit_jax.parallel import mesh as pmesh
-    from twocircuit_jax.train.grpo_step import REF
+    from twocircuit_jax.train.programs import anchor_ref_own_pass
 
     a = abstract_assembly(cfg, devices, lowering_platform=lowering_platform)
     p, c, cs, params = a.programs, a.circuits, a.circuits.cs, a.state.params
@@ -163,7 +163,7 @@ def abstract_programs(cfg, devices, *, lowering_platform: str | None = None) -> 
         from twocircuit_jax.anchor.loss import anchor_batch_keys
 
         mini = {k: a.batch[k] for k in ("tokens", "attention_mask", "sample_id")}
-        if cfg.grpo.kl_coef > 0 and c.codec is not None and c.codec.applies(REF):
+        if anchor_ref_own_pass(cfg, c.codec):
             out["logp_anchor_ref"] = Program(p.logp_anchor_ref, (ref, mini, cs))
         fire = {**a.batch, "ref_logp_dense": a.batch["sampler_logp"]}
         fire = {k: fire[k] for k in anchor_batch_keys(cfg.grpo)}

@@ -92,6 +92,13 @@ def fuses_old_pass(cfg, codec, pipeline) -> bool:
     )
 
 
+def anchor_ref_own_pass(cfg, codec) -> bool:
+    """Whether the anchor's ℓ_ref^dense (its KL, in the dense view) is a reference forward of its own
+    (`Programs.logp_anchor_ref`): with a KL term, when the activation codec acts on the reference pass; otherwise
+    ℓ_ref is dense already and the anchor reads it."""
+    return cfg.grpo.kl_coef > 0 and codec is not None and codec.applies(REF)
+
+
 class Programs(NamedTuple):
     old_from_train: bool  # the train step's forward is the old-log-prob pass (fuses_old_pass)
     loss_fn: Any  # the GRPO loss the train step differentiates

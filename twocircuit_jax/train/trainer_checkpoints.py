@@ -35,8 +35,9 @@ STATE_LAYOUT = 2
 
 
 class TrainerCheckpoints:
-    """Save and load of `GRPOTrainer`'s state (a mixin: it uses the trainer's `ckpt`, `state`, `cs`, `cs_sh`,
-    `anchor`, `codec`, `ahead`, `health`, `collector`, `guard`, `history` and `model_cfg`)."""
+    """Save and load of `GRPOTrainer`'s state (a mixin). It writes the trainer's own `state`, `cs` and `history` (on
+    a load) and reads the built run's parts the trainer exposes (`ckpt`, `cs_sh`, `anchor`, `codec`, `ahead`,
+    `health`, `collector`, `guard`, `model_cfg`, `user_cfg`: train/built_run.py)."""
 
     def _ckpt_state(self):
         return {"train": self.state, "circuit": self.cs}
@@ -80,17 +81,9 @@ class TrainerCheckpoints:
             blobs[AHEAD_BLOB] = safe_blob.dumps(ahead)
         return meta, blobs or None
 
-    def _resume_step(self) -> int | None:
-        """The newest committed checkpoint whose meta.json reads (None: there is none)."""
-        for step in reversed(self.ckpt.steps()):
-            try:
-                self.ckpt.read_meta(step)
-                return step
-            except (OSError, ValueError):  # a torn or corrupted meta.json (json's errors are ValueErrors)
-                continue
-        return None
-
-    def _restore(self):
+    def _restore(self) -> tuple[int, dict | None, dict | None]:
+        """The newest readable checkpoint into the trainer. Returns (its step, its metrics line, the step-ahead
+        rollouts it holds: None without)."""
         # Newest first: a checkpoint whose files are torn or missing (a disk fault, a copy cut short) falls back to
         # the previous one, and only once an older one has loaded are the unreadable ones renamed aside
         # (`step_N.unreadable`, never deleted; a mismatch every checkpoint shares renames nothing). A refused
@@ -121,13 +114,12 @@ class TrainerCheckpoints:
                 f"set aside as {aside.name}; resuming from step_{step:08d}",
                 file=sys.stderr,
             )
-        self.start_step = int(meta["step"])
-        self._resume_row = meta.get("metrics")
-        self._ahead_blob = self.ckpt.read_part(step, AHEAD_BLOB)  # the finished rollouts of step `step` + 1
         self.health.load_state_dict(meta.get("health"))
         self.collector.load_state_dict(meta.get("collector") or {})
         if self.guard:
             self.guard.load_state_dict(meta.get("guard"))
+        # the finished rollouts of step `step` + 1 (train.async_rollouts)
+        return int(meta["step"]), meta.get("metrics"), self.ckpt.read_part(step, AHEAD_BLOB)
 
     def _load(self, step) -> dict:
         """Checkpoint `step` (or "best") into the trainer: train state, circuit state, host counters, history.

@@ -1,0 +1,256 @@
+"""The phases of one GRPO step, as functions of the built run (train/built_run.py) and the state they change.
+
+`GRPOTrainer.grpo_step` (train/loop.py) calls them in this order: `rollouts` (collected now, or taken from the
+step-ahead generation), `device_batch`, `bootstrap` (step 1's codec basis), `old_logprobs` (ℓ_ref and, unless the
+train forward gives it, ℓ_old with the step's diagnostics and the dense probe: `old_pass`), `tick` for each of
+`minibatches` (the optimizer updates with the anchor around them), `end_step` (the codec's basis refresh). Each
+returns what it changed (train state, circuit state) and its metrics; none keeps anything between calls, and the
+trainer holds the new state after each tick. `timer` is the trainer's PhaseTimer (train/timing.py): the phases
+time themselves into it.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from twocircuit_jax.fast.hlo_bytes import step_comm
+from twocircuit_jax.metrics.mismatch import mismatch_by_turn
+from twocircuit_jax.metrics.probe import dense_probe_metrics
+from twocircuit_jax.parallel import mesh as pmesh
+from twocircuit_jax.parallel.host import to_host
+from twocircuit_jax.tasks import bounded
+from twocircuit_jax.train import rollout as ro
+from twocircuit_jax.train.built_run import BuiltRun, step_seed
+from twocircuit_jax.train.circuit_state import place, set_clock
+from twocircuit_jax.train.grpo_step import OLD
+from twocircuit_jax.train.programs import anchor_ref_own_pass
+from twocircuit_jax.train.step import learning_rate
+
+
+def logp_rows(batch: dict) -> dict:
+    """What a log-prob pass reads: one input signature whatever else the step batch has gathered by then (one
+    compilation per pass)."""
+    return {k: batch[k] for k in ("tokens", "attention_mask", "sample_id") if k in batch}
+
+
+def collect(b: BuiltRun, gs: int):
+    """Step gs's rollouts, scored and packed (train/collect.py)."""
+    begin = getattr(b.task, "begin_step", None)  # optional: a task whose scoring depends on the step
+    if begin is not None:
+        begin(gs)
+        bounded.refresh(b.task)  # its scoring workers fork again from the task as begin_step left it
+    return b.collector.collect(gs, b.problems_for(gs), b.sampler, step_seed(b.cfg.train.seed, gs))
+
+
+def rollouts(b: BuiltRun, gs: int, timer):
+    """(Collected, metrics) of step gs: the rollouts generated during step gs-1 when `train.async_rollouts`
+    (their engine and scoring seconds overlapped that step: `sampler/*_ahead_s`, not phases of this one), else
+    collected now. With async_rollouts, step gs+1's then start from the weights the sampler holds."""
+    col = b.ahead.take(gs) if b.ahead is not None else None
+    if col is None:
+        col = collect(b, gs)
+        timer.add("generate", col.gen_s)
+        timer.add("score", col.score_s)
+        metrics = dict(col.metrics)
+    else:
+        metrics = {**col.metrics, "sampler/generate_ahead_s": col.gen_s, "sampler/score_ahead_s": col.score_s}
+    if b.ahead is not None and gs < b.cfg.train.steps:
+        with timer("rollout_wait"):  # ~0 s in a thread; all of step gs+1's generation when inline
+            b.ahead.start(gs + 1, lambda: collect(b, gs + 1))
+    return col, metrics
+
+
+def check_staleness(b: BuiltRun, col, version: int) -> int:
+    """How many weight versions the rollouts lag the trainer at `version`; past sampler.max_staleness beyond
+    train.async_rollouts' scheduled lag, an error."""
+    staleness, s, t = version - col.weight_version, b.cfg.sampler, b.cfg.train
+    if staleness > s.max_staleness + t.async_rollouts:
+        raise RuntimeError(
+            f"sampler answered with weight version {col.weight_version}; the trainer is at {version}, "
+            f"sampler.max_staleness is {s.max_staleness} and train.async_rollouts is {t.async_rollouts}"
+        )
+    return staleness
+
+
+def device_batch(b: BuiltRun, col):
+    """(rows on the mesh, full response mask, truncation flags) of the collected batch: the loss reads the response
+    mask with the collector's loss mask applied (it may exclude some rows); the diagnostics see every sampled
+    token. The flags are a global array: one program on every process."""
+    batch = dict(col.batch)
+    loss_mask = batch.pop("loss_mask")
+    full_mask = b.shard(batch["response_mask"])
+    batch["response_mask"] = batch["response_mask"] * loss_mask[:, None]
+    truncated = batch.pop("truncated")
+    return b.shard(batch), full_mask, b.shard(truncated)
+
+
+def bootstrap(b: BuiltRun, params, cs, gs, dev) -> tuple:
+    """(circuit state, metrics): the codec's state from the first step's rows before its first tick (the low-rank
+    basis from one dense sketch), at step 1 of a fresh run only: a resumed one restores it with the circuit state."""
+    if not (b.codec and gs == 1):
+        return cs, {}
+    codec_state, bm = b.codec.bootstrap(cs.codec, params, dev)
+    return place(cs._replace(codec=codec_state), b.cs_sh), bm  # placed like every later step's
+
+
+def old_logprobs(b: BuiltRun, params, cs, gs, dev, full_mask, truncated, row_turn, timer) -> dict:
+    """ℓ_old (and ℓ_ref with a KL term) for the step, from where `programs.old_from_train` says (decided once, in
+    train/programs.py `fuses_old_pass`): the tick's own forward, which then also gives the TIS weights and the
+    diagnostics from the full mask and the flags it finds in `dev`; or separate passes now (`old_pass`)."""
+    if not b.programs.old_from_train:
+        return old_pass(b, params, cs, gs, dev, full_mask, truncated, row_turn, timer)
+    dev["full_mask"], dev["truncated"] = full_mask, truncated
+    if b.cfg.grpo.kl_coef > 0:
+        with timer("logprob"):
+            ref_pass(b, dev, cs)
+            jax.block_until_ready(dev["ref_logp"])
+    return {}
+
+
+def ref_pass(b: BuiltRun, dev: dict, cs) -> None:
+    """ℓ_ref into `dev` (kl_coef > 0). The anchor's dense view of it is `anchor_rows`'."""
+    dev["ref_logp"] = b.programs.logp_ref(b.ref_params, logp_rows(dev), cs)[0]
+
+
+def old_pass(b: BuiltRun, params, cs, gs, dev, full_mask, truncated, row_turn, timer) -> dict:
+    """ℓ_old (and ℓ_ref) into `dev` from their own forwards, the TIS weights, the step's diagnostics (and the dense
+    probe when due). Returns their metrics."""
+    p = b.programs
+    with timer("logprob"):
+        old_logp, ent, old_aux = p.logp_old(params, logp_rows(dev), cs)
+        dev["old_logp"] = old_logp
+        if b.cfg.grpo.kl_coef > 0:
+            ref_pass(b, dev, cs)
+        jax.block_until_ready((old_logp, dev.get("ref_logp")))
+    w, metrics = p.diagnostics(old_logp, dev["sampler_logp"], dev["response_mask"], full_mask, truncated, ent)
+    if w is not None:
+        dev["is_weight"] = w
+    if row_turn is not None:  # multi-turn: the gap per interaction index
+        metrics.update(mismatch_by_turn(old_logp, dev["sampler_logp"], full_mask, row_turn))
+    if b.codec:
+        metrics.update(b.codec.summarize_aux(old_aux, tag=OLD))
+    if b.probe_due(gs):
+        with timer("logprob"):
+            metrics.update(to_host(dense_probe(b, params, cs, dev, full_mask, old_logp)))
+    return metrics
+
+
+def dense_probe(b: BuiltRun, params, cs, dev, mask, old_logp) -> dict:
+    """design §6 probe: reference KL with codecs off everywhere (`kl/ref_dense`) against the codec view at the
+    same point (`kl/ref_codec`), their ratio `kl/gain`, and the dense trainer's own gap to the sampler.
+    Cost: two or three extra forwards, no backward."""
+    p, rows = b.programs, logp_rows(dev)
+    lp = p.logp_dense(params, rows, cs)[0]
+    lr_dense = p.logp_dense(b.ref_params, rows, cs)[0]
+    ref_codec = dev["ref_logp"] if "ref_logp" in dev else p.logp_ref(b.ref_params, rows, cs)[0]
+    return dense_probe_metrics(
+        lp, lr_dense, old_logp, ref_codec, dev["sampler_logp"], mask, b.cfg.grpo.kl_estimator, p.probe_sums
+    )
+
+
+def anchor_rows(b: BuiltRun, tau, mb, cs):
+    """The mini-batch as the anchor reads it at tick τ: with ℓ_ref^dense (kl_coef > 0) when the anchor keeps these
+    rows (retained for a later fire, or this fire's batch), else as it is. The anchor's KL is in the dense view: when
+    the codec acts on the reference pass, that is one more reference forward with codecs off, over the mini-batches
+    the anchor keeps only (1/cadence of the rows; its program compiles at the first one)."""
+    if b.cfg.grpo.kl_coef <= 0 or not b.anchor.keeps(tau):
+        return mb
+    if not anchor_ref_own_pass(b.cfg, b.codec):
+        return {**mb, "ref_logp_dense": mb["ref_logp"]}
+    return {**mb, "ref_logp_dense": b.programs.logp_anchor_ref(b.ref_params, logp_rows(mb), cs)[0]}
+
+
+def minibatches(b: BuiltRun, dev: dict):
+    """(first, mini-batch on the mesh) for each tick of the step: `train.ppo_epochs` passes over its mini-batches;
+    `first`: the step's first tick."""
+    for epoch in range(b.cfg.train.ppo_epochs):
+        for j, mb in enumerate(ro.split_minibatches(dev, b.cfg.ticks_per_step)):
+            yield j == 0 and epoch == 0, b.shard(mb)
+
+
+def tick(b: BuiltRun, state, cs, gs, mb, first, accum: dict, timer, comm_hlo):
+    """One optimizer tick of step gs on mini-batch `mb`, the anchor before and after it. Returns (train state,
+    circuit state, comm_hlo), both states new (the old ones are donated); its metrics go into `accum`. `comm_hlo`
+    (staged runs) is the train step's collectives by part, read from its compiled program before its first call
+    when not known yet."""
+    p = b.programs
+    tau = int(state.tick) + 1
+    # ℓ_old from the train forward; placed, so the anchor's ℓ_ref^dense pass sees the circuit state as every other
+    # pass does (one program, the one train/abstract_step.py builds from shapes)
+    cs = place(set_clock(cs, first_minibatch=first), b.cs_sh)
+    if b.anchor:
+        with timer("anchor"):
+            basis = cs.codec if b.anchor.owns_q else None
+            amb = anchor_rows(b, tau, mb, cs)
+            cs, am, sketch = b.anchor.before_tick(tau, gs, first, amb, state, cs, basis)
+            if sketch is not None:  # the anchor's dense sketch refreshes the basis (staged)
+                cs = cs._replace(codec=b.codec.absorb_sketch(cs.codec, sketch))
+            jax.block_until_ready(cs)
+        merge(accum, to_host(am))
+    with timer("update"):
+        # Both states are donated: `place` commits every leaf to its sharding, no buffer twice.
+        cs = place(cs, b.cs_sh)
+        if p.fidelity is not None and b.probe_due(gs) and first:  # before the tick: the weights and M it will use
+            merge(accum, to_host(p.fidelity(state.params, b.ref_params, mb, cs)))
+        if b.pipeline is not None and comm_hlo is None:  # once a run, before the first call
+            ticks = b.cfg.ticks_per_step * b.cfg.train.ppo_epochs
+            comm_hlo = step_comm(p.train_step, (state, cs, mb), pmesh.dp_size(b.mesh), ticks)
+        state, cs, m = p.train_step(state, cs, mb)
+        m = to_host(dict(m))  # host sync, once per tick
+    if b.codec:
+        b.codec.tick_done()
+    if b.anchor:
+        with timer("anchor"):
+            state, sm = b.anchor.after_tick(tau, state, cs)
+            jax.block_until_ready(state)
+        m.update(to_host(sm))
+    merge(accum, m)
+    return state, cs, comm_hlo
+
+
+def ticks_metrics(b: BuiltRun, accum: dict, state) -> dict:
+    """The step's tick metrics: means over its ticks, counts summed, the tick reached and its learning rate."""
+    out = {k: float(np.mean(v)) for k, v in accum.items()}
+    for k in ("grad/skipped", "anchor/fire"):
+        if k in accum:
+            out[k] = float(np.sum(accum[k]))
+    out["tick"] = int(state.tick)
+    out["lr"] = learning_rate(b.cfg.optim, int(state.tick))
+    return out
+
+
+def end_step(b: BuiltRun, cs, gs, tick_metrics) -> tuple:
+    """(circuit state, metrics) after the ticks: the codec's view of the old pass when the tick's forward was it,
+    and the codec's end of step (its basis refresh)."""
+    if not b.codec:
+        return cs, {}
+    metrics = {}
+    if b.programs.old_from_train:
+        b.codec.count_forward(OLD)
+        views = ("codec/mask_ratio", "codec/recon_rel_err")  # what summarize_aux reports of an old pass
+        metrics.update({f"codec/{OLD}/{k[len('codec/') :]}": tick_metrics[k] for k in views if k in tick_metrics})
+    codec_state, cm = b.codec.end_step(cs.codec, gs, cs.grad)
+    metrics.update(cm)
+    return cs._replace(codec=codec_state), metrics
+
+
+def sampler_gauges(b: BuiltRun, col, staleness: int, comm_hlo) -> dict:
+    """The step's engine and pipeline gauges: bubble and collectives (staged), tokens/s, the sampler's own."""
+    m = {}
+    if b.pipeline is not None:
+        m["pipeline/bubble_fraction"] = b.pipeline.bubble
+        m.update(comm_hlo or {})
+    m["time/tokens_per_s"] = sum(col.lengths) / max(col.gen_s, 1e-9)
+    m["sampler/restarts"] = 0
+    if hasattr(b.sampler, "metrics"):  # vLLM: restarts, refused deltas, bytes of the newest weight sync
+        m.update(b.sampler.metrics())
+    m["sampler/weight_version"] = col.weight_version  # the rollouts' version, not the newest export
+    m["sampler/staleness"] = staleness
+    return m
+
+
+def merge(acc: dict, m: dict):
+    for k, v in m.items():
+        if np.ndim(v) == 0:
+            acc.setdefault(k, []).append(float(v))
