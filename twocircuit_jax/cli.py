@@ -229,11 +229,16 @@ def _dispatch(args) -> int:
         )
         return 0
     if args.cmd == "compare":
-        from twocircuit_jax.metrics.compare import run_compare
+        if args.ladder:
+            from twocircuit_jax.metrics.ladder import run_ladder
 
-        text = run_compare(
-            args.groups, args.out, args.figure, args.last_k, args.resamples, args.ladder, args.ladder_name
-        )
+            text = run_ladder(
+                args.groups, args.ladder, args.out, args.figure, args.last_k, args.resamples, args.ladder_name
+            )
+        else:
+            from twocircuit_jax.metrics.compare import run_compare
+
+            text = run_compare(args.groups, args.out, args.figure, args.last_k, args.resamples)
         print(text, end="")
         return 0
     if args.cmd == "health":

@@ -193,38 +193,32 @@ def write_figure(groups: list[Group], path: str, n_resamples: int = stats.N_RESA
     return path
 
 
-def run_compare(
-    specs: list[str],
-    out: str = "",
-    figure: str = "",
-    last_k: int = 3,
-    resamples: int = 10_000,
-    ladder: str = "",
-    ladder_name: str = "ladder value",
-) -> str:
-    """The CLI's body: every group parsed (and checked) first, then the table (returned, and written to `out`).
-    With `ladder` ("64,128,192"), the groups are (A, B) pairs, one per value: metrics/ladder.py."""
+def parse_groups(specs: list[str]) -> list[Group]:
+    """Every group parsed (and checked) first; two arms of the same name from two sweeps keep their full spec as
+    their label, so the table tells them apart."""
+    groups = [parse_group(s) for s in specs]
+    labels = [g.label for g in groups]
+    for g, spec in zip(groups, specs):
+        if labels.count(g.label) > 1:
+            g.label = spec
+    return groups
+
+
+def check_options(last_k: int, resamples: int) -> None:
     if last_k < 1:
         raise ConfigError("--last-k", f"got {last_k}; must be >= 1")
     if resamples < 100:
         raise ConfigError("--resamples", f"got {resamples}; must be >= 100")
-    if ladder:
-        from twocircuit_jax.metrics import ladder as lad
 
-        xs = lad.parse_ladder(ladder, len(specs))
-    groups = [parse_group(s) for s in specs]
-    labels = [g.label for g in groups]
-    for g, spec in zip(groups, specs):  # two arms of the same name from two sweeps: the full spec tells them apart
-        if labels.count(g.label) > 1:
-            g.label = spec
-    if ladder:
-        rows = lad.ladder(xs, groups, last_k, resamples)
-        text = f"### {ladder_name}: B − A per rung\n\n" + lad.markdown(rows)
-    else:
-        text = markdown(compare(groups, last_k, resamples), last_k, resamples)
+
+def run_compare(specs: list[str], out: str = "", figure: str = "", last_k: int = 3, resamples: int = 10_000) -> str:
+    """The CLI's body: the groups, then the table (returned, and written to `out`)."""
+    check_options(last_k, resamples)
+    groups = parse_groups(specs)
+    text = markdown(compare(groups, last_k, resamples), last_k, resamples)
     if out:
         with open(out, "w") as fh:
             fh.write(text)
     if figure:
-        lad.write_figure(rows, figure, ladder_name) if ladder else write_figure(groups, figure, resamples)
+        write_figure(groups, figure, resamples)
     return text

@@ -12,7 +12,7 @@ import os
 
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.metrics import stats
-from twocircuit_jax.metrics.compare import Group, _by_seed, compare
+from twocircuit_jax.metrics.compare import Group, _by_seed, check_options, compare, parse_groups
 
 DIFFS = (("final accuracy", "final_accuracy"), ("AUC accuracy", "auc_accuracy"))
 LEVELS = (("mismatch gap (mean)", "gap_mean"), ("grad_cos (mean)", "grad_cos_mean"))
@@ -103,3 +103,26 @@ def write_figure(rows: list[dict], path: str, xlabel: str = "ladder value") -> s
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     return path
+
+
+def run_ladder(
+    specs: list[str],
+    values: str,
+    out: str = "",
+    figure: str = "",
+    last_k: int = 3,
+    resamples: int = 10_000,
+    name: str = "ladder value",
+) -> str:
+    """`twocircuit compare --ladder`'s body: the values and groups checked first, then the table (returned, and
+    written to `out`) and the figure."""
+    check_options(last_k, resamples)
+    xs = parse_ladder(values, len(specs))
+    rows = ladder(xs, parse_groups(specs), last_k, resamples)
+    text = f"### {name}: B − A per rung\n\n" + markdown(rows)
+    if out:
+        with open(out, "w") as fh:
+            fh.write(text)
+    if figure:
+        write_figure(rows, figure, name)
+    return text
