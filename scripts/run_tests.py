@@ -36,10 +36,10 @@ TAPER = 0.7  # each pair of groups (one per process slot) 0.7 of the pair before
 WEIGHTS = {
     "test_compile_matrix.py": (199, 13),
     "test_pipeline.py": (126, 12),
-    "test_micro_batch.py": (125, 125),
+    "test_micro_batch.py": (110, 110),
     "test_preemption.py": (108, 0),
     "test_model_scale.py": (85, 78),
-    "test_plan.py": (92, 0),
+    "test_plan.py": (61, 0),
     "test_chaos.py": (91, 12),
     "test_pipeline_loop.py": (73, 0),
     "test_anchor_resume.py": (70, 0),
