@@ -27,9 +27,14 @@ def comm_bytes():
     return mod
 
 
+# tiny at 2 layers (pp_size 2: one boundary): every asserted quantity is per leaf or per boundary, and the layers
+# unroll, so each one more only adds compile time to both programs (the config's and its dense twin)
+TWO_LAYERS = ("model.num_layers=2", "fast.pp_size=2")
+
+
 def final(mod, capsys, *sets, devices=2):
     args = ["--config", TINY, "--devices", str(devices)]
-    for s in sets:
+    for s in TWO_LAYERS + sets:
         args += ["--set", s]
     assert mod.main(args) == 0
     out = capsys.readouterr().out.strip().splitlines()
@@ -55,7 +60,7 @@ def test_powersgd_hlo_bytes_match_formula(comm_bytes, capsys):
     sets = ["fast.codec=none", "fast.grad_codec={type: powersgd, rank: 2, start_after: 0}"]
     d, c, r, out = final(comm_bytes, capsys, *sets)
     assert r < 0.5
-    cfg = load_config(TINY, sets)
+    cfg = load_config(TINY, list(TWO_LAYERS) + sets)
     params = jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0)))
     formula = grad_allreduce_bytes(params, cfg.fast.grad_codec)
     hlo = {k: float(v) for k, v in re.findall(r"(\w+): .*hlo_collective_bytes=(\d+)", "\n".join(out))}

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from tiny_run import circuit_state, narrow_batch, narrow_run_config
+from short_stack import narrow2_run_config
+from tiny_run import circuit_state, narrow_batch
 
 from twocircuit_jax.fast.circuit import FastCircuit
 from twocircuit_jax.model.qwen2 import init_params
@@ -24,7 +25,7 @@ B, T, NEW = 16, 12, 6  # 16 rows over 8 replicas; the last NEW positions are the
 
 
 def run_cfg(**fast):
-    return narrow_run_config(**fast)
+    return narrow2_run_config(**fast)  # 2 layers, one boundary: each invariant holds at any depth
 
 
 @pytest.fixture(scope="module")

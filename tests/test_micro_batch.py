@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from short_stack import narrow2_run_config
 from tiny_run import circuit_state, narrow_batch, narrow_run_config
 
 from twocircuit_jax.anchor.loss import make_anchor_grad
@@ -30,7 +31,7 @@ F32_TOL = dict(rtol=2e-5, atol=2e-6)
 
 
 def _cfg(kl_coef=0.05, **fast):
-    return narrow_run_config(kl_coef=kl_coef, **fast)
+    return narrow2_run_config(kl_coef=kl_coef, **fast)  # 2 layers: accumulation splits rows, never layers
 
 
 def _mesh(n):
@@ -218,9 +219,13 @@ def test_powersgd_over_micro_batches_equals_powersgd_on_the_whole(data):
 def test_activation_codec_sketch_is_summed_over_micro_batches(data):
     """A fast-owned low-rank basis: the train forward's sketch and token count, summed over micro-batches (and
     replicas), give the circuit state of the whole mini-batch; codec metrics averaged like their aux."""
-    cfg, params, batch = data
+    # The narrow run's 4 layers (3 boundaries) here: the recon-error bound below was set on it; at 2 layers (one
+    # boundary) the micro-batch mean strays 2.6e-3 from the whole batch's. The rest of the check holds at any depth.
+    _, _, batch = data
+    cfg = narrow_run_config(kl_coef=0.05)
+    params = init_params(cfg.model, jax.random.key(0), std=0.3)
     mesh = _mesh(8)
-    c = FastCircuit(_cfg(codec="lowrank"), cfg.model, mesh)
+    c = FastCircuit(narrow_run_config(kl_coef=0.05, codec="lowrank"), cfg.model, mesh)
     assert c.owns_basis
     whole = _step(cfg, mesh, params, batch, 0, circuit=c)
     acc = _step(cfg, mesh, params, batch, 1, circuit=c)
@@ -300,7 +305,7 @@ def test_fidelity_gauge_over_micro_batches_equals_the_whole_batch(data):
         return jax.device_get(dispatch.jit(fn)(params, ref, b, cs))
 
     whole, acc = gauge(0), gauge(1)
-    assert set(whole) == set(acc) and 0 < whole["fidelity/boundary_rel_err/1"]
+    assert set(whole) == set(acc) and 0 < whole["fidelity/boundary_rel_err/0"]
     assert whole["fidelity/grad_cos"] < 1 - 1e-4  # the codec view differs: the gauge measures something
     for k in whole:
         np.testing.assert_allclose(whole[k], acc[k], err_msg=k, rtol=1e-4, atol=1e-6)

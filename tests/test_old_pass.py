@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_run import circuit_state, narrow_batch, narrow_run_config, tiny_config
+from short_stack import narrow2_run_config
+from tiny_run import circuit_state, narrow_batch, tiny_config
 
 from twocircuit_jax.config import load_config
 from twocircuit_jax.model.qwen2 import init_params
@@ -22,7 +23,7 @@ def _disagreeing_sampler():
     """(cfg, grpo with token TIS, params, cs, batch, ℓ_old, entropy): the narrow run's batch with a sampler that
     disagreed with the trainer (TIS weights well away from 1, some capped), a loss mask that drops some rows
     (`full_mask` keeps them) and random `truncated` flags."""
-    cfg = narrow_run_config(kl_coef=0.0)
+    cfg = narrow2_run_config(kl_coef=0.0)  # 2 layers: the fusion is in the loss, after the layers
     grpo = cfg.grpo.__class__(**{**cfg.grpo.__dict__, "tis": "token", "tis_cap": 2.0})
     params = init_params(cfg.model, jax.random.PRNGKey(0))
     batch, k = narrow_batch(4)

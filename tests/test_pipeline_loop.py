@@ -4,6 +4,7 @@ exactly, and a weight export of the stage-split parameters holds the full arrays
 
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -14,6 +15,7 @@ from tiny_run import tiny_config
 from twocircuit_jax.cli import main
 from twocircuit_jax.config import load_config
 from twocircuit_jax.sampler.export import export_weights, load_export
+from twocircuit_jax.train.checkpoint import committed_steps
 from twocircuit_jax.train.loop import GRPOTrainer
 
 pytestmark = pytest.mark.slow  # end-to-end runs: `make test-fast` skips them, `make test` (CI) runs them
@@ -68,13 +70,18 @@ def test_staged_loop_compiles_each_pass_once(straight):
 
 
 def test_staged_resume_is_exact(straight, tmp_path):
+    """A copy of the straight run cut back to its step-2 checkpoint (a run that died after it), resumed through the
+    CLI, ends on the straight run's last line. (The copy spares a second 2-step run: its compiles and rollouts.)"""
     _, out = straight
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(dict(CFG, train=dict(CFG["train"], steps=2))))
     part = str(tmp_path / "part")
-    assert main(["train", "--config", str(path), "--out", part, "--no-progress"]) == 0
+    shutil.copytree(out, part)
+    ckpts = os.path.join(part, "checkpoints")
+    shutil.rmtree(os.path.join(ckpts, "step_00000003"))
+    assert committed_steps(ckpts) == [2]
+    path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(CFG))
     assert main(["train", "--config", str(path), "--out", part, "--no-progress", "--resume"]) == 0
+    assert [r["step"] for r in _rows(part)] == [0, 1, 2, 3]
     _same(_rows(part)[-1], _rows(out)[-1])
 
 

@@ -35,12 +35,13 @@ def plan(capsys, topology, *sets, json_path=""):
 
 @pytest.fixture(scope="module")
 def tiny_tpu(tmp_path_factory):
-    """One plan of tiny on tpu:v5e-8 with the anchor on (every program kind but logp_old), shared by the checks."""
+    """One plan of tiny (2 layers) on tpu:v5e-8 with the anchor on (every program kind but logp_old), shared by the checks."""
     import io
     from contextlib import redirect_stdout
 
     path = tmp_path_factory.mktemp("plan") / "plan.json"
     sets = ["anchor.enabled=true", "anchor.cadence=2", "anchor.delay=2", "anchor.projection.enabled=false"]
+    sets += ["model.num_layers=2", "fast.pp_size=2"]  # what is checked holds at any depth; layers add compile time
     args = ["plan", "--config", TINY, "--topology", "tpu:v5e-8", "--json", str(path)]
     buf = io.StringIO()
     with redirect_stdout(buf):
@@ -125,10 +126,11 @@ def test_huge_vocab_does_not_fit_and_names_the_largest_buffer(capsys, tmp_path):
     # a 9M-token vocabulary over 32 rows per device of 20 tokens: float32 logits of 32 x 19 x 9M (20 GiB) alone are
     # past a v5e's 16 GiB, so the TPU compiler refuses the step; the plan names that buffer. (A long sequence does
     # the same through the attention scores, but its compiles take minutes on a shared CPU; this one is short.)
+    # One layer: the logits are the buffer that does not fit, whatever the depth; each layer only adds compile time.
     V = 9_000_000
     rc, out, err = plan(
         capsys, "tpu:v5e-8", f"model.vocab_size={V}", "train.train_batch=64", "train.mini_batch=64",
-        "fast.codec=none", json_path=tmp_path / "p.json",
+        "fast.codec=none", "model.num_layers=1", json_path=tmp_path / "p.json",
     )  # fmt: skip
     assert rc == 1, err
     assert "DOES NOT FIT" in out and "largest buffers of train_step" in out
@@ -201,8 +203,11 @@ def test_comm_bytes_memory_is_the_plans_report(capsys):
 def test_plan_with_the_mask_kernel_compiles_for_tpu(capsys, tmp_path):
     """The Pallas mask kernel inside the train step and the reference pass (built for TPU, under the circuit's
     shard_map) goes through the TPU compiler too: the plan fits, and the kernel's program differs from the jnp one."""
-    on = plan(capsys, "tpu:v5e-8", "fast.codec={type: prf_mask, p: 0.95, use_kernel: true}", json_path=tmp_path / "k")
-    off = plan(capsys, "tpu:v5e-8", json_path=tmp_path / "j")
+    # 2 layers, one boundary (after layer 0): the kernel lowers the same at each boundary; more only adds compile time
+    two = ("model.num_layers=2", "fast.pp_size=2")
+    kernel = "fast.codec={type: prf_mask, p: 0.95, use_kernel: true}"
+    on = plan(capsys, "tpu:v5e-8", kernel, *two, json_path=tmp_path / "k")
+    off = plan(capsys, "tpu:v5e-8", *two, json_path=tmp_path / "j")
     assert on[0] == 0 and off[0] == 0, (on[2], off[2])
     k, j = (json.loads((tmp_path / n).read_text())["programs"]["train_step"] for n in ("k", "j"))
     assert k["cost"] != j["cost"]
