@@ -25,9 +25,9 @@ from twocircuit_jax.anchor.circuit import AnchorCircuit
 from twocircuit_jax.config import load_config
 from twocircuit_jax.model.qwen2 import init_params
 from twocircuit_jax.parallel import mesh as pmesh
-from twocircuit_jax.train.circuit_state import CircuitState, init_clock
-from twocircuit_jax.train.grpo_step import make_grpo_loss
-from twocircuit_jax.train.step import build_train_step, init_state, make_optimizer, state_shardings
+from twocircuit_jax.step.circuit_state import CircuitState, init_clock
+from twocircuit_jax.step.grpo_step import make_grpo_loss
+from twocircuit_jax.step.train_step import build_train_step, init_state, make_optimizer, state_shardings
 
 
 def _mem(compiled) -> int:

@@ -31,9 +31,9 @@ def _step_fn(cfg, mesh, params):
     import jax.numpy as jnp
 
     from twocircuit_jax.fast.circuit import FastCircuit
-    from twocircuit_jax.train.circuit_state import CircuitState, distinct_buffers, init_clock
-    from twocircuit_jax.train.grpo_step import make_grpo_loss
-    from twocircuit_jax.train.step import build_train_step, init_state, make_optimizer, state_shardings
+    from twocircuit_jax.step.circuit_state import CircuitState, distinct_buffers, init_clock
+    from twocircuit_jax.step.grpo_step import make_grpo_loss
+    from twocircuit_jax.step.train_step import build_train_step, init_state, make_optimizer, state_shardings
 
     on = cfg.fast.codec_type != "none" or cfg.fast.grad_codec_type != "none"
     c = FastCircuit(cfg, cfg.model, mesh) if on else None

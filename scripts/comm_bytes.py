@@ -58,10 +58,10 @@ def measure(cfg, devices) -> dict:
 def _measure(cfg, devices) -> dict:
     from twocircuit_jax.fast import bytes as fbytes
     from twocircuit_jax.parallel import mesh as pmesh
-    from twocircuit_jax.train.abstract_step import abstract_programs
+    from twocircuit_jax.step.abstract_step import abstract_programs
 
     model_cfg = cfg.model
-    # the trainer's own programs (train/programs.py), from shapes: the train step, and with the anchor its fire
+    # the trainer's own programs (step/programs.py), from shapes: the train step, and with the anchor its fire
     progs = abstract_programs(cfg, devices)
     mesh = pmesh.make_mesh(cfg.mesh, devices)
     coll = fbytes.collective_bytes_from_hlo(progs["train_step"].lower().compile().as_text())
@@ -117,7 +117,7 @@ def dense_twin(cfg):
 
 
 def _compiled(cfg, devices):
-    from twocircuit_jax.train.abstract_step import abstract_train_step
+    from twocircuit_jax.step.abstract_step import abstract_train_step
 
     step = abstract_train_step(cfg, devices)
     return step.jitted.lower(*step.args).compile(), step.mesh

@@ -13,9 +13,9 @@ from twocircuit_jax.config import load_config
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.model.qwen2 import init_params
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
-from twocircuit_jax.train.circuit_state import CircuitState, dense_state, init_clock
-from twocircuit_jax.train.grpo_step import OLD, make_grpo_loss, make_logp_fn
-from twocircuit_jax.train.step import init_state, jit_train_step, make_optimizer, make_train_step, state_shardings
+from twocircuit_jax.step.circuit_state import CircuitState, dense_state, init_clock
+from twocircuit_jax.step.grpo_step import OLD, make_grpo_loss, make_logp_fn
+from twocircuit_jax.step.train_step import init_state, jit_train_step, make_optimizer, make_train_step, state_shardings
 
 MODEL = tiny_config()["model"]
 TINY = {
@@ -255,7 +255,7 @@ def test_merger_none_and_cold_merger_leave_the_step_bit_identical(tiny):
 
 
 def test_disabled_anchor_is_absent_from_the_circuit_state(tiny):
-    from twocircuit_jax.train.programs import build_circuits  # what the trainer's assembly calls (built_run.py)
+    from twocircuit_jax.step.programs import build_circuits  # what the trainer's assembly calls (built_run.py)
 
     _, mesh, state, _, _, _, _ = tiny
     for anchor, present in (

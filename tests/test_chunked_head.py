@@ -17,10 +17,10 @@ from twocircuit_jax.config.sections import ModelConfig
 from twocircuit_jax.grpo.loss import token_entropy, token_logprobs
 from twocircuit_jax.model import head, qwen2
 from twocircuit_jax.parallel import mesh as pmesh, pipeline as pipe
-from twocircuit_jax.train.accumulate import plain_value_and_grad
-from twocircuit_jax.train.grpo_step import make_grpo_loss
-from twocircuit_jax.train.losses import next_token_loss
-from twocircuit_jax.train.setup import make_pipeline
+from twocircuit_jax.parallel.micro_batch import plain_value_and_grad
+from twocircuit_jax.step.grpo_step import make_grpo_loss
+from twocircuit_jax.step.losses import next_token_loss
+from twocircuit_jax.step.programs import make_pipeline
 
 B, T, H, V = 3, 11, 16, 50  # 10 predicting positions: chunk 3 leaves a padded last chunk, chunk 5 divides them
 

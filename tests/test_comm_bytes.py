@@ -65,7 +65,7 @@ def test_powersgd_hlo_bytes_match_formula(comm_bytes, capsys):
     formula = grad_allreduce_bytes(params, cfg.fast.grad_codec)
     hlo = {k: float(v) for k, v in re.findall(r"(\w+): .*hlo_collective_bytes=(\d+)", "\n".join(out))}
     # the HLO also carries the loss's few scalar reductions (same on both sides): allow 1 KiB of slack. One tick per
-    # step, so the train forward is the ℓ_old pass (train/programs.py fuses_old_pass): under PowerSGD its diagnostics
+    # step, so the train forward is the ℓ_old pass (step/programs.py fuses_old_pass): under PowerSGD its diagnostics
     # gather their inputs over the replicas, five fp32 [rows, T] arrays and the bool `truncated` per replica.
     rows, T = cfg.train.mini_batch * cfg.sampler.n // 2, cfg.train.max_prompt_len + cfg.sampler.sampling.max_new_tokens
     diag = 5 * rows * T * 4 + rows

@@ -1,6 +1,6 @@
 """Every combination the configs allow traces, from shapes alone: activation codec (none, prf_mask, lowrank,
 sr_quant) x gradient codec (none, PowerSGD) x anchor (off, on) x mesh (data 8; stage 2 x data 4; fsdp 2 x data 4) on
-conftest's 8 fake CPU devices, each program a run of it executes (train/abstract_step.py `abstract_programs`: the
+conftest's 8 fake CPU devices, each program a run of it executes (step/abstract_step.py `abstract_programs`: the
 train step, the log-prob passes, the anchor's fire) lowered on a 2-layer, 32-wide model (one layer a stage, the
 codec boundary after layer 0; the layers unroll, so more of them only add tracing time). PowerSGD with fsdp > 1 is
 hierarchical (manual over `data`, the parameters fsdp-sharded: fast/powersgd.py); with data = 1 it has nothing to
@@ -18,7 +18,7 @@ import pytest
 
 from twocircuit_jax.config import load_config
 from twocircuit_jax.config.base import ConfigError
-from twocircuit_jax.train.abstract_step import abstract_programs
+from twocircuit_jax.step.abstract_step import abstract_programs
 
 MODEL = {
     "vocab_size": 64,

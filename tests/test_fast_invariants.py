@@ -15,8 +15,8 @@ from tiny_run import circuit_state, narrow_batch
 from twocircuit_jax.fast.circuit import FastCircuit
 from twocircuit_jax.model.qwen2 import init_params
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
-from twocircuit_jax.train.grpo_step import OLD, make_grpo_loss, make_logp_fn
-from twocircuit_jax.train.step import build_train_step, init_state, state_shardings
+from twocircuit_jax.step.grpo_step import OLD, make_grpo_loss, make_logp_fn
+from twocircuit_jax.step.train_step import build_train_step, init_state, state_shardings
 
 # The real 8-device train step compiled for ten circuit configurations (~90 s on one core): `make test` runs it,
 # test-fast skips it (the units are in test_train_step, test_fast_circuit, test_fast_powersgd).
@@ -151,7 +151,7 @@ def _uneven(batch):
 
 def _grads(cfg, mesh, params, batch, circuit, agg):
     """The train step's gradient (before clip/optimizer) from the circuit's grad_fn (None = XLA's dp mean)."""
-    from twocircuit_jax.train.step import default_grad_fn
+    from twocircuit_jax.step.train_step import default_grad_fn
 
     c = dataclasses.replace(cfg.grpo, loss_agg=agg)
     loss = make_grpo_loss(cfg.model, c, NEW, None)

@@ -11,7 +11,7 @@ from twocircuit_jax.config.sections import MeshConfig
 from twocircuit_jax.fast.grad_fn import make_codec_grad_fn
 from twocircuit_jax.fast.powersgd import PowerSGDCodec, PowerSGDConfig, powersgd_reference
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
-from twocircuit_jax.train.circuit_state import CircuitState, init_clock
+from twocircuit_jax.step.circuit_state import CircuitState, init_clock
 
 L, H, F, V, B, T = 2, 16, 24, 40, 16, 3
 # Parameter paths the mesh rules (parallel/mesh.py) shard over fsdp: q_proj on its rows, o_proj on its columns,
@@ -195,7 +195,7 @@ def test_train_step_state_bytes_fall_by_fsdp():
     """The compiled train step (shapes only, 8 fake CPU devices), data 2 x fsdp 4 against data 8: each param,
     Adam moment and PowerSGD error-memory matrix is split 4 ways over fsdp, and the per-device bytes of that
     state, and the step's argument bytes, fall ~4x."""
-    from twocircuit_jax.train.abstract_step import abstract_train_step
+    from twocircuit_jax.step.abstract_step import abstract_train_step
 
     out = {}
     for data, fsdp in ((8, 1), (2, 4)):

@@ -21,10 +21,15 @@ from twocircuit_jax.fast.grad_fn import make_codec_grad_fn
 from twocircuit_jax.grpo.loss import AGG_MODES
 from twocircuit_jax.metrics.probe import make_fidelity_fn
 from twocircuit_jax.model.qwen2 import init_params
-from twocircuit_jax.parallel import dispatch, mesh as pmesh
-from twocircuit_jax.train import accumulate
-from twocircuit_jax.train.grpo_step import OLD, make_grpo_loss, make_logp_fn
-from twocircuit_jax.train.step import build_train_step, default_grad_fn, init_state, make_optimizer, state_shardings
+from twocircuit_jax.parallel import dispatch, mesh as pmesh, micro_batch
+from twocircuit_jax.step.grpo_step import OLD, make_grpo_loss, make_logp_fn
+from twocircuit_jax.step.train_step import (
+    build_train_step,
+    default_grad_fn,
+    init_state,
+    make_optimizer,
+    state_shardings,
+)
 
 B, T, NEW = 16, 12, 6  # 16 rows: 2 per replica on the 8-device mesh; the last NEW positions are the response
 F32_TOL = dict(rtol=2e-5, atol=2e-6)
@@ -176,17 +181,17 @@ def test_micro_batch_zero_is_todays_program(data):
 
 def test_bad_micro_batch_is_a_config_error():
     cfg = _cfg()  # mini_batch 4 x n 4 = 16 rows
-    assert accumulate.check(cfg, 8) == 0
-    assert accumulate.check(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch=2)), 8) == 2
+    assert micro_batch.check(cfg, 8) == 0
+    assert micro_batch.check(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch=2)), 8) == 2
     bad = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch=3))
     with pytest.raises(ConfigError, match=r"train\.micro_batch.*got 3.*16/8"):
-        accumulate.check(bad, 8)
+        micro_batch.check(bad, 8)
     with pytest.raises(ConfigError, match=r"train\.micro_batch.*got 3"):
-        accumulate.check(bad, 1)
+        micro_batch.check(bad, 1)
     staged = dataclasses.replace(bad, train=dataclasses.replace(cfg.train, micro_batch=2))
     staged = dataclasses.replace(staged, mesh=dataclasses.replace(cfg.mesh, stage=2))
     with pytest.raises(ConfigError, match=r"train\.micro_batch.*mesh\.stage=2"):
-        accumulate.check(staged, 4)
+        micro_batch.check(staged, 4)
     with pytest.raises(ConfigError, match=r"train\.micro_batch"):
         load_config(data={"train": {"micro_batch": -1}})
 
@@ -316,7 +321,7 @@ def test_only_a_data_only_mesh_counts_as_replicated_parameters():
     would gather every parameter onto every device, so the partitioner's path must run."""
     from twocircuit_jax.config.sections import MeshConfig
     from twocircuit_jax.parallel import mesh as pmesh
-    from twocircuit_jax.train.accumulate import _replicated_params
+    from twocircuit_jax.parallel.micro_batch import _replicated_params
 
     def mesh(**k):
         return pmesh.make_mesh(MeshConfig(**k), jax.devices()[:8])

@@ -18,9 +18,9 @@ from twocircuit_jax.fast.circuit import FastCircuit
 from twocircuit_jax.fast.hlo_bytes import staged_bytes
 from twocircuit_jax.model.qwen2 import init_params
 from twocircuit_jax.parallel import dispatch, mesh as pmesh, pipeline as pipe
-from twocircuit_jax.train.grpo_step import OLD, make_grpo_loss, make_logp_fn
-from twocircuit_jax.train.setup import make_pipeline
-from twocircuit_jax.train.step import build_train_step, init_state, state_shardings
+from twocircuit_jax.step.grpo_step import OLD, make_grpo_loss, make_logp_fn
+from twocircuit_jax.step.programs import make_pipeline
+from twocircuit_jax.step.train_step import build_train_step, init_state, state_shardings
 
 NEW = 6
 SGD = optax.sgd(0.5)

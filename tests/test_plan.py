@@ -169,7 +169,7 @@ def test_cpu_8_plans_on_fake_host_devices(capsys, tmp_path):
     assert "no chip memory to fit into" in out
     # the same step compiled directly on the same devices: the plan reports its memory analysis as is
     from twocircuit_jax.config.run import load_config
-    from twocircuit_jax.train.abstract_step import abstract_train_step
+    from twocircuit_jax.step.abstract_step import abstract_train_step
 
     step = abstract_train_step(load_config(TINY, ["fast.codec=none"]), jax.devices()[:8])
     m = step.jitted.lower(*step.args).compile().memory_analysis()
@@ -192,7 +192,7 @@ def test_comm_bytes_memory_is_the_plans_report(capsys):
     assert m, out
     assert "plan for cpu:2: 2 devices" in out and "train_step" in out and "logp_ref" in out
     from twocircuit_jax.config.run import load_config
-    from twocircuit_jax.train.abstract_step import abstract_train_step
+    from twocircuit_jax.step.abstract_step import abstract_train_step
 
     step = abstract_train_step(load_config(TINY, ["fast.codec=none"]), jax.devices()[:2])
     ma = step.jitted.lower(*step.args).compile().memory_analysis()

@@ -102,7 +102,7 @@ STEPS = {
 @pytest.mark.parametrize("codec", sorted(STEPS))
 def test_train_step_lowers_with_kernels(codec, platform, tiny_config):
     from twocircuit_jax.fast.leaf_plan import plan_leaves
-    from twocircuit_jax.train.abstract_step import abstract_train_step
+    from twocircuit_jax.step.abstract_step import abstract_train_step
 
     sets, name, calls = STEPS[codec]
     cfg = tiny_config(sets)
@@ -194,7 +194,7 @@ def test_cuda_mask_tiling_is_exact_in_interpret_mode():
 def test_staged_train_step_lowers(platform, tiny_config):
     """The train step on real stages (data 2 x stage 4, the PRF mask's packed payload at the 3 boundaries) lowers
     for the accelerator: 8 devices, one collective-permute per boundary and direction."""
-    from twocircuit_jax.train.abstract_step import abstract_train_step
+    from twocircuit_jax.step.abstract_step import abstract_train_step
 
     cfg = tiny_config(["mesh.data=2", "mesh.stage=4"])
     step = abstract_train_step(cfg, jax.devices())

@@ -1,4 +1,4 @@
-"""One assembly: the programs the shapes-only tools compile (train/abstract_step.py `abstract_programs`: what
+"""One assembly: the programs the shapes-only tools compile (step/abstract_step.py `abstract_programs`: what
 scripts/comm_bytes.py counts and the accelerator export tests lower) are the programs a GRPOTrainer runs.
 
 A real trainer on a tiny config runs one GRPO step with every jitted program it calls observed: the arguments it
@@ -15,8 +15,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tiny_run import tiny_config
 
 from twocircuit_jax.config import load_config
+from twocircuit_jax.step.abstract_step import abstract_programs
 from twocircuit_jax.train import loop
-from twocircuit_jax.train.abstract_step import abstract_programs
 
 pytestmark = pytest.mark.slow  # builds a GRPOTrainer and runs a step
 
@@ -128,8 +128,8 @@ def test_the_trainer_runs_the_programs_built_from_shapes(tmp_path, case):
 def _variant(case, cfg, tr):
     """The trainer's step less one piece: the anchor's merger, or (fused under PowerSGD) the gather of the
     diagnostics' inputs over the replicas."""
-    from twocircuit_jax.train.grpo_step import make_grpo_loss
-    from twocircuit_jax.train.step import build_train_step
+    from twocircuit_jax.step.grpo_step import make_grpo_loss
+    from twocircuit_jax.step.train_step import build_train_step
 
     loss = tr.programs.loss_fn
     if case == "fused_powersgd":

@@ -1,4 +1,4 @@
-"""The frozen reference policy is kept in the compute dtype (train/step.py reference_copy): the forward casts every
+"""The frozen reference policy is kept in the compute dtype (step/train_step.py reference_copy): the forward casts every
 weight to the compute dtype before use, so its log-probs and entropies are the same bits as from the full-precision
 weights, at half the memory under bf16 compute; under fp32 compute it is a plain copy."""
 
@@ -10,7 +10,7 @@ import pytest
 from twocircuit_jax.config.sections import ModelConfig
 from twocircuit_jax.model import qwen2
 from twocircuit_jax.parallel import pipeline as pipe
-from twocircuit_jax.train.step import reference_copy
+from twocircuit_jax.step.train_step import reference_copy
 
 
 @pytest.mark.parametrize("tie,qk_norm", [(True, False), (False, True)])

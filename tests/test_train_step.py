@@ -11,8 +11,8 @@ from twocircuit_jax.config import MeshConfig, ModelConfig, OptimConfig
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.model import init_params
 from twocircuit_jax.parallel import batch_shardings, make_mesh, mesh_shape, replicated
-from twocircuit_jax.train.losses import next_token_loss
-from twocircuit_jax.train.step import init_state, jit_train_step, make_optimizer, make_train_step, state_shardings
+from twocircuit_jax.step.losses import next_token_loss
+from twocircuit_jax.step.train_step import init_state, jit_train_step, make_optimizer, make_train_step, state_shardings
 
 CFG = ModelConfig(
     vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64

@@ -60,9 +60,9 @@ def test_the_attribute_count_sees_every_kind_of_assignment():
 
 
 def test_built_run_is_frozen_and_its_parts_read_only_on_the_trainer():
+    from twocircuit_jax.step.programs import Programs
     from twocircuit_jax.train.built_run import BuiltRun
     from twocircuit_jax.train.loop import GRPOTrainer
-    from twocircuit_jax.train.programs import Programs
 
     assert BuiltRun.__dataclass_params__.frozen
     for f in dataclasses.fields(BuiltRun):

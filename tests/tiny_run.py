@@ -63,7 +63,7 @@ FOUR_BLOCK_MODEL = {
 def circuit_state(circuit=None, params=None, step: int = 1, first_minibatch: bool = True):
     """The circuit state of a step's first tick with only the fast circuit's fields (None = the dense trainer's),
     its buffers distinct so a train step may donate it."""
-    from twocircuit_jax.train.circuit_state import CircuitState, distinct_buffers, init_clock, set_clock
+    from twocircuit_jax.step.circuit_state import CircuitState, distinct_buffers, init_clock, set_clock
 
     cs = CircuitState(init_clock(step), None, None, None, None)
     if circuit is not None:

@@ -7,7 +7,7 @@ one, or a rank-1 forecast built only from exact delayed snapshots), and the trai
 fire. It has no optimizer, sampler or task handle, so `anchor/{optimizer_steps, rollouts_generated,
 rewards_recomputed}` are structurally 0.
 
-Device state lives in the circuit state the loop threads through (train/circuit_state.py): `cs.merger` (replicated,
+Device state lives in the circuit state the loop threads through (step/circuit_state.py): `cs.merger` (replicated,
 one fixed sharding so the step compiles once) and `cs.moments` (swap only; sharded like the parameters). This
 object keeps configuration, host counters and the host replay buffers, all in `state_dict()`. Resume: the
 trainer puts the counters in the checkpoint's meta and the retained batches, host snapshots and projection window
@@ -36,10 +36,9 @@ from twocircuit_jax.anchor.swap import (
     update_anchor_moments,
 )
 from twocircuit_jax.config.base import ConfigError
-from twocircuit_jax.parallel import dispatch, mesh as pmesh
+from twocircuit_jax.parallel import dispatch, mesh as pmesh, micro_batch
 from twocircuit_jax.parallel.host import to_global
 from twocircuit_jax.parallel.mesh_context import under
-from twocircuit_jax.train import accumulate
 
 
 def _new_step() -> dict:
@@ -85,7 +84,7 @@ class AnchorCircuit:
             run_cfg.sampler.sampling.max_new_tokens,
             sketcher if self.owns_q else None,
             pipeline=pipeline,
-            micro_batch=accumulate.check(run_cfg, pmesh.dp_size(mesh)),
+            micro_batch=micro_batch.check(run_cfg, pmesh.dp_size(mesh)),
             mesh=mesh,
         )
         # The merger's M (and δ) sharded like their parameters (fsdp: 1/fsdp per device), scalars replicated.
@@ -116,7 +115,7 @@ class AnchorCircuit:
     @property
     def fire_program(self):
         """The fire's jitted program: (snapshot params, fire batch, carry {merger, moments}, basis or None) ->
-        (carry, metrics, sketch). train/programs.py hands it to the shapes-only tools."""
+        (carry, metrics, sketch). step/programs.py hands it to the shapes-only tools."""
         return self._fire_jit
 
     def init_merger_state(self):

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 from twocircuit_jax.grpo.loss import agg_loss, kl_penalty
 from twocircuit_jax.grpo.tis import tis_weights
 from twocircuit_jax.parallel import mesh as pmesh, pipeline as pipe
-from twocircuit_jax.train import accumulate
 
 
 def anchor_loss(
@@ -98,7 +97,7 @@ def make_anchor_grad(
     """(params, batch, sketch_state) -> (grads, metrics, aux): one dense forward and backward; XLA inserts the
     `dp` mean. `sketcher(sketch_state, attention_mask) -> (hook, layers)` adds the basis sketch (aux).
     `micro_batch` > 0 (train.micro_batch; `mesh` gives the replica count and keeps the batch sharding): the
-    gradient is accumulated over micro-batches of that many rows per replica (train/accumulate.py), normalised by
+    gradient is accumulated over micro-batches of that many rows per replica (train/micro_batch.py), normalised by
     the whole batch's counts; the sketch is summed, the loss terms summed, the token means weighted, and the TIS
     metrics taken once over the whole batch's log-probs (a ratio like the ESS does not split)."""
     split = bool(micro_batch)
@@ -110,7 +109,7 @@ def make_anchor_grad(
         return anchor_loss(model_cfg, grpo_cfg, max_new_tokens, p, batch, boundary_fn, pipeline, split)
 
     dp = pmesh.dp_size(mesh) if mesh is not None else 1
-    vg = accumulate.value_and_grad(loss, micro_batch, dp=dp, mesh=mesh)
+    vg = micro_batch.value_and_grad(loss, micro_batch, dp=dp, mesh=mesh)
 
     def fn(params, batch, sketch_state=None):
         (_, metrics, aux), grads = vg(params, batch, sketch_state)

@@ -2,7 +2,7 @@
 
 The activation codec is whichever class registered `fast.codec.type`, the gradient codec whichever registered
 `fast.grad_codec.type` (fast/codecs/base.py; `none`: XLA's plain mean). This object holds configuration and host counters only; the array state lives in the circuit
-state the loop threads through the step (train/circuit_state.py): `cs.codec` (the activation codec's state: the
+state the loop threads through the step (step/circuit_state.py): `cs.codec` (the activation codec's state: the
 low-rank basis, or None) and `cs.grad` (the gradient codec's state: PowerSGD's Q and error memory, or None). Contract with train/loop.py and grpo_step.py:
   init_codec_state() / init_grad_state(params_like)    the two fields, placed on the mesh
   applies(tag) / hook(codec_state, tag, step, sample_ids, positions, attention_mask) -> (hook_fn, hook_layers)
@@ -173,7 +173,7 @@ class FastCircuit:
     def grad_axes(self) -> tuple:
         """The mesh axes the gradient codec's shard_map is manual over and reduces across: the batch axes, or
         `data` alone for a hierarchical codec (PowerSGD with fsdp/tensor > 1, fast/powersgd.py). The loss's
-        diagnostics gather their rows over these (train/grpo_step.py `rows_over`)."""
+        diagnostics gather their rows over these (step/grpo_step.py `rows_over`)."""
         return getattr(self.grad_codec, "replica_axes", None) or BATCH_AXES
 
     @property

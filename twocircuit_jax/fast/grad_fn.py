@@ -1,4 +1,4 @@
-"""The train step's gradient through a gradient codec on the data axis (design §3.5): `grad_fn` for train/step.py.
+"""The train step's gradient through a gradient codec on the data axis (design §3.5): `grad_fn` for step/train_step.py.
 
 Each replica takes value_and_grad of its own mini-batch slice inside `jax.shard_map` over the batch axes, then the
 codec's `reduce` replaces XLA's implicit gradient mean (PowerSGD: three packed collectives, P sum, Q mean, the rest
@@ -27,7 +27,6 @@ from jax.sharding import PartitionSpec as P
 from twocircuit_jax.names import key_name
 from twocircuit_jax.parallel.mesh import BATCH_AXES
 from twocircuit_jax.parallel.pipeline import summed_aux_keys
-from twocircuit_jax.train import accumulate
 
 
 def _reduce_metrics(metrics, axes):
@@ -61,7 +60,7 @@ def global_normalisers(response_mask, axes) -> dict:
 def make_codec_grad_fn(codec, mesh, *, axes=BATCH_AXES, micro_batch: int = 0):
     """factory(loss_fn) -> fn(params, batch, cs) -> (mean grads, loss, metrics, aux, cs with the next cs.grad);
     `codec` is the registered gradient codec (fast/codecs/base.GradCodec). `micro_batch` > 0: each replica accumulates its
-    gradient over micro-batches of that many of its rows (train/accumulate.py) and the codec reduces the sum once."""
+    gradient over micro-batches of that many of its rows (train/micro_batch.py) and the codec reduces the sum once."""
 
     hier = getattr(codec, "replica_axes", None)
     axes = hier or axes
@@ -83,7 +82,7 @@ def make_codec_grad_fn(codec, mesh, *, axes=BATCH_AXES, micro_batch: int = 0):
             def body(params, batch, cs):
                 cs = unpack(cs)
                 batch = dict(batch, **global_normalisers(batch["response_mask"], axes))
-                (loss, metrics, aux), grads = accumulate.value_and_grad(loss_fn, micro_batch)(params, batch, cs)
+                (loss, metrics, aux), grads = micro_batch.value_and_grad(loss_fn, micro_batch)(params, batch, cs)
                 mean, new_state, pm = codec.reduce(grads, cs.grad, axes)
                 metrics = _reduce_metrics(dict(metrics), axes)
                 metrics.update(pm)

@@ -144,7 +144,7 @@ def flash_tpu(q, k, v, valid):
     # Manual over every axis the partitioner still owns, not only the batch ones: a Mosaic call may not sit under
     # any automatic axis (size 1 included); the rows split over the free batch axes, replicated over the others.
     # Rows that do not divide over a batch axis stay whole on it (each device runs those rows: correct, redundant);
-    # only a shapes-only trace of one micro-batch outside its replica's shard_map meets that (train/accumulate.py).
+    # only a shapes-only trace of one micro-batch outside its replica's shard_map meets that (parallel/micro_batch.py).
     axes, size = [], 1
     for a in BATCH_AXES:
         if a in free and q.shape[0] % (size * mesh.shape[a]) == 0:

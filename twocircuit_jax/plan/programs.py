@@ -1,7 +1,7 @@
 """The programs one GRPO step runs, built from shapes alone, and how often each runs per step.
 
-`programs(cfg, devices, platform)` is train/abstract_step.py `abstract_programs`: the trainer's own programs from
-its one builder (train/programs.py), so what the plan compiles is what a run executes: the train step (with the fused
+`programs(cfg, devices, platform)` is step/abstract_step.py `abstract_programs`: the trainer's own programs from
+its one builder (step/programs.py), so what the plan compiles is what a run executes: the train step (with the fused
 ℓ_old diagnostics, the gradient codec and the anchor's merger when the config has them), the ℓ_old pass and the
 diagnostics unless the train forward is the ℓ_old pass, ℓ_ref with a KL term, the probe's passes, the anchor's fire
 and its dense ℓ_ref. `usage` says how often each runs in a GRPO step and over how many rows.
@@ -56,8 +56,8 @@ class _Bound(NamedTuple):
 
 def programs(cfg, devices, platform: str) -> dict:
     """{name: (jitted, args)}: every program one GRPO step of `cfg` runs on `devices`, from shapes alone (the
-    trainer's own, train/abstract_step.py). `platform` ("tpu" or "cpu") is what the Pallas kernels are built for."""
-    from twocircuit_jax.train.abstract_step import abstract_programs
+    trainer's own, step/abstract_step.py). `platform` ("tpu" or "cpu") is what the Pallas kernels are built for."""
+    from twocircuit_jax.step.abstract_step import abstract_programs
 
     progs = abstract_programs(cfg, devices, lowering_platform=platform if platform != "cpu" else None)
     return {n: ((_Bound(p.jitted, p.kwargs) if p.kwargs else p.jitted), p.args) for n, p in progs.items()}

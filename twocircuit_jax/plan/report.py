@@ -50,8 +50,8 @@ def _host(cfg, params) -> dict:
 
 def _reference_bytes(param_leaf_bytes, params, cfg) -> float:
     """Per-device bytes of the reference copy: the params' per-device bytes, each leaf in the compute dtype where
-    that is narrower (train/step.py reference_copy)."""
-    from twocircuit_jax.train.step import reference_copy
+    that is narrower (step/train_step.py reference_copy)."""
+    from twocircuit_jax.step.train_step import reference_copy
 
     ref = jax.tree.leaves(reference_copy(params, cfg.model.compute_dtype))
     leaves = jax.tree.leaves(params)
@@ -74,7 +74,7 @@ def make_plan(cfg, target, devices) -> dict:
     resident = {
         "train_state": train["args"][0],
         "circuit_state": train["args"][1],
-        # the loop's frozen copy in the compute dtype (train/step.py reference_copy), sharded like the params
+        # the loop's frozen copy in the compute dtype (step/train_step.py reference_copy), sharded like the params
         "reference_params": _reference_bytes(train["arg_leaves"][0][: len(jax.tree.leaves(params))], params, cfg),
         "step_batch": train["args"][2] * cfg.ticks_per_step,
         "anchor_batches": 0.0,

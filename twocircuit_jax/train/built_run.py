@@ -3,7 +3,7 @@
 `assemble(cfg, ...)` builds it in the order the pieces depend on each other: the run folder's checkpoints and the
 guard (whose mitigations in force, on a resume, shape everything compiled after), the tokenizer and the collector
 with its problems, the model and its mesh, the optimizer and the state shardings, the frozen reference policy, the
-circuits and every program (train/programs.py, the builder the shapes-only tools share). It returns the built run
+circuits and every program (step/programs.py, the builder the shapes-only tools share). It returns the built run
 with the train state and circuit state of tick 1, which the trainer owns from then on (both are donated every tick).
 `start_sampler` adds the rollout engine and the evaluator once the trainer knows the weights it starts from (a
 resume restores them first); `rebuilt` gives the run under a guard mitigation's config (new circuits and programs).
@@ -28,15 +28,15 @@ from twocircuit_jax.metrics.health import HealthMonitor
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
 from twocircuit_jax.parallel.distributed import is_primary
 from twocircuit_jax.parallel.host import to_global
+from twocircuit_jax.step.programs import Programs, build_circuits, build_programs
+from twocircuit_jax.step.train_step import init_state, make_optimizer, reference_copy, state_shardings
 from twocircuit_jax.train.checkpoint import CheckpointManager
 from twocircuit_jax.train.collect import make_collector
 from twocircuit_jax.train.evaluate import heldout_problems
 from twocircuit_jax.train.guard import Guard, apply_mitigations
-from twocircuit_jax.train.programs import Programs, build_circuits, build_programs
 from twocircuit_jax.train.resume_config import check_resume_config
 from twocircuit_jax.train.rollout_ahead import RolloutAhead
 from twocircuit_jax.train.setup import check_vocab, enable_compile_cache, load_model, load_run_tokenizer, make_sampler
-from twocircuit_jax.train.step import init_state, make_optimizer, reference_copy, state_shardings
 
 
 def step_seed(seed: int, gs: int, salt: int = 0) -> int:
@@ -180,7 +180,7 @@ def assemble(cfg, task, run_dir: str, *, resume: bool, allow_config_change: bool
 def _circuits(cfg, model_cfg, mesh, optimizer, state_sh, params, fuse_old: bool):
     """({pipeline, codec, anchor, cs_sh, programs} of `cfg`, fresh circuit state): the fast circuit and the anchor
     when the config turns them on (None = absent, not merely idle), every circuit-state field existing from tick 1
-    so the step compiles once, and every program built on them (train/programs.py)."""
+    so the step compiles once, and every program built on them (step/programs.py)."""
     c = build_circuits(cfg, model_cfg, mesh, params)
     programs = build_programs(cfg, model_cfg, mesh, optimizer, state_sh, c, fuse_old=fuse_old)
     return dict(pipeline=c.pipeline, codec=c.codec, anchor=c.anchor, cs_sh=c.cs_sh, programs=programs), c.cs

@@ -4,7 +4,7 @@ One GRPO step `gs` is one rollout batch; one tick is one optimizer update on one
 random choice is a function of (train.seed, gs), so a resumed run repeats an uninterrupted one step for step.
 `GRPOTrainer` orchestrates a built run (train/built_run.py: config, mesh, circuits, programs, collector, sampler,
 checkpoints, as one frozen object from one assembly) and owns what changes as it trains: the train state, the
-circuit state `cs` (train/circuit_state.py), the step counter, the history, the metrics files. The fast circuit
+circuit state `cs` (step/circuit_state.py), the step counter, the history, the metrics files. The fast circuit
 plugs in as `codec` (fast/circuit.py), the anchor as `anchor` (anchor/circuit.py); both absent means the dense
 trainer. A step's phases are functions of the built run and the state they change (train/step_phases.py).
 """
@@ -19,9 +19,9 @@ from twocircuit_jax.config.run import save_config
 from twocircuit_jax.metrics.gauges import length_slope, length_stats, to_floats
 from twocircuit_jax.metrics.logger import MetricsLogger
 from twocircuit_jax.parallel.distributed import is_primary
+from twocircuit_jax.step.circuit_state import place, set_clock
 from twocircuit_jax.train import built_run, faults, step_phases as ph
 from twocircuit_jax.train.built_run import step_seed
-from twocircuit_jax.train.circuit_state import place, set_clock
 from twocircuit_jax.train.guard import mitigate
 from twocircuit_jax.train.timing import PhaseTimer
 from twocircuit_jax.train.trainer_checkpoints import TrainerCheckpoints

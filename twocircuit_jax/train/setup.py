@@ -171,29 +171,3 @@ def make_sampler(run_cfg, model_cfg, params, tokenizer, run_dir: str):
         log_path=os.path.join(run_dir, "sampler", "sampler.log"),
         limits=limits_for_run(run_cfg),  # the server refuses requests larger than this trainer's
     )
-
-
-def make_pipeline(run_cfg, model_cfg, mesh):
-    """The staged forward for mesh.stage > 1 (parallel/pipeline.py), with the run's shapes checked: equal stages of
-    the (possibly loaded) model, and every forward's rows split into `train.microbatches` parts that divide over the
-    data-parallel replicas."""
-    from twocircuit_jax.boundaries import codec_stage_mismatch
-    from twocircuit_jax.parallel.mesh import dp_size
-    from twocircuit_jax.parallel.pipeline import Pipeline
-
-    S, L = mesh.shape["stage"], model_cfg.num_layers
-    if L % S:
-        raise ConfigError("mesh.stage", f"got {S}; must divide the model's {L} layers (equal stages)")
-    f = run_cfg.fast
-    problem = codec_stage_mismatch(L, f.pp_size, S) if f.codec_type != "none" else None
-    if problem is not None:
-        raise ConfigError("fast.pp_size", problem)
-    pipeline = Pipeline(model_cfg, mesh, run_cfg.train.microbatches)
-    rows, M, dp = run_cfg.train.mini_batch * run_cfg.sampler.n, pipeline.microbatches, dp_size(mesh)
-    if rows % (M * dp):
-        raise ConfigError(
-            "train.microbatches",
-            f"{M} microbatches (0 = mesh.stage) of a mini-batch's {rows} rows (train.mini_batch*sampler.n) must each "
-            f"split over the {dp} data-parallel replicas: {rows} must divide by {M}*{dp}",
-        )
-    return pipeline

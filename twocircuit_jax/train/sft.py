@@ -20,12 +20,12 @@ from twocircuit_jax.envs.expert import expert_examples
 from twocircuit_jax.model.hf_io import save_hf
 from twocircuit_jax.parallel import mesh as pmesh
 from twocircuit_jax.sampler.jax_sampler import JaxSampler
-from twocircuit_jax.train.circuit_state import place
+from twocircuit_jax.step.circuit_state import place
+from twocircuit_jax.step.programs import build_sft_step
+from twocircuit_jax.step.train_step import init_state, state_shardings
 from twocircuit_jax.train.collect import make_collector
-from twocircuit_jax.train.programs import build_sft_step
 from twocircuit_jax.train.rollout import encode_prompts
 from twocircuit_jax.train.setup import check_vocab, load_model, load_run_tokenizer
-from twocircuit_jax.train.step import init_state, state_shardings
 
 
 def sft_examples(task, tokenizer, problems, max_len: int):
@@ -69,7 +69,7 @@ def run_sft(cfg, out_dir: str, log=print, overwrite: bool = False) -> dict:
     sh = state_shardings(state, mesh)
     state = jax.device_put(state, sh)
     batch_sh = {k: pmesh.batch_sharding(mesh) for k in data}
-    circuits, jitted = build_sft_step(model_cfg, opt, sh, mesh, batch_sh)  # train/programs.py: no circuit
+    circuits, jitted = build_sft_step(model_cfg, opt, sh, mesh, batch_sh)  # step/programs.py: no circuit
     cs = place(circuits.cs, circuits.cs_sh)
     rng = np.random.default_rng(cfg.train.seed)
     evaluator = collector.evaluator(task.eval_problems()[: cfg.train.eval_size], greedy=True)

@@ -19,13 +19,13 @@ from twocircuit_jax.metrics.mismatch import mismatch_by_turn
 from twocircuit_jax.metrics.probe import dense_probe_metrics
 from twocircuit_jax.parallel import mesh as pmesh
 from twocircuit_jax.parallel.host import to_host
+from twocircuit_jax.step.circuit_state import place, set_clock
+from twocircuit_jax.step.grpo_step import OLD
+from twocircuit_jax.step.programs import anchor_ref_own_pass
+from twocircuit_jax.step.train_step import learning_rate
 from twocircuit_jax.tasks import bounded
 from twocircuit_jax.train import rollout as ro
 from twocircuit_jax.train.built_run import BuiltRun, step_seed
-from twocircuit_jax.train.circuit_state import place, set_clock
-from twocircuit_jax.train.grpo_step import OLD
-from twocircuit_jax.train.programs import anchor_ref_own_pass
-from twocircuit_jax.train.step import learning_rate
 
 
 def logp_rows(batch: dict) -> dict:
@@ -96,7 +96,7 @@ def bootstrap(b: BuiltRun, params, cs, gs, dev) -> tuple:
 
 def old_logprobs(b: BuiltRun, params, cs, gs, dev, full_mask, truncated, row_turn, timer) -> dict:
     """ℓ_old (and ℓ_ref with a KL term) for the step, from where `programs.old_from_train` says (decided once, in
-    train/programs.py `fuses_old_pass`): the tick's own forward, which then also gives the TIS weights and the
+    step/programs.py `fuses_old_pass`): the tick's own forward, which then also gives the TIS weights and the
     diagnostics from the full mask and the flags it finds in `dev`; or separate passes now (`old_pass`)."""
     if not b.programs.old_from_train:
         return old_pass(b, params, cs, gs, dev, full_mask, truncated, row_turn, timer)
@@ -177,7 +177,7 @@ def tick(b: BuiltRun, state, cs, gs, mb, first, accum: dict, timer, comm_hlo):
     p = b.programs
     tau = int(state.tick) + 1
     # ℓ_old from the train forward; placed, so the anchor's ℓ_ref^dense pass sees the circuit state as every other
-    # pass does (one program, the one train/abstract_step.py builds from shapes)
+    # pass does (one program, the one step/abstract_step.py builds from shapes)
     cs = place(set_clock(cs, first_minibatch=first), b.cs_sh)
     if b.anchor:
         with timer("anchor"):

@@ -23,8 +23,8 @@ import numpy as np
 from twocircuit_jax.anchor.merger import from_legacy, legacy_like
 from twocircuit_jax.config.base import ConfigError, to_dict
 from twocircuit_jax.model.hf_io import CheckpointError
+from twocircuit_jax.step.circuit_state import CircuitState, Clock, place
 from twocircuit_jax.train import safe_blob
-from twocircuit_jax.train.circuit_state import CircuitState, Clock, place
 
 ANCHOR_BLOB = "anchor_buffers.npz"
 AHEAD_BLOB = "rollouts_ahead.npz"  # train.async_rollouts: the next step's finished rollouts, for an exact resume

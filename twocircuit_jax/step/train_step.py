@@ -11,7 +11,7 @@ pluggable pure pieces, so the fast circuit and the anchor add behaviour without 
   absorb_aux(codec_state, aux) -> codec_state             folds aux into cs.codec (the low-rank sketch)
   grad_transform(grads, cs) -> (grads, cs, metrics)       merger (anchor circuit), before clipping
   optimizer (optax)                                       clip + AdamW
-`cs` is the circuit state (train/circuit_state.py). Metrics leave the step as scalars only.
+`cs` is the circuit state (step/circuit_state.py). Metrics leave the step as scalars only.
 A non-finite gradient norm skips the update: params and optimizer state unchanged, `grad/skipped` = 1.
 """
 
@@ -25,7 +25,6 @@ import optax
 
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
 from twocircuit_jax.parallel.mesh_context import under
-from twocircuit_jax.train import accumulate
 
 
 class TrainState(NamedTuple):
@@ -95,9 +94,9 @@ def state_shardings(state: TrainState, mesh) -> TrainState:
 
 def default_grad_fn(loss_fn, *, micro_batch: int = 0, mesh=None):
     """XLA's implicit data-parallel mean. `micro_batch` > 0: accumulated over micro-batches of that many rows per
-    replica (train/accumulate.py; `mesh` gives the replica count and keeps the batch sharding); 0: no scan."""
+    replica (train/micro_batch.py; `mesh` gives the replica count and keeps the batch sharding); 0: no scan."""
     dp = pmesh.dp_size(mesh) if mesh is not None else 1
-    vg = accumulate.value_and_grad(loss_fn, micro_batch, dp=dp, mesh=mesh)
+    vg = micro_batch.value_and_grad(loss_fn, micro_batch, dp=dp, mesh=mesh)
 
     def fn(params, batch, cs):
         (loss, metrics, aux), grads = vg(params, batch, cs)

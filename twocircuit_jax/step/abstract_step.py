@@ -2,7 +2,7 @@
 
 What ahead-of-time tools need (scripts/comm_bytes.py compiles the train step to count collective bytes; the
 accelerator export tests lower it for CUDA and TPU; the plan compiles them all): the loop's own builder
-(train/programs.py: the same circuits, losses, gradient codec, shardings and donation as a training run) fed with
+(step/programs.py: the same circuits, losses, gradient codec, shardings and donation as a training run) fed with
 ShapeDtypeStructs that carry the shardings the loop's arrays have. `abstract_programs` gives each program the run
 executes with its abstract arguments; `abstract_train_step` the train step alone. `lowering_platform` builds the
 fast circuit's kernels for that accelerator from a host with another backend (FastCircuit's argument): the result
@@ -106,8 +106,8 @@ def abstract_assembly(cfg, devices, *, lowering_platform: str | None = None) -> 
     """The run's circuits and programs on a mesh of `devices`, and the shapes of what the loop feeds them."""
     from twocircuit_jax.model.qwen2 import init_params
     from twocircuit_jax.parallel import mesh as pmesh
-    from twocircuit_jax.train.programs import build_circuits, build_programs
-    from twocircuit_jax.train.step import init_state, make_optimizer, state_shardings
+    from twocircuit_jax.step.programs import build_circuits, build_programs
+    from twocircuit_jax.step.train_step import init_state, make_optimizer, state_shardings
 
     model_cfg = cfg.model
     if lowering_platform is not None and model_cfg.attention == "auto":
@@ -139,13 +139,13 @@ def abstract_programs(cfg, devices, *, lowering_platform: str | None = None) -> 
     term; logp_dense, probe_sums and fidelity with the probe; anchor_fire with the anchor, and logp_anchor_ref
     when its dense ℓ_ref is a pass of its own (the codec acts on the reference pass)."""
     from twocircuit_jax.parallel import mesh as pmesh
-    from twocircuit_jax.train.programs import anchor_ref_own_pass
+    from twocircuit_jax.step.programs import anchor_ref_own_pass
 
     a = abstract_assembly(cfg, devices, lowering_platform=lowering_platform)
     p, c, cs, params = a.programs, a.circuits, a.circuits.cs, a.state.params
-    from twocircuit_jax.train.step import reference_copy
+    from twocircuit_jax.step.train_step import reference_copy
 
-    ref = reference_copy(params, cfg.model.compute_dtype)  # the loop's frozen copy (train/step.py)
+    ref = reference_copy(params, cfg.model.compute_dtype)  # the loop's frozen copy (step/train_step.py)
     out = {"train_step": Program(p.train_step, (a.state, cs, a.batch))}
     lp = a.step_rows["tokens"]
     full = jax.ShapeDtypeStruct(lp.shape, jnp.float32, sharding=lp.sharding)  # a [B, T] fp32 over the step's rows

@@ -1,7 +1,7 @@
 """GRPO through the trainer's view of the policy: log-prob passes and the loss the train step differentiates.
 
 The fast circuit enters only through `codec` (an object with `applies(tag)`, `hook(codec_state, tag, step, ...)`
-and `summarize(aux)`; see fast/circuit.py); `cs` is the circuit state (train/circuit_state.py). With `codec=None`
+and `summarize(aux)`; see fast/circuit.py); `cs` is the circuit state (step/circuit_state.py). With `codec=None`
 no hook is installed at all, so the dense trainer is the plain GRPO step bit for bit. Path tags (design §3.1): `train`, `old_logprob`, `ref_logprob`, `dense`.
 """
 
@@ -14,9 +14,8 @@ from twocircuit_jax.grpo.loss import grpo_loss
 from twocircuit_jax.grpo.tis import tis_weights
 from twocircuit_jax.metrics.gauges import entropy_summary
 from twocircuit_jax.metrics.mismatch import mismatch_metrics
-from twocircuit_jax.names import DENSE, OLD, REF, TRAIN  # noqa: F401  (DENSE, REF: read from here by train/programs.py)
+from twocircuit_jax.names import DENSE, OLD, REF, TRAIN  # noqa: F401  (DENSE, REF: read from here by step/programs.py)
 from twocircuit_jax.parallel import mesh as pmesh, pipeline as pipe
-from twocircuit_jax.train import accumulate
 
 
 def _policy_pass(model_cfg, params, batch, cs, codec, tag, pipeline=None, entropy_grad=False):
@@ -52,7 +51,7 @@ def make_logp_fn(model_cfg, codec=None, tag: str = OLD, pipeline=None, *, micro_
     dp = pmesh.dp_size(mesh) if mesh is not None else 1
 
     def fn(params, batch, cs):
-        out, k = accumulate.map_rows(lambda rows: one(params, rows, cs), batch, micro_batch, dp=dp, mesh=mesh)
+        out, k = micro_batch.map_rows(lambda rows: one(params, rows, cs), batch, micro_batch, dp=dp, mesh=mesh)
         if k == 1:
             return out
         logp, ent, aux = out
@@ -64,7 +63,7 @@ def make_logp_fn(model_cfg, codec=None, tag: str = OLD, pipeline=None, *, micro_
 def make_grpo_loss(
     model_cfg, grpo_cfg, max_new_tokens: int, codec=None, pipeline=None, diagnose: bool = False, rows_over=None
 ):
-    """loss_fn(params, batch, cs) -> (loss, metrics, aux) for train.step.make_train_step; aux is the codec's raw
+    """loss_fn(params, batch, cs) -> (loss, metrics, aux) for train_step.make_train_step; aux is the codec's raw
     per-boundary outputs (the low-rank sketch, folded into cs.codec by the step), {} without a codec.
 
     batch carries old_logp (and ref_logp when kl_coef > 0), advantages, response_mask (loss mask applied),

@@ -1,6 +1,6 @@
 """Every program the GRPO trainer jits, assembled in one place from (config, mesh, circuits).
 
-The loop (train/loop.py `_build_circuits`, `_compile`) and the shapes-only tools (train/abstract_step.py:
+The loop (train/loop.py `_build_circuits`, `_compile`) and the shapes-only tools (step/abstract_step.py:
 scripts/comm_bytes.py, the accelerator export tests, the plan) call the same two functions, so what a tool compiles
 from shapes is the program a run executes, not a look-alike:
 
@@ -21,14 +21,13 @@ from typing import Any, NamedTuple
 
 import jax
 
+from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.metrics.probe import dense_probe_sums, make_fidelity_fn
-from twocircuit_jax.parallel import dispatch, mesh as pmesh
+from twocircuit_jax.parallel import dispatch, mesh as pmesh, micro_batch
 from twocircuit_jax.parallel.mesh_context import under
-from twocircuit_jax.train import accumulate
-from twocircuit_jax.train.circuit_state import CircuitState, init_clock
-from twocircuit_jax.train.grpo_step import DENSE, OLD, REF, make_diagnostics_fn, make_grpo_loss, make_logp_fn
-from twocircuit_jax.train.setup import make_pipeline
-from twocircuit_jax.train.step import build_train_step, default_grad_fn
+from twocircuit_jax.step.circuit_state import CircuitState, init_clock
+from twocircuit_jax.step.grpo_step import DENSE, OLD, REF, make_diagnostics_fn, make_grpo_loss, make_logp_fn
+from twocircuit_jax.step.train_step import build_train_step, default_grad_fn
 
 
 class Circuits(NamedTuple):
@@ -121,7 +120,7 @@ def build_programs(cfg, model_cfg, mesh, optimizer, state_sh, circuits: Circuits
     max_new = cfg.sampler.sampling.max_new_tokens
     old_from_train = fuse_old and fuses_old_pass(cfg, fc, pl)
     rows_over = fc.grad_axes if (fc and fc.grad_codec is not None) else None  # the gradient codec's manual axes
-    mb = accumulate.check(cfg, pmesh.dp_size(mesh))  # train.micro_batch (ConfigError), 0 = one pass
+    mb = micro_batch.check(cfg, pmesh.dp_size(mesh))  # train.micro_batch (ConfigError), 0 = one pass
     loss_fn = make_grpo_loss(model_cfg, cfg.grpo, max_new, act, pl, diagnose=old_from_train, rows_over=rows_over)
     grad_fn = fc.grad_fn(state_sh.params, micro_batch=mb) if fc else None
     grad_transform = anchor.grad_transform if anchor else None
@@ -173,11 +172,37 @@ def build_sft_step(model_cfg, optimizer, state_sh, mesh, batch_sharding):
     clock the loss ignores), the batch split over the batch axes."""
     import functools
 
-    from twocircuit_jax.train.circuit_state import dense_state
-    from twocircuit_jax.train.losses import next_token_loss
+    from twocircuit_jax.step.circuit_state import dense_state
+    from twocircuit_jax.step.losses import next_token_loss
 
     cs = dense_state()
     cs_sh = jax.tree.map(lambda _: pmesh.replicated(mesh), cs)
     loss = functools.partial(next_token_loss, model_cfg)
     step = build_train_step(loss, optimizer, state_sh, mesh, circuit_sharding=cs_sh, batch_sharding=batch_sharding)
     return Circuits(None, None, None, cs, cs_sh), step
+
+
+def make_pipeline(run_cfg, model_cfg, mesh):
+    """The staged forward for mesh.stage > 1 (parallel/pipeline.py), with the run's shapes checked: equal stages of
+    the (possibly loaded) model, and every forward's rows split into `train.microbatches` parts that divide over the
+    data-parallel replicas."""
+    from twocircuit_jax.boundaries import codec_stage_mismatch
+    from twocircuit_jax.parallel.mesh import dp_size
+    from twocircuit_jax.parallel.pipeline import Pipeline
+
+    S, L = mesh.shape["stage"], model_cfg.num_layers
+    if L % S:
+        raise ConfigError("mesh.stage", f"got {S}; must divide the model's {L} layers (equal stages)")
+    f = run_cfg.fast
+    problem = codec_stage_mismatch(L, f.pp_size, S) if f.codec_type != "none" else None
+    if problem is not None:
+        raise ConfigError("fast.pp_size", problem)
+    pipeline = Pipeline(model_cfg, mesh, run_cfg.train.microbatches)
+    rows, M, dp = run_cfg.train.mini_batch * run_cfg.sampler.n, pipeline.microbatches, dp_size(mesh)
+    if rows % (M * dp):
+        raise ConfigError(
+            "train.microbatches",
+            f"{M} microbatches (0 = mesh.stage) of a mini-batch's {rows} rows (train.mini_batch*sampler.n) must each "
+            f"split over the {dp} data-parallel replicas: {rows} must divide by {M}*{dp}",
+        )
+    return pipeline
