@@ -71,7 +71,7 @@ def circuit_state(circuit=None, params=None, step: int = 1, first_minibatch: boo
     return distinct_buffers(set_clock(cs, first_minibatch=first_minibatch))
 
 
-def narrow_run_config(kl_coef: float = 0.0, anchor=None, **fast):
+def narrow_run_config(kl_coef: float = 0.0, anchor=None, num_layers: int = 4, **fast):
     """The fast-circuit invariant and fidelity tests' run: the narrow model, pp_size 4 (boundaries 0, 1, 2), one
     16-row mini-batch of 12 tokens (6 response). `fast` keys use the flat shorthand; lowrank gets rank 3 and
     PowerSGD rank 2 unless given."""
@@ -84,7 +84,7 @@ def narrow_run_config(kl_coef: float = 0.0, anchor=None, **fast):
         fast.setdefault("grad_rank", 2)
     return load_config(
         data={
-            "model": NARROW_MODEL,
+            "model": {**NARROW_MODEL, "num_layers": num_layers},
             "grpo": {"kl_coef": kl_coef},
             "sampler": {"n": 4},
             "fast": {"pp_size": 4, **fast},

@@ -36,7 +36,7 @@ from twocircuit_jax.anchor.swap import (
     update_anchor_moments,
 )
 from twocircuit_jax.config.base import ConfigError
-from twocircuit_jax.parallel import dispatch, mesh as pmesh, micro_batch
+from twocircuit_jax.parallel import dispatch, mesh as pmesh, micro_batch as accumulate
 from twocircuit_jax.parallel.host import to_global
 from twocircuit_jax.parallel.mesh_context import under
 
@@ -84,7 +84,7 @@ class AnchorCircuit:
             run_cfg.sampler.sampling.max_new_tokens,
             sketcher if self.owns_q else None,
             pipeline=pipeline,
-            micro_batch=micro_batch.check(run_cfg, pmesh.dp_size(mesh)),
+            micro_batch=accumulate.check(run_cfg, pmesh.dp_size(mesh)),
             mesh=mesh,
         )
         # The merger's M (and δ) sharded like their parameters (fsdp: 1/fsdp per device), scalars replicated.

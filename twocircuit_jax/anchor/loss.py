@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from twocircuit_jax.grpo.loss import agg_loss, kl_penalty
 from twocircuit_jax.grpo.tis import tis_weights
-from twocircuit_jax.parallel import mesh as pmesh, pipeline as pipe
+from twocircuit_jax.parallel import mesh as pmesh, micro_batch as accumulate, pipeline as pipe
 
 
 def anchor_loss(
@@ -109,7 +109,7 @@ def make_anchor_grad(
         return anchor_loss(model_cfg, grpo_cfg, max_new_tokens, p, batch, boundary_fn, pipeline, split)
 
     dp = pmesh.dp_size(mesh) if mesh is not None else 1
-    vg = micro_batch.value_and_grad(loss, micro_batch, dp=dp, mesh=mesh)
+    vg = accumulate.value_and_grad(loss, micro_batch, dp=dp, mesh=mesh)
 
     def fn(params, batch, sketch_state=None):
         (_, metrics, aux), grads = vg(params, batch, sketch_state)

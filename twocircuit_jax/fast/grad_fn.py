@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from twocircuit_jax.names import key_name
+from twocircuit_jax.parallel import micro_batch as accumulate
 from twocircuit_jax.parallel.mesh import BATCH_AXES
 from twocircuit_jax.parallel.pipeline import summed_aux_keys
 
@@ -82,7 +83,7 @@ def make_codec_grad_fn(codec, mesh, *, axes=BATCH_AXES, micro_batch: int = 0):
             def body(params, batch, cs):
                 cs = unpack(cs)
                 batch = dict(batch, **global_normalisers(batch["response_mask"], axes))
-                (loss, metrics, aux), grads = micro_batch.value_and_grad(loss_fn, micro_batch)(params, batch, cs)
+                (loss, metrics, aux), grads = accumulate.value_and_grad(loss_fn, micro_batch)(params, batch, cs)
                 mean, new_state, pm = codec.reduce(grads, cs.grad, axes)
                 metrics = _reduce_metrics(dict(metrics), axes)
                 metrics.update(pm)

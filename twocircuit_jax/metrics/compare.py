@@ -215,10 +215,15 @@ def run_compare(specs: list[str], out: str = "", figure: str = "", last_k: int =
     """The CLI's body: the groups, then the table (returned, and written to `out`)."""
     check_options(last_k, resamples)
     groups = parse_groups(specs)
-    text = markdown(compare(groups, last_k, resamples), last_k, resamples)
+    text = save_table(markdown(compare(groups, last_k, resamples), last_k, resamples), out)
+    if figure:
+        write_figure(groups, figure, resamples)
+    return text
+
+
+def save_table(text: str, out: str) -> str:
+    """The table, also written to `out` when given."""
     if out:
         with open(out, "w") as fh:
             fh.write(text)
-    if figure:
-        write_figure(groups, figure, resamples)
     return text

@@ -12,7 +12,7 @@ import os
 
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.metrics import stats
-from twocircuit_jax.metrics.compare import Group, _by_seed, check_options, compare, parse_groups
+from twocircuit_jax.metrics.compare import Group, _by_seed, check_options, compare, parse_groups, save_table
 
 DIFFS = (("final accuracy", "final_accuracy"), ("AUC accuracy", "auc_accuracy"))
 LEVELS = (("mismatch gap (mean)", "gap_mean"), ("grad_cos (mean)", "grad_cos_mean"))
@@ -119,10 +119,7 @@ def run_ladder(
     check_options(last_k, resamples)
     xs = parse_ladder(values, len(specs))
     rows = ladder(xs, parse_groups(specs), last_k, resamples)
-    text = f"### {name}: B − A per rung\n\n" + markdown(rows)
-    if out:
-        with open(out, "w") as fh:
-            fh.write(text)
+    text = save_table(f"### {name}: B − A per rung\n\n" + markdown(rows), out)
     if figure:
         write_figure(rows, figure, name)
     return text

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from twocircuit_jax.grpo.loss import kl_penalty
 from twocircuit_jax.grpo.tis import tis_weights
 from twocircuit_jax.names import path_str
-from twocircuit_jax.parallel import mesh as pmesh, pipeline as pipe
+from twocircuit_jax.parallel import mesh as pmesh, micro_batch as accumulate, pipeline as pipe
 
 # Parameter groups of the fidelity gauge, by the first matching path fragment (docs/architecture.md's pytree).
 GROUPS = (
@@ -118,11 +118,11 @@ def make_fidelity_fn(
     """
     dense_loss = make_dense_loss()
     dp = pmesh.dp_size(mesh) if mesh is not None else 1
-    dense_grad = micro_batch.value_and_grad(dense_loss, micro_batch, dp=dp, mesh=mesh)
+    dense_grad = accumulate.value_and_grad(dense_loss, micro_batch, dp=dp, mesh=mesh)
 
     def by_rows(fn, batch):
         """fn(rows) -> per-row array, over micro-batches; rows back in batch order."""
-        out, k = micro_batch.map_rows(fn, batch, micro_batch, dp=dp, mesh=mesh)
+        out, k = accumulate.map_rows(fn, batch, micro_batch, dp=dp, mesh=mesh)
         return out if k == 1 else pipe.join_rows(out)
 
     def dense_logp(p, batch):
@@ -171,7 +171,7 @@ def make_fidelity_fn(
             return out
 
         rows = {k: batch[k] for k in ("tokens", "attention_mask", "sample_id")}
-        out, k = micro_batch.map_rows(sums, rows, micro_batch, dp=dp, mesh=mesh)
+        out, k = accumulate.map_rows(sums, rows, micro_batch, dp=dp, mesh=mesh)
         if k > 1:
             out = jax.tree.map(lambda x: jnp.sum(x, axis=0), out)
         return {

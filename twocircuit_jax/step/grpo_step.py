@@ -15,7 +15,7 @@ from twocircuit_jax.grpo.tis import tis_weights
 from twocircuit_jax.metrics.gauges import entropy_summary
 from twocircuit_jax.metrics.mismatch import mismatch_metrics
 from twocircuit_jax.names import DENSE, OLD, REF, TRAIN  # noqa: F401  (DENSE, REF: read from here by step/programs.py)
-from twocircuit_jax.parallel import mesh as pmesh, pipeline as pipe
+from twocircuit_jax.parallel import mesh as pmesh, micro_batch as accumulate, pipeline as pipe
 
 
 def _policy_pass(model_cfg, params, batch, cs, codec, tag, pipeline=None, entropy_grad=False):
@@ -51,7 +51,7 @@ def make_logp_fn(model_cfg, codec=None, tag: str = OLD, pipeline=None, *, micro_
     dp = pmesh.dp_size(mesh) if mesh is not None else 1
 
     def fn(params, batch, cs):
-        out, k = micro_batch.map_rows(lambda rows: one(params, rows, cs), batch, micro_batch, dp=dp, mesh=mesh)
+        out, k = accumulate.map_rows(lambda rows: one(params, rows, cs), batch, micro_batch, dp=dp, mesh=mesh)
         if k == 1:
             return out
         logp, ent, aux = out

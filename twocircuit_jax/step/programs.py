@@ -23,7 +23,7 @@ import jax
 
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.metrics.probe import dense_probe_sums, make_fidelity_fn
-from twocircuit_jax.parallel import dispatch, mesh as pmesh, micro_batch
+from twocircuit_jax.parallel import dispatch, mesh as pmesh, micro_batch as accumulate
 from twocircuit_jax.parallel.mesh_context import under
 from twocircuit_jax.step.circuit_state import CircuitState, init_clock
 from twocircuit_jax.step.grpo_step import DENSE, OLD, REF, make_diagnostics_fn, make_grpo_loss, make_logp_fn
@@ -120,7 +120,7 @@ def build_programs(cfg, model_cfg, mesh, optimizer, state_sh, circuits: Circuits
     max_new = cfg.sampler.sampling.max_new_tokens
     old_from_train = fuse_old and fuses_old_pass(cfg, fc, pl)
     rows_over = fc.grad_axes if (fc and fc.grad_codec is not None) else None  # the gradient codec's manual axes
-    mb = micro_batch.check(cfg, pmesh.dp_size(mesh))  # train.micro_batch (ConfigError), 0 = one pass
+    mb = accumulate.check(cfg, pmesh.dp_size(mesh))  # train.micro_batch (ConfigError), 0 = one pass
     loss_fn = make_grpo_loss(model_cfg, cfg.grpo, max_new, act, pl, diagnose=old_from_train, rows_over=rows_over)
     grad_fn = fc.grad_fn(state_sh.params, micro_batch=mb) if fc else None
     grad_transform = anchor.grad_transform if anchor else None

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from twocircuit_jax.parallel import dispatch, mesh as pmesh
+from twocircuit_jax.parallel import dispatch, mesh as pmesh, micro_batch as accumulate
 from twocircuit_jax.parallel.mesh_context import under
 
 
@@ -96,7 +96,7 @@ def default_grad_fn(loss_fn, *, micro_batch: int = 0, mesh=None):
     """XLA's implicit data-parallel mean. `micro_batch` > 0: accumulated over micro-batches of that many rows per
     replica (train/micro_batch.py; `mesh` gives the replica count and keeps the batch sharding); 0: no scan."""
     dp = pmesh.dp_size(mesh) if mesh is not None else 1
-    vg = micro_batch.value_and_grad(loss_fn, micro_batch, dp=dp, mesh=mesh)
+    vg = accumulate.value_and_grad(loss_fn, micro_batch, dp=dp, mesh=mesh)
 
     def fn(params, batch, cs):
         (loss, metrics, aux), grads = vg(params, batch, cs)
