@@ -9,7 +9,7 @@ import yaml
 
 from twocircuit_jax.cli import main
 from twocircuit_jax.metrics import stats
-from twocircuit_jax.metrics.compare import compare, parse_group, run_scalars
+from twocircuit_jax.metrics.compare import compare, parse_group, profiles, run_scalars
 from twocircuit_jax.metrics.logger import MetricsLogger
 from twocircuit_jax.metrics.plot import expand_runs, load_run
 
@@ -64,6 +64,29 @@ def test_auc_and_accuracy_summary():
     s = stats.accuracy_summary([0, 10, 30], [0.2, 0.4, 0.6], last_k=2)
     assert s["final_accuracy"] == 0.6 and s["last_k_accuracy"] == pytest.approx(0.5)
     assert stats.accuracy_summary([5], [0.3])["auc_accuracy"] == 0.3
+    # a run that peaks then falls: its best and the drop from it (a collapse's size); a rising run drops 0
+    c = stats.accuracy_summary([0, 10, 20, 30], [0.2, 0.5, 0.3, 0.1])
+    assert c["best_accuracy"] == 0.5 and c["drop_from_best"] == pytest.approx(0.4)
+    assert s["best_accuracy"] == 0.6 and s["drop_from_best"] == 0.0
+    assert stats.accuracy_summary([], [])["drop_from_best"] is None
+
+
+def test_score_profile_counts_runs_above_each_threshold_with_a_band():
+    v = [0.1, 0.2, 0.2, 0.5]
+    taus = [0.0, 0.1, 0.15, 0.2, 0.3, 0.5]
+    np.testing.assert_allclose(stats.score_profile(v, taus), [1.0, 0.75, 0.75, 0.25, 0.25, 0.0])
+    # leading (resample) axes broadcast: two groups of runs at once
+    both = stats.score_profile([[0.1, 0.2], [0.4, 0.6]], [0.15, 0.5])
+    np.testing.assert_allclose(both, [[0.5, 0.0], [1.0, 0.5]])
+    point, lo, hi = stats.profile_band(v, taus, n_resamples=4000)
+    np.testing.assert_allclose(point, stats.score_profile(v, taus))
+    assert np.all(lo <= point) and np.all(point <= hi)
+    assert lo[2] < 0.75 < hi[2]  # spread runs: a real band
+    assert lo[0] == hi[0] == 1.0 and lo[-1] == hi[-1] == 0.0  # below every run / at the top one: certain
+    # one value repeated: no spread, no band
+    p1, lo1, hi1 = stats.profile_band([0.3, 0.3, 0.3], [0.2, 0.4])
+    np.testing.assert_allclose(lo1, p1) and np.testing.assert_allclose(hi1, p1)
+    assert list(p1) == [1.0, 0.0]
 
 
 def test_curve_band_brackets_mean():
@@ -146,6 +169,16 @@ def test_planted_effect_detected_and_identical_groups_not(tmp_path):
     null = compare([parse_group(_arm(tmp_path / "n", "a", a0)), parse_group(_arm(tmp_path / "n", "b", b0))])
     n = _diff(null, "final_accuracy")
     assert n["diff"].lo < 0.0 < n["diff"].hi and n["p_improve"].lo < 0.5 < n["p_improve"].hi
+    # rising curves: the best is the final, nothing dropped
+    assert _diff(rows, "best_accuracy")["diff"].point == pytest.approx(np.mean(b - a))
+    assert _diff(rows, "drop_from_best")["diff"].point == pytest.approx(0.0)
+    # the performance profile of final accuracy: at a threshold between the groups every A run is below it, every
+    # B run above (the planted 0.05 exceeds the noise here)
+    taus, bands = profiles([ga, gb], n_resamples=2000)
+    mid = int(np.argmin(np.abs(taus - (a.max() + b.min()) / 2)))
+    assert a.max() < taus[mid] < b.min()
+    assert bands["dense"][0][mid] == 0.0 and bands["compressed"][0][mid] == 1.0
+    assert taus[0] < min(a.min(), b.min()) and taus[-1] > max(a.max(), b.max())
     # the gap (logged constant 1e-3 in both) and grad_cos (never logged) rows
     assert _diff(rows, "gap_mean")["diff"].point == pytest.approx(0.0)
     assert _diff(rows, "grad_cos_mean")["diff"] is None

@@ -7,11 +7,13 @@ A group is the runs of one arm over seeds, given as
 optionally prefixed `LABEL=` (the table's name for it; default: the spec).
 
 Each run is reduced to scalars (metrics/stats.py): final held-out accuracy, the mean of its last k evaluations,
-the AUC accuracy, the mean sampler-trainer gap over its GRPO steps, the mean `fidelity/grad_cos` where logged. The
+the AUC accuracy, the best accuracy and the drop from it to the final one (a collapse's size), the mean sampler-trainer gap over its GRPO steps, the mean `fidelity/grad_cos` where logged. The
 first group is the baseline A; every other group B gets, per scalar, the difference B - A paired by seed (the seed
 is the run's `train.seed`, read from its config.yaml) with a 95% stratified bootstrap interval, each group's IQM
 with its interval, and P(B > A) with its interval. `--figure` draws each group's held-out accuracy curve (mean over
-seeds) with its bootstrap band.
+seeds) with its bootstrap band, the mismatch gap's likewise when logged, and each group's performance profile of
+final accuracy (the fraction of its runs above each threshold, with a bootstrap band: rliable's score
+distribution, which shows a collapsed seed that an IQM trims away).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ METRICS = (
     ("final accuracy", "final_accuracy"),
     ("last-k accuracy", "last_k_accuracy"),
     ("AUC accuracy", "auc_accuracy"),
+    ("best accuracy", "best_accuracy"),
+    ("drop from best to final", "drop_from_best"),
     ("mismatch gap (mean)", "gap_mean"),
     ("grad_cos (mean)", "grad_cos_mean"),
 )
@@ -176,21 +180,51 @@ def markdown(rows: list[dict], last_k: int, n_resamples: int) -> str:
 
 
 def write_figure(groups: list[Group], path: str, n_resamples: int = stats.N_RESAMPLES) -> str:
-    """Held-out accuracy (and the mismatch gap when logged) per group: mean over seeds, 95% bootstrap band."""
+    """Held-out accuracy (and the mismatch gap when logged) per group: mean over seeds, 95% bootstrap band; then
+    the performance profile of final accuracy."""
     from matplotlib.figure import Figure
 
     keys = [ACC] + ([GAP] if any(r.series(GAP)[0] for g in groups for r in g.runs) else [])
-    fig = Figure(figsize=(6.5 * len(keys), 4.5), layout="constrained")
+    fig = Figure(figsize=(6.5 * (len(keys) + 1), 4.5), layout="constrained")
     for i, key in enumerate(keys):
-        ax = fig.add_subplot(1, len(keys), i + 1)
+        ax = fig.add_subplot(1, len(keys) + 1, i + 1)
         draw_bands(ax, [(g.label, g.runs) for g in groups], key, n_resamples=n_resamples)
         ax.set_title(f"{key}: mean over seeds, 95% bootstrap band")
         if key == GAP:
             ax.set_yscale("log")
         ax.legend(fontsize="small")
+    draw_profiles(fig.add_subplot(1, len(keys) + 1, len(keys) + 1), groups, n_resamples=n_resamples)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     return path
+
+
+def profiles(groups: list[Group], n_points: int = 101, n_resamples: int = stats.N_RESAMPLES) -> tuple:
+    """(taus [T], {label: (point, lo, hi)}): each group's performance profile of final accuracy on one grid
+    spanning every group's runs, with its 95% bootstrap band; groups that never evaluated are left out."""
+    finals = {g.label: [v for v in _by_seed(g, "final_accuracy", 1).values()] for g in groups}
+    finals = {k: v for k, v in finals.items() if v}
+    if not finals:
+        return np.zeros(0), {}
+    every = np.concatenate([np.asarray(v) for v in finals.values()])
+    pad = max(0.02, 0.05 * float(every.max() - every.min()))
+    taus = np.linspace(float(every.min()) - pad, float(every.max()) + pad, n_points)
+    return taus, {k: stats.profile_band(v, taus, n_resamples=n_resamples) for k, v in finals.items()}
+
+
+def draw_profiles(ax, groups: list[Group], n_resamples: int = stats.N_RESAMPLES) -> None:
+    taus, bands = profiles(groups, n_resamples=n_resamples)
+    for i, (label, (point, lo, hi)) in enumerate(bands.items()):
+        ax.step(taus, point, where="post", color=f"C{i % 10}", label=f"{label} ({len(_runs_of(groups, label))} runs)")
+        ax.fill_between(taus, lo, hi, step="post", color=f"C{i % 10}", alpha=0.2, linewidth=0)
+    ax.set(xlabel="final accuracy threshold tau", ylabel="fraction of runs > tau", ylim=(-0.02, 1.02))
+    ax.set_title("performance profile: final accuracy, 95% bootstrap band")
+    if bands:
+        ax.legend(fontsize="small")
+
+
+def _runs_of(groups: list[Group], label: str) -> list[Run]:
+    return next(g.runs for g in groups if g.label == label)
 
 
 def parse_groups(specs: list[str]) -> list[Group]:
