@@ -340,3 +340,26 @@ def test_a_batch_is_bounded_per_call_and_an_unpicklable_argument_fails_alone():
     out = w.map([1, threading.Lock(), 3], 2.0)
     assert out[0] == (OK, 2) and out[2] == (OK, 6) and out[1][0] == ERROR and "could not be sent" in str(out[1][1])
     w.close()
+
+
+def _exit_on(x):
+    if x == "die":
+        os._exit(3)
+    return x * 2
+
+
+def test_a_worker_that_dies_fails_its_call_and_one_killed_between_calls_fails_none():
+    """Inside a call (os._exit, a native crash) the worker's death is that call's failure and the rest of the batch
+    goes on in a fresh worker. Killed from outside between calls, with the next batch sent but unread (the pipe then
+    reports ConnectionResetError, which once crashed a run stopped by `pkill -f`), no call failed: the batch runs
+    whole on a fresh worker."""
+    w = Worker(_exit_on, "test")
+    out = w.map(["a", "die", "b"], 5.0)
+    assert out[0] == (OK, "aa") and out[2] == (OK, "bb")
+    assert out[1][0] == ERROR and "died (exit code 3)" in str(out[1][1])
+    first = w.pid
+    os.kill(first, signal.SIGSTOP)  # idle in its read: the next batch stays in the pipe, unread
+    threading.Timer(0.5, lambda: os.kill(first, signal.SIGKILL)).start()
+    assert w.map(["c", "d"], 5.0) == [(OK, "cc"), (OK, "dd")]
+    assert w.pid not in (None, first) and _gone(first)
+    w.close()

@@ -11,7 +11,9 @@ lazily on the first bounded call, it then serves every later call of that target
 there pickled and the results come back pickled; both are the project's own objects (rows, completions,
 environments, scores) and nothing read from disk is ever unpickled. A call past its bound gets the worker killed
 (SIGKILL to its process group, so a subprocess the user code started goes too) and reaped; a worker that died
-(os._exit, a crash in native code) is reaped too; the next call forks a fresh one. Workers are closed (reaped, no
+(os._exit, a crash in native code) is reaped too, that call failing; the next call forks a fresh one. A worker
+killed between calls (a signal from outside: `pkill -f` matches the fork's command line, which is the trainer's)
+fails nothing: the batch runs again on a fresh worker. Workers are closed (reaped, no
 zombie) at exit, with `close_all()`, or when their owner object is collected; an orphaned worker (the trainer
 killed) exits within a second. Its own process group also keeps a terminal's Ctrl-C, meant for the trainer, away.
 
@@ -148,6 +150,7 @@ class Worker:
     def __init__(self, target: Callable[[object], object], name: str = "bounded"):
         self._target, self.name = target, name
         self._proc = self._conn = self._shared = None
+        self._spare_restarts = 0  # per map: re-runs allowed after the worker died between calls
         self._lock = threading.Lock()  # one batch at a time (scoring may run in the rollout thread and in eval)
         with _LIVE_LOCK:
             _LIVE.add(self)
@@ -205,6 +208,7 @@ class Worker:
                 except Exception as e:  # noqa: BLE001
                     out[i] = (ERROR, TypeError(f"{self.name}: an argument could not be sent to the worker: {e!r}"))
         with self._lock:
+            self._spare_restarts = 1  # see _collect: a death between calls re-runs the batch once, failing nothing
             while todo:
                 if self._proc is None or not self._proc.is_alive():
                     _stop_proc(self.__dict__)  # reap a worker that died while idle
@@ -239,9 +243,16 @@ class Worker:
                 continue
             try:
                 chunk = self._conn.recv()
-            except EOFError:  # the worker died inside a call (os._exit, a crash in native code)
-                pos = max(self._progress()[0], got)
+            except (EOFError, OSError):  # the worker died (ConnectionResetError: with part of the batch unread)
+                pos = self._progress()[0]
                 code = _stop_proc(self.__dict__, graceful=False)
+                if pos < got and self._spare_restarts > 0:
+                    # Between calls (a signal from outside, e.g. `pkill -f` matching the trainer's command line,
+                    # which the fork shares): no call of this batch failed, so all that is left runs again on a
+                    # fresh worker. Once per batch, so a worker that cannot start does not loop forever.
+                    self._spare_restarts -= 1
+                    return todo[got:]
+                pos = max(pos, got)  # inside a call (os._exit, a crash in native code): that call fails
                 out[todo[pos][0]] = (ERROR, RuntimeError(f"the worker process died (exit code {code})"))
                 return todo[got:pos] + todo[pos + 1 :]
             for r in chunk:
