@@ -101,16 +101,19 @@ def test_curve_band_brackets_mean():
 STEPS = (0, 10, 20, 30)
 
 
-def _write_run(path, seed: int, final: float, gap: float = 1e-3, grad_cos: float | None = None):
+def _write_run(
+    path, seed: int, final: float, gap: float = 1e-3, grad_cos: float | None = None, upto: int | None = None, **last
+):
     """A run folder as the trainer leaves it: config.yaml with train.seed, metrics.jsonl through MetricsLogger.
-    Accuracy climbs linearly from final - 0.1 at step 0 to `final` at the last evaluation."""
+    Accuracy climbs linearly from final - 0.1 at step 0 to `final` at the last evaluation. `upto`: the run stopped
+    at that step (its config still says STEPS[-1]); `last`: extra metrics of its last row."""
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.yaml"), "w") as fh:
-        yaml.safe_dump(
-            {"name": os.path.basename(path), "train": {"seed": seed}, "fast": {"codec": {"type": "none"}}}, fh
-        )
+        train = {"seed": seed} if upto is None and not last else {"seed": seed, "steps": STEPS[-1]}
+        yaml.safe_dump({"name": os.path.basename(path), "train": train, "fast": {"codec": {"type": "none"}}}, fh)
+    end = STEPS[-1] if upto is None else upto
     with MetricsLogger(path, STEPS[-1], show_progress=False) as log:
-        for s in range(STEPS[-1] + 1):
+        for s in range(end + 1):
             m = {}
             if s > 0:
                 m["mismatch/prob_gap_mean"] = gap
@@ -119,6 +122,8 @@ def _write_run(path, seed: int, final: float, gap: float = 1e-3, grad_cos: float
             if s in STEPS:
                 acc = final - 0.1 * (1 - s / STEPS[-1])
                 m["eval/accuracy"] = acc
+            if s == end:
+                m.update(last)
             log.log(s, m)
 
 
@@ -273,3 +278,33 @@ def test_ladder_one_paired_verdict_per_rung_with_levels_and_figure(tmp_path, cap
     assert "--ladder" in capsys.readouterr().err
     assert main(["compare", "--ladder", "64,wide", *specs[:4]]) == 2
     assert "64,wide" in capsys.readouterr().err
+
+
+def test_unfinished_runs_are_left_out_and_named_unless_asked_for(tmp_path, capsys):
+    """A run short of its train.steps (a sweep still running, a killed run) is not compared as if it had finished:
+    it is left out and named under the table; a group with no finished run is refused (exit 2) naming it;
+    --include-unfinished counts them; a run the guard ended early is finished."""
+    sweep = tmp_path / "sweep"
+    _arm(sweep, "dense", [0.5, 0.5, 0.5])
+    for k in range(3):
+        _write_run(str(sweep / "comp" / f"seed_{k}"), k, 0.55)
+    _write_run(str(sweep / "comp" / "seed_3"), 3, 0.9, upto=15)  # halfway: its last evaluation is step 10's
+    _write_run(str(sweep / "guarded" / "seed_0"), 0, 0.45, upto=20, **{"guard/action": 2.0})  # the guard stopped it
+    _write_run(str(sweep / "guarded" / "seed_1"), 1, 0.45, upto=20, **{"guard/action": 3.0})  # its final rollback
+    _write_run(str(sweep / "running" / "seed_0"), 0, 0.5, upto=20)
+    g = parse_group(f"{sweep}:comp")
+    assert [r.name for r in g.runs] == ["seed_0", "seed_1", "seed_2"] and g.left_out == ["seed_3 (step 15 of 30)"]
+    assert len(parse_group(f"{sweep}:comp", include_unfinished=True).runs) == 4
+    assert not parse_group(f"{sweep}:guarded").left_out
+    assert main(["compare", f"{sweep}:dense", f"{sweep}:comp"]) == 0
+    out = capsys.readouterr().out
+    assert "paired, 3 seeds |" in out and "| final accuracy | 0.5000 [0.5000, 0.5000] | 0.5500" in out
+    assert "Left out of comp, unfinished: seed_3 (step 15 of 30)." in out and "--include-unfinished" in out
+    assert main(["compare", f"{sweep}:dense", f"{sweep}:comp", "--include-unfinished"]) == 0
+    assert "Left out" not in capsys.readouterr().out
+    assert main(["compare", f"{sweep}:dense", f"{sweep}:running"]) == 2
+    err = capsys.readouterr().err
+    assert "no finished run" in err and "seed_0 (step 20 of 30)" in err and "--include-unfinished" in err
+    ladder = ["compare", "--ladder", "1,2", f"{sweep}:dense", f"{sweep}:comp", f"{sweep}:dense", f"{sweep}:guarded"]
+    assert main(ladder) == 0
+    assert "Left out of comp, unfinished: seed_3 (step 15 of 30)." in capsys.readouterr().out

@@ -113,6 +113,11 @@ def _parser() -> argparse.ArgumentParser:
         "--ladder", default="", metavar="X1,X2,...", help="groups are A B pairs, one per value: B - A against X"
     )
     c.add_argument("--ladder-name", default="ladder value", help="the ladder's knob, for the table and figure")
+    c.add_argument(
+        "--include-unfinished",
+        action="store_true",
+        help="count runs short of their train.steps as they are (default: left out, and named under the table)",
+    )
     h = sub.add_parser("health", help="replay the health gauges over finished runs: first warn/alarm per gauge")
     h.add_argument("runs", nargs="+", metavar="RUN", help="run folder, or sweep folder (expanded into its arms)")
     h.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="e.g. health.gap_ratio_alarm=1.3")
@@ -233,12 +238,19 @@ def _dispatch(args) -> int:
             from twocircuit_jax.metrics.ladder import run_ladder
 
             text = run_ladder(
-                args.groups, args.ladder, args.out, args.figure, args.last_k, args.resamples, args.ladder_name
+                args.groups,
+                args.ladder,
+                args.out,
+                args.figure,
+                args.last_k,
+                args.resamples,
+                args.ladder_name,
+                args.include_unfinished,
             )
         else:
             from twocircuit_jax.metrics.compare import run_compare
 
-            text = run_compare(args.groups, args.out, args.figure, args.last_k, args.resamples)
+            text = run_compare(args.groups, args.out, args.figure, args.last_k, args.resamples, args.include_unfinished)
         print(text, end="")
         return 0
     if args.cmd == "health":

@@ -6,6 +6,10 @@ A group is the runs of one arm over seeds, given as
 - a comma-separated list of run folders (`runs/a,runs/b,runs/c`);
 optionally prefixed `LABEL=` (the table's name for it; default: the spec).
 
+A run that has not finished (its last logged step short of its config's `train.steps`, and not ended by the guard)
+is left out, and the table says which and where it stood: a comparison made while a sweep still runs would
+otherwise take a half-trained run's last evaluation as its final one. `--include-unfinished` keeps them.
+
 Each run is reduced to scalars (metrics/stats.py): final held-out accuracy, the mean of its last k evaluations,
 the AUC accuracy, the best accuracy and the drop from it to the final one (a collapse's size), the mean sampler-trainer gap over its GRPO steps, the mean `fidelity/grad_cos` where logged. The
 first group is the baseline A; every other group B gets, per scalar, the difference B - A paired by seed (the seed
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -40,10 +44,14 @@ METRICS = (
 )
 
 
+GUARD_ENDED = (2.0, 3.0)  # guard/action codes of a run's last row when the guard ended it (stop; final rollback)
+
+
 @dataclass
 class Group:
     label: str
     runs: list[Run]
+    left_out: list[str] = field(default_factory=list)  # "NAME (step S of N)" per unfinished run not counted
 
     def seeds(self) -> list[int]:
         return [run_seed(r) for r in self.runs]
@@ -53,6 +61,18 @@ def run_seed(run: Run) -> int:
     """The run's `train.seed` (its config.yaml; the library default 0 when absent)."""
     train = run.config.get("train") if isinstance(run.config.get("train"), dict) else {}
     return int(train.get("seed", 0))
+
+
+def unfinished(run: Run) -> str | None:
+    """None for a finished run; else where it stands ("step S of N"). Finished: its last logged step reached its
+    config's `train.steps` (a config without one counts as finished), or its last row is the guard ending it."""
+    train = run.config.get("train") if isinstance(run.config.get("train"), dict) else {}
+    planned = train.get("steps")
+    last = run.rows[-1] if run.rows else {}
+    step = int(last.get("step", -1))
+    if planned is None or step >= int(planned) or last.get("guard/action") in GUARD_ENDED:
+        return None
+    return f"step {max(step, 0)} of {int(planned)}"
 
 
 def _mean_of(run: Run, key: str, from_step: int = 0) -> float | None:
@@ -79,8 +99,9 @@ def _run_folders(folder: str) -> list[str]:
     return [os.path.join(folder, d) for d in sorted(subs, key=key)]
 
 
-def parse_group(spec: str) -> Group:
-    """A Group from a command-line spec (module doc). Raises ConfigError naming the spec."""
+def parse_group(spec: str, include_unfinished: bool = False) -> Group:
+    """A Group from a command-line spec (module doc), its unfinished runs left out unless `include_unfinished`.
+    Raises ConfigError naming the spec."""
     label, body = "", spec
     if "=" in spec and not os.path.exists(spec):
         label, body = spec.split("=", 1)
@@ -112,7 +133,16 @@ def parse_group(spec: str) -> Group:
     runs = [load_run(p, os.path.basename(os.path.normpath(p))) for p in paths]
     name = lambda p: os.path.basename(os.path.normpath(p))  # noqa: E731
     default = name(body) if len(paths) == 1 or "," not in body else f"{name(paths[0])}+{len(paths) - 1}"
-    group = Group(label or default, runs)
+    left = [(r, where) for r in runs if (where := unfinished(r))]
+    if left and not include_unfinished:
+        if len(left) == len(runs):
+            names = ", ".join(f"{r.path} ({w})" for r, w in left)
+            raise ConfigError(
+                f"group {spec!r}",
+                f"no finished run: {names}; wait for them, or pass --include-unfinished to compare them as they are",
+            )
+        runs = [r for r in runs if not unfinished(r)]
+    group = Group(label or default, runs, [] if include_unfinished else [f"{r.name} ({w})" for r, w in left])
     seeds = group.seeds()
     dup = sorted({s for s in seeds if seeds.count(s) > 1})
     if dup:
@@ -179,6 +209,14 @@ def markdown(rows: list[dict], last_k: int, n_resamples: int) -> str:
     return "\n".join(out) + "\n"
 
 
+def left_out_note(groups: list[Group]) -> str:
+    """The lines that name each group's unfinished runs left out ("" when none was)."""
+    lines = [f"Left out of {g.label}, unfinished: {', '.join(g.left_out)}." for g in groups if g.left_out]
+    if not lines:
+        return ""
+    return "\n" + "\n".join(lines) + "\nPass --include-unfinished to count them as they are.\n"
+
+
 def write_figure(groups: list[Group], path: str, n_resamples: int = stats.N_RESAMPLES) -> str:
     """Held-out accuracy (and the mismatch gap when logged) per group: mean over seeds, 95% bootstrap band; then
     the performance profile of final accuracy."""
@@ -227,10 +265,10 @@ def _runs_of(groups: list[Group], label: str) -> list[Run]:
     return next(g.runs for g in groups if g.label == label)
 
 
-def parse_groups(specs: list[str]) -> list[Group]:
+def parse_groups(specs: list[str], include_unfinished: bool = False) -> list[Group]:
     """Every group parsed (and checked) first; two arms of the same name from two sweeps keep their full spec as
     their label, so the table tells them apart."""
-    groups = [parse_group(s) for s in specs]
+    groups = [parse_group(s, include_unfinished) for s in specs]
     labels = [g.label for g in groups]
     for g, spec in zip(groups, specs):
         if labels.count(g.label) > 1:
@@ -245,11 +283,19 @@ def check_options(last_k: int, resamples: int) -> None:
         raise ConfigError("--resamples", f"got {resamples}; must be >= 100")
 
 
-def run_compare(specs: list[str], out: str = "", figure: str = "", last_k: int = 3, resamples: int = 10_000) -> str:
+def run_compare(
+    specs: list[str],
+    out: str = "",
+    figure: str = "",
+    last_k: int = 3,
+    resamples: int = 10_000,
+    include_unfinished: bool = False,
+) -> str:
     """The CLI's body: the groups, then the table (returned, and written to `out`)."""
     check_options(last_k, resamples)
-    groups = parse_groups(specs)
-    text = save_table(markdown(compare(groups, last_k, resamples), last_k, resamples), out)
+    groups = parse_groups(specs, include_unfinished)
+    text = markdown(compare(groups, last_k, resamples), last_k, resamples) + left_out_note(groups)
+    text = save_table(text, out)
     if figure:
         write_figure(groups, figure, resamples)
     return text

@@ -12,7 +12,15 @@ import os
 
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.metrics import stats
-from twocircuit_jax.metrics.compare import Group, _by_seed, check_options, compare, parse_groups, save_table
+from twocircuit_jax.metrics.compare import (
+    Group,
+    _by_seed,
+    check_options,
+    compare,
+    left_out_note,
+    parse_groups,
+    save_table,
+)
 
 DIFFS = (("final accuracy", "final_accuracy"), ("AUC accuracy", "auc_accuracy"))
 LEVELS = (("mismatch gap (mean)", "gap_mean"), ("grad_cos (mean)", "grad_cos_mean"))
@@ -113,13 +121,15 @@ def run_ladder(
     last_k: int = 3,
     resamples: int = 10_000,
     name: str = "ladder value",
+    include_unfinished: bool = False,
 ) -> str:
     """`twocircuit compare --ladder`'s body: the values and groups checked first, then the table (returned, and
     written to `out`) and the figure."""
     check_options(last_k, resamples)
     xs = parse_ladder(values, len(specs))
-    rows = ladder(xs, parse_groups(specs), last_k, resamples)
-    text = save_table(f"### {name}: B − A per rung\n\n" + markdown(rows), out)
+    groups = parse_groups(specs, include_unfinished)
+    rows = ladder(xs, groups, last_k, resamples)
+    text = save_table(f"### {name}: B − A per rung\n\n" + markdown(rows) + left_out_note(groups), out)
     if figure:
         write_figure(rows, figure, name)
     return text
