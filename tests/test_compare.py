@@ -69,6 +69,9 @@ def test_auc_and_accuracy_summary():
     assert c["best_accuracy"] == 0.5 and c["drop_from_best"] == pytest.approx(0.4)
     assert s["best_accuracy"] == 0.6 and s["drop_from_best"] == 0.0
     assert stats.accuracy_summary([], [])["drop_from_best"] is None
+    # the gain of the final evaluation over step 0's (the base model's); None without a step-0 evaluation
+    assert s["gain_over_base"] == pytest.approx(0.4) and c["gain_over_base"] == pytest.approx(-0.1)
+    assert stats.accuracy_summary([5], [0.3])["gain_over_base"] is None
 
 
 def test_score_profile_counts_runs_above_each_threshold_with_a_band():
@@ -263,6 +266,8 @@ def test_ladder_one_paired_verdict_per_rung_with_levels_and_figure(tmp_path, cap
         assert r["grad_cos_mean_b"].point == pytest.approx(cos) and r["grad_cos_mean_a"] is None
         assert r["gap_mean_b"].point == pytest.approx(0.05 / (k + 1)) and r["gap_mean_a"].point == pytest.approx(1e-7)
         assert r["pairing"] == "paired, 5 seeds" and r["b"] == f"w{r['x']:g}_lowrank"
+        # every synthetic run climbs 0.1 from its step-0 evaluation: each arm's gain over its base
+        assert r["gain_over_base_a"].point == pytest.approx(0.1) and r["gain_over_base_b"].point == pytest.approx(0.1)
     png, md = tmp_path / "ladder.png", tmp_path / "ladder.md"
     args = ["compare", "--ladder", "64,128,192", "--ladder-name", "hidden", "--figure", str(png), "--out", str(md)]
     assert main(args + specs) == 0

@@ -11,7 +11,8 @@ is left out, and the table says which and where it stood: a comparison made whil
 otherwise take a half-trained run's last evaluation as its final one. `--include-unfinished` keeps them.
 
 Each run is reduced to scalars (metrics/stats.py): final held-out accuracy, the mean of its last k evaluations,
-the AUC accuracy, the best accuracy and the drop from it to the final one (a collapse's size), the mean sampler-trainer gap over its GRPO steps, the mean `fidelity/grad_cos` where logged. The
+the AUC accuracy, the best accuracy and the drop from it to the final one (a collapse's size), the gain of the
+final accuracy over the step-0 evaluation (did the arm learn at all?), the mean sampler-trainer gap over its GRPO steps, the mean `fidelity/grad_cos` where logged. The
 first group is the baseline A; every other group B gets, per scalar, the difference B - A paired by seed (the seed
 is the run's `train.seed`, read from its config.yaml) with a 95% stratified bootstrap interval, each group's IQM
 with its interval, and P(B > A) with its interval. `--figure` draws each group's held-out accuracy curve (mean over
@@ -39,6 +40,7 @@ METRICS = (
     ("AUC accuracy", "auc_accuracy"),
     ("best accuracy", "best_accuracy"),
     ("drop from best to final", "drop_from_best"),
+    ("gain over the base (final − step 0)", "gain_over_base"),
     ("mismatch gap (mean)", "gap_mean"),
     ("grad_cos (mean)", "grad_cos_mean"),
 )

@@ -2,8 +2,9 @@
 
 A verdict at one setting says whether B learns next to A there; a ladder asks how that answer moves with a knob.
 The groups come in (A, B) pairs, one pair per ladder value, each paired by seed as `compare` does. Per rung the
-table has B - A of the accuracy scalars with its 95% interval, and each arm's IQM of the mismatch gap and of
-`fidelity/grad_cos` with theirs; the figure draws the three against the knob, intervals as error bars.
+table has B - A of the accuracy scalars with its 95% interval, and each arm's IQM of its gain over its base (final
+minus step-0 accuracy), of the mismatch gap and of `fidelity/grad_cos`, with theirs; the figure draws the four
+against the knob, intervals as error bars.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ from twocircuit_jax.metrics.compare import (
 )
 
 DIFFS = (("final accuracy", "final_accuracy"), ("AUC accuracy", "auc_accuracy"))
-LEVELS = (("mismatch gap (mean)", "gap_mean"), ("grad_cos (mean)", "grad_cos_mean"))
+# per arm: did it learn at all (a rung where dense does not cannot say "within 0.02 of dense")? and its fidelity
+LEVELS = (
+    ("final − base", "gain_over_base"),
+    ("mismatch gap (mean)", "gap_mean"),
+    ("grad_cos (mean)", "grad_cos_mean"),
+)
 
 
 def parse_ladder(spec: str, n_groups: int) -> list[float]:
@@ -75,33 +81,39 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
-def _errorbar(ax, xs, cis, label, color):
+def _errorbar(ax, xs, cis, label, color, dodge: float = 0.0):
+    """Points with their intervals; `dodge` shifts them by that fraction of the x span, so two series at the same
+    x stay apart."""
     pts = [(x, c) for x, c in zip(xs, cis) if c is not None]
     if not pts:
         return
-    x = [p[0] for p in pts]
+    shift = dodge * ((max(xs) - min(xs)) or 1.0)
+    x = [p[0] + shift for p in pts]
     y = [p[1].point for p in pts]
     err = [[p[1].point - p[1].lo for p in pts], [p[1].hi - p[1].point for p in pts]]
     ax.errorbar(x, y, yerr=err, fmt="o-", color=color, capsize=4, label=label)
 
 
 def write_figure(rows: list[dict], path: str, xlabel: str = "ladder value") -> str:
-    """Three panels against x: B - A (final and AUC accuracy), the mismatch gap per arm, grad_cos per arm."""
+    """Four panels against x: B - A (final and AUC accuracy), then per arm its gain over its base, the mismatch
+    gap, and grad_cos."""
     from matplotlib.figure import Figure
 
     xs = [r["x"] for r in rows]
-    fig = Figure(figsize=(16, 4.5), layout="constrained")
-    ax = fig.add_subplot(1, 3, 1)
+    fig = Figure(figsize=(21, 4.5), layout="constrained")
+    ax = fig.add_subplot(1, 1 + len(LEVELS), 1)
     for j, (name, key) in enumerate(DIFFS):
-        _errorbar(ax, xs, [r[key] for r in rows], f"B − A, {name}", f"C{j}")
+        _errorbar(ax, xs, [r[key] for r in rows], f"B − A, {name}", f"C{j}", dodge=0.012 * (2 * j - 1))
     ax.axhline(0.0, color="gray", lw=0.8)
     ax.axhline(-0.02, color="gray", lw=0.8, ls="--", label="−0.02")
     ax.set(xlabel=xlabel, ylabel="held-out accuracy difference", title="B − A, paired by seed, 95% CI")
     for k, (name, key) in enumerate(LEVELS):
-        ax = fig.add_subplot(1, 3, 2 + k)
+        ax = fig.add_subplot(1, 1 + len(LEVELS), 2 + k)
         for j, side in enumerate(("a", "b")):
             label = "A (" + rows[0]["a"] + ", ...)" if side == "a" else "B (" + rows[0]["b"] + ", ...)"
-            _errorbar(ax, xs, [r[f"{key}_{side}"] for r in rows], label, f"C{j + 2}")
+            _errorbar(ax, xs, [r[f"{key}_{side}"] for r in rows], label, f"C{j + 2}", dodge=0.012 * (2 * j - 1))
+        if key == "gain_over_base":
+            ax.axhline(0.0, color="gray", lw=0.8)
         ax.set(xlabel=xlabel, ylabel=name, title=f"{name}: IQM over seeds, 95% CI")
         if key == "gap_mean":
             ax.set_yscale("log")

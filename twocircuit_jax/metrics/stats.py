@@ -186,11 +186,12 @@ def auc(steps, values) -> float:
 
 
 def accuracy_summary(steps, acc, last_k: int = 3) -> dict:
-    """final, mean of the last `last_k` evaluations, AUC, best accuracy of one run, and its drop from the best to
-    the final evaluation (what a collapse is: 0 for a run that ends at its best), None each when never evaluated."""
+    """final, mean of the last `last_k` evaluations, AUC, best accuracy of one run, its drop from the best to the
+    final evaluation (what a collapse is: 0 for a run that ends at its best), and its gain over its first (step 0:
+    the base model's) evaluation, None each when never evaluated (the gain: when step 0 was not evaluated)."""
     if last_k < 1:
         raise ValueError(f"last_k must be >= 1, got {last_k}")
-    keys = ("final_accuracy", "last_k_accuracy", "auc_accuracy", "best_accuracy", "drop_from_best")
+    keys = ("final_accuracy", "last_k_accuracy", "auc_accuracy", "best_accuracy", "drop_from_best", "gain_over_base")
     if len(acc) == 0:
         return {**dict.fromkeys(keys), "last_k": last_k}
     best, final = float(np.max(acc)), float(acc[-1])
@@ -200,5 +201,6 @@ def accuracy_summary(steps, acc, last_k: int = 3) -> dict:
         "auc_accuracy": auc(steps, acc),
         "best_accuracy": best,
         "drop_from_best": best - final,
+        "gain_over_base": final - float(acc[list(steps).index(0)]) if 0 in list(steps) else None,
         "last_k": last_k,
     }
