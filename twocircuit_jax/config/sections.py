@@ -175,6 +175,14 @@ class SamplerConfig:
     )
     n: int = field(default=4, metadata=doc("samples per prompt (group size)", "G"))
     sampling: SamplingConfig = SamplingConfig()
+    max_rows_per_call: int | Literal["auto"] = field(
+        default="auto",
+        metadata=doc(
+            "jax: rows of one generate call (whole groups of n; a step's rows take several calls); auto = sized "
+            "from the device memory free at the first call (all rows at once where the backend reports none, e.g. "
+            "CPU); `twocircuit plan` prints the size it compiled"
+        ),
+    )
     max_staleness: int = field(
         default=0,
         metadata=doc("weight versions a rollout may lag the trainer beyond train.async_rollouts' scheduled lag"),
@@ -254,6 +262,11 @@ class SamplerConfig:
                 "(train.eval_greedy: true) or samples at temperature 1",
             )
         require(self.max_staleness >= 0, "max_staleness", f"got {self.max_staleness}; must be >= 0")
+        require(
+            self.max_rows_per_call == "auto" or self.max_rows_per_call >= self.n,
+            "max_rows_per_call",
+            f"got {self.max_rows_per_call}; must be 'auto' or at least sampler.n = {self.n} (a group is one call)",
+        )
         require(0 <= self.port < 65536, "port", f"got {self.port}; allowed 0..65535 (0 = pick a free port)")
         from twocircuit_jax.sampler.http_guard import is_loopback
 

@@ -263,10 +263,10 @@ def split_layers(params) -> list:
     """The per-layer parameter dicts of the stacked `params["layers"]`: slice once, outside a decode loop, so each
     step does not copy its weights out of the stack again (XLA:CPU does not hoist those slices)."""
     n = jax.tree.leaves(params["layers"])[0].shape[0]
-    return [_fuse(layer_params(params, i)) for i in range(n)]
+    return [fuse_decode_layer(layer_params(params, i)) for i in range(n)]
 
 
-def _fuse(lp):
+def fuse_decode_layer(lp):
     """A layer's q/k/v and gate/up kernels (and biases) concatenated along their outputs: one dot each per decoded
     token instead of three and two (a tiny model's decode step is dominated by the count of dots). Costs a copy of
     those kernels while a generation runs."""
@@ -278,11 +278,13 @@ def _fuse(lp):
     return {**lp, "qkv_proj": cat(("q_proj", "k_proj", "v_proj")), "gate_up_proj": cat(("gate_proj", "up_proj"))}
 
 
-def decode_step(cfg: ModelConfig, params, cache: KVCache, tokens, token_mask, layers=None):
+def decode_step(cfg: ModelConfig, params, cache: KVCache, tokens, token_mask, layers=None, *, last_only=False):
     """Run `tokens` [B, Tq] (with `token_mask` [B, Tq], 1 = real) through the model at the next cache slots.
 
     Returns (logits [B, Tq, V] fp32, cache'). A prefill is one call with the whole left-padded prompt; each
     generated token is one call with Tq = 1. `layers`: `split_layers(params)`, when the caller has it.
+    `last_only`: logits of the last position only ([B, 1, V]): what a prefill samples from; the whole prompt's
+    would be Tq x V floats a row (1,024 x 151,936 x 4 B = 622 MB for a Qwen2.5 prompt).
     """
     B, Tq = tokens.shape
     S = cache.valid.shape[1]
@@ -304,7 +306,7 @@ def decode_step(cfg: ModelConfig, params, cache: KVCache, tokens, token_mask, la
     new = KVCache(
         tuple(ks), tuple(vs), valid, slot + Tq, cache.next_pos + jnp.sum(token_mask.astype(jnp.int32), axis=1)
     )
-    return _head(cfg, params, x), new
+    return _head(cfg, params, x[:, -1:] if last_only else x), new
 
 
 def init_params(cfg: ModelConfig, key, std: float = 0.02):

@@ -86,6 +86,25 @@ def param_shardings(params, mesh: Mesh):
     )
 
 
+def decode_param_shardings(params, mesh: Mesh):
+    """Parameters as the embedded sampler reads them: whole on every device of the batch and stage axes, split over
+    `tensor` only. Each device decodes its own rows, so it reads every weight at every token: gathered once per
+    generate call (one all-gather of the weights in the compute dtype), not once per token and layer as the
+    trainer's FSDP layout would (an all-gather per layer per token)."""
+
+    def one(p, x):
+        spec = param_spec(path_str(p), tuple(x.shape), mesh)
+        return NamedSharding(mesh, P(*[a if a == "tensor" else None for a in spec]))
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def row_spec(rows: int, mesh: Mesh, ndim: int) -> P:
+    """A row-major array's spec: the leading axis split over the batch axes when they divide it, else replicated
+    (a call with fewer rows than devices, e.g. a prefill of a few prompts)."""
+    return P(BATCH_AXES, *([None] * (ndim - 1))) if rows % dp_size(mesh) == 0 else P()
+
+
 def like_param_shardings(tree, params, mesh: Mesh):
     """Shardings for a pytree whose leaves either mirror a parameter (optimizer moments: same path suffix and
     shape) or are small extras (counts: replicated)."""

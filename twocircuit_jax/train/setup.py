@@ -130,6 +130,7 @@ def make_sampler(run_cfg, model_cfg, params, tokenizer, run_dir: str):
             params,
             prompt_bucket=run_cfg.train.max_prompt_len,
             copy_weights=run_cfg.train.async_rollouts > 0,
+            max_rows_per_call=run_cfg.sampler.max_rows_per_call,
         )
     if jax.process_count() > 1:
         # Every process would start its own engine, export its own copy of the weights and get different samples
