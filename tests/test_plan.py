@@ -56,7 +56,8 @@ def test_tiny_fits_on_v5e_8(tiny_tpu):
     assert p["target"] == "tpu:v5e-8" and p["devices"] == 8 and p["mesh"]["data"] == 8
     assert p["chip"]["hbm_bytes"] == chips.CHIPS["v5e"].hbm_bytes
     # one tick per step: ℓ_old from the train forward; the mask acts on the reference pass: the anchor runs its own
-    assert set(p["programs"]) == {"train_step", "logp_ref", "anchor_fire", "logp_anchor_ref"}
+    # and the embedded sampler's rollout call (tiny evaluates only at the ends: no generate_eval per step)
+    assert set(p["programs"]) == {"train_step", "logp_ref", "anchor_fire", "logp_anchor_ref", "generate"}
     for name, r in p["programs"].items():
         for key in ("argument", "output", "temp", "alias"):
             assert r["memory"][key] >= 0
@@ -95,11 +96,23 @@ def test_roofline_matches_hand_arithmetic(tiny_tpu):
     chip = chips.CHIPS["v5e"]
     step_s, flops = 0.0, 0.0
     T = 16 + 4  # tiny: max_prompt_len + max_new_tokens
+    gen_s = 0.0
     for name, r in p["programs"].items():
         c = r["cost"]
-        # the compute term: XLA's flops, or the model's per device when larger (a loop's body is counted once)
-        compute = max(c["flops"], r["model_flops"] / 8)
-        want = max(compute / 197e12, c["bytes_accessed"] / 819e9, r["collective_bytes"] / 400e9)
+        if name == "generate":
+            # the decode loop from shapes: 4 prompts x n 4 = 16 rows over 8 devices (2 each), every prompt prefilled
+            # on each device (fewer prompts than devices); float32 weights (tiny's compute dtype), whole on each
+            N, kv = p["step"]["params"], 2 * 2 * 1 * 32 * 4  # 2 layers, k and v, 1 KV head of 32, float32
+            assert r["rows"] == 16 and r["generation"] == {"prompts": 4, "n": 4, "prompt_len": 16, "max_new": 4,
+                                                           "greedy": False, "rows_per_call": "auto"}  # fmt: skip
+            prefill = max(2 * N * 1 * 16 / 197e12, 4 * N / 819e9)
+            step = max(2 * N * 2 / 197e12, (4 * N + 2 * 20 * kv) / 819e9)
+            want = prefill + 4 * step + r["collective_bytes"] / 400e9
+            gen_s += want
+        else:
+            # the compute term: XLA's flops, or the model's per device when larger (a loop's body is counted once)
+            compute = max(c["flops"], r["model_flops"] / 8)
+            want = max(compute / 197e12, c["bytes_accessed"] / 819e9, r["collective_bytes"] / 400e9)
         assert r["roofline"]["bound_s"] == pytest.approx(want, rel=1e-12)
         step_s += r["runs_per_step"] * want
         per_token = 6 if name in ("train_step", "anchor_fire") else 2
@@ -108,6 +121,8 @@ def test_roofline_matches_hand_arithmetic(tiny_tpu):
     # tiny: 4 prompts x n=4 rows, one tick; the anchor fires every 2nd tick
     assert p["programs"]["train_step"]["rows"] == 16 and p["programs"]["anchor_fire"]["runs_per_step"] == 0.5
     assert p["step"]["step_bound_s"] == pytest.approx(step_s, rel=1e-12)
+    assert p["step"]["generation_bound_s"] == pytest.approx(gen_s, rel=1e-12)
+    assert p["step"]["train_bound_s"] == pytest.approx(step_s - gen_s, rel=1e-12)
     assert p["step"]["mfu_bound"] == pytest.approx(flops / (8 * chip.peak_bf16_flops * step_s), rel=1e-12)
 
 
@@ -140,6 +155,27 @@ def test_huge_vocab_does_not_fit_and_names_the_largest_buffer(capsys, tmp_path):
     assert worst["oom"].startswith("RESOURCE_EXHAUSTED") and worst["memory"]["temp"] > chips.CHIPS["v5e"].hbm_bytes
     big = worst["largest"][0]
     assert str(V) in big["shape"] and big["bytes"] > 16 * 2**30
+    assert f"{big['op']} {big['shape']}" in out
+
+
+def test_a_generation_that_cannot_fit_does_not_fit_and_names_its_buffer(capsys, tmp_path):
+    """The rollouts' call is a program of the plan: 16,384 rows of 16 + 2,048 positions in one call (2,048 rows a
+    device, 8 KV heads of 32 over 2 layers in float32: 8.5 MB of cache a row, 17 GB a device) are past a v5e's
+    16 GiB while the train step, one row a device at a time, fits. The plan says so, exit 1, naming the generation
+    program and its largest buffer."""
+    rc, out, err = plan(
+        capsys, "tpu:v5e-8", "model.num_layers=1", "fast.pp_size=1", "fast.codec=none", "grpo.kl_coef=0",
+        "model.num_heads=8", "model.num_kv_heads=8", "sampler.sampling.max_new_tokens=2048",
+        "train.train_batch=4096", "train.mini_batch=4096", "train.micro_batch=1", "sampler.max_rows_per_call=16384",
+        json_path=tmp_path / "p.json",
+    )  # fmt: skip
+    assert rc == 1, err
+    assert "DOES NOT FIT" in out and "largest buffers of generate" in out
+    p = json.loads((tmp_path / "p.json").read_text())
+    assert p["peak"]["program"] == "generate" and p["peak"]["fits"] is False
+    assert p["programs"]["train_step"]["oom"] == "" and p["programs"]["generate"]["oom"].startswith("RESOURCE_EXH")
+    assert p["programs"]["generate"]["rows"] == 16384
+    big = p["programs"]["generate"]["largest"][0]
     assert f"{big['op']} {big['shape']}" in out
 
 

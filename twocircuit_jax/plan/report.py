@@ -21,7 +21,7 @@ import math
 import jax
 
 from twocircuit_jax.plan import measure as pm, roofline
-from twocircuit_jax.plan.programs import programs, usage
+from twocircuit_jax.plan.programs import generation_programs, programs, usage
 
 # Which top-level arguments of each program are resident state (counted once, in the resident total): the rest are
 # the program's own inputs, made for it (a mini-batch slice, the snapshot weights the anchor replays).
@@ -34,6 +34,8 @@ RESIDENT_ARGS = {
     "anchor_fire": (1, 2, 3),  # a kept mini-batch, the merger and moments (circuit state), the basis; its weights
     # are a host snapshot put on device for the fire
     "logp_anchor_ref": (0, 1, 2),
+    "generate": (0,),  # the live params (the sampler's gathered compute-dtype copy is the call's own temporary)
+    "generate_eval": (0,),
 }
 
 
@@ -84,7 +86,13 @@ def make_plan(cfg, target, devices) -> dict:
         resident["anchor_batches"] = host["anchor_batches"] * measured["anchor_fire"]["args"][1]
     resident["total"] = sum(resident.values())
     chip = target.chip
-    rows, step_s, flops_step, coll_step = {}, 0.0, 0.0, 0.0
+    # Generation runs beside the resident state: `auto` sizes its calls from what that leaves of the chip.
+    gens = generation_programs(cfg, params, chip.hbm_bytes - resident["total"] if chip else None)
+    for name, g in gens.items():
+        measured[name] = pm.measure(g.program, g.args, target.platform, replicas)
+        use[name] = g.usage
+    rows, flops_step, coll_step = {}, 0.0, 0.0
+    bound = {"train": 0.0, "generation": 0.0}
     for name, m in measured.items():
         mem, u = m["memory"], use[name]
         own = sum(b for i, b in enumerate(m["args"]) if i not in RESIDENT_ARGS.get(name, ()))
@@ -106,12 +114,21 @@ def make_plan(cfg, target, devices) -> dict:
             "note": m["note"],
             "oom": m["oom"],
         }
+        if name in gens:
+            g = gens[name]
+            r["generation"] = {"prompts": g.prompts, "n": g.n, "prompt_len": g.prompt_len, "max_new": g.max_new,
+                               "greedy": g.greedy, "rows_per_call": cfg.sampler.max_rows_per_call}  # fmt: skip
         if chip is not None and m["cost"] is not None:
-            # XLA's cost analysis counts a loop's body once (the layer scan, the micro-batches): the compute term
-            # takes the model's own flops per device when they are larger
-            flops = max(m["cost"]["flops"], r["model_flops"] / target.count)
-            r["roofline"] = roofline.program_bound(flops, m["cost"]["bytes_accessed"], m["collective_bytes"], chip)
-            step_s += u.runs * r["roofline"]["bound_s"]
+            if name in gens:  # the decode loop, counted from shapes (XLA counts a loop's body once)
+                r["roofline"] = roofline.generation_bound(
+                    gens[name], cfg.model, n_params, replicas, mesh["tensor"], m["collective_bytes"], chip
+                )
+            else:
+                # XLA's cost analysis counts a loop's body once (the layer scan, the micro-batches): the compute
+                # term takes the model's own flops per device when they are larger
+                flops = max(m["cost"]["flops"], r["model_flops"] / target.count)
+                r["roofline"] = roofline.program_bound(flops, m["cost"]["bytes_accessed"], m["collective_bytes"], chip)
+            bound["generation" if name in gens else "train"] += u.runs * r["roofline"]["bound_s"]
         flops_step += u.runs * r["model_flops"]
         coll_step += u.runs * (m["collective_bytes"] or 0.0)
         rows[name] = r
@@ -129,7 +146,10 @@ def make_plan(cfg, target, devices) -> dict:
         "collective_bytes": coll_step,
     }
     if chip is not None and not refused:
+        step_s = bound["train"] + bound["generation"]
         step["tick_bound_s"] = rows["train_step"]["roofline"]["bound_s"]
+        step["train_bound_s"] = bound["train"]
+        step["generation_bound_s"] = bound["generation"]
         step["step_bound_s"] = step_s
         step["mfu_bound"] = roofline.mfu(flops_step, target.count, chip, step_s)
     return {

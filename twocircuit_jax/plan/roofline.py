@@ -33,3 +33,41 @@ def model_flops(n_params: int, tokens: int, backward: bool) -> float:
 
 def mfu(flops_per_step: float, devices: int, chip, step_s: float) -> float:
     return flops_per_step / (devices * chip.peak_bf16_flops * step_s) if step_s > 0 else 0.0
+
+
+def generation_bound(g, model, n_params: int, shards: int, tensor: int, coll_bytes: float, chip) -> dict:
+    """Seconds per call of one generate call (plan/programs.py Generation `g`) on `chip`, from shapes: XLA's cost
+    analysis counts the decode loop's body once, so the loop is counted here. Each device holds rows/shards rows;
+    the weights are whole on it in the compute dtype (split over `tensor` only).
+        prefill  max(2 N x (its prompts x P) / tensor / peak, weights / HBM bandwidth)
+        decode   max_new x max(2 N x rows / tensor / peak, (weights + rows x (P + max_new) x KV bytes a token)
+                 / HBM bandwidth): every step reads the weights and the whole cache (masked); a call that stops
+                 early runs fewer steps, so this is the bound at the cap
+        links    the call's collective bytes (the weights' gather, the loop's all-done flag counted once) / ICI
+    and the bound is their sum (prefill, then decode)."""
+    from twocircuit_jax.model.qwen2 import dtype_of
+
+    it = jnp_itemsize(dtype_of(model.compute_dtype))
+    weights = n_params * it / tensor
+    kv_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * it
+    rows = g.usage.rows / shards
+    prompts = max(g.prompts / shards, 1.0)  # a call of fewer prompts than shards prefills them on every device
+    pre_c = 2.0 * n_params * prompts * g.prompt_len / tensor / chip.peak_bf16_flops
+    pre_h = weights / chip.hbm_bytes_per_s
+    step_c = 2.0 * n_params * rows / tensor / chip.peak_bf16_flops
+    step_h = (weights + rows * (g.prompt_len + g.max_new) * kv_token) / chip.hbm_bytes_per_s
+    t = {
+        "compute_s": pre_c + g.max_new * step_c,
+        "hbm_s": pre_h + g.max_new * step_h,
+        "collective_s": coll_bytes / chip.ici_bytes_per_s,
+    }
+    t["bound_s"] = max(pre_c, pre_h) + g.max_new * max(step_c, step_h) + t["collective_s"]
+    t["limit"] = "hbm" if step_h >= step_c else "compute"
+    t["decode_step_s"] = max(step_c, step_h)
+    return t
+
+
+def jnp_itemsize(dtype) -> int:
+    import numpy as np
+
+    return np.dtype(dtype).itemsize

@@ -58,6 +58,17 @@ def render(plan: dict, k: int = 5) -> str:
             f"host: anchor {h['anchor_snapshots']} weight snapshots {size(h['anchor_snapshot_bytes'])}, "
             f"{h['anchor_batches']} retained mini-batches (on device, in resident)"
         )
+    for name, r in plan["programs"].items():
+        g = r.get("generation")
+        if g:
+            what = "held-out evaluation" if name == "generate_eval" else "rollouts"
+            how = "greedy" if g["greedy"] else "sampled"
+            cap = g["rows_per_call"]
+            cap = "sized from the memory the resident state leaves" if cap == "auto" else f"max_rows_per_call {cap}"
+            out.append(
+                f"{name}: {what}, {r['runs_per_step']:g} calls/step of {g['prompts']} prompts x {g['n']} = "
+                f"{r['rows']} rows ({cap}), {g['prompt_len']} + {g['max_new']} positions, {how}"
+            )
     s = plan["step"]
     out.append(
         f"step: {s['ticks']} ticks, {s['params'] / 1e6:.2f} M params, model {_flop(s['model_flops'])} "
@@ -65,7 +76,8 @@ def render(plan: dict, k: int = 5) -> str:
     )
     if "step_bound_s" in s:
         out.append(
-            f"roofline lower bound: tick {_sec(s['tick_bound_s'])}, step {_sec(s['step_bound_s'])}; "
+            f"roofline lower bound: tick {_sec(s['tick_bound_s'])}, step {_sec(s['step_bound_s'])} "
+            f"(generation {_sec(s['generation_bound_s'])} at the length cap, training {_sec(s['train_bound_s'])}); "
             f"MFU at most {100 * s['mfu_bound']:.1f}%"
         )
     notes = [f"{n}: {r['note']}" for n, r in plan["programs"].items() if r["note"]]

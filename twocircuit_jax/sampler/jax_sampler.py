@@ -208,6 +208,15 @@ def rows_that_fit(cfg: ModelConfig, free_bytes: float, prompt_len: int, max_new:
     return max(n, (per_device * shards) // n * n)
 
 
+def call_prompts(rows: int, n: int, prompts: int, shards: int) -> int:
+    """Prompts of one generate call of at most `rows` rows: whole groups of `n`, a multiple of the batch `shards`
+    when there are that many (each device an equal share), never more than the request's `prompts`."""
+    per = max(1, rows // n)
+    if per >= shards:
+        per -= per % shards
+    return min(per, prompts)
+
+
 def free_device_bytes() -> float | None:
     """Device memory not in use on the first device (its allocator's limit minus what is allocated), or None where
     the backend reports none (XLA:CPU: host memory, one call for every row)."""
@@ -222,7 +231,8 @@ class JaxSampler:
     `copy_weights` takes a copy (one more set of weights in device memory), for a sampler that generates while the
     trainer's steps donate the buffers it was given (train.async_rollouts). `max_rows_per_call`: rows of one
     generate call (an int, or "auto": `rows_that_fit` the device memory free at the first call, every row at once
-    where the backend reports no memory). With sharded parameters the rows go over their mesh's batch axes."""
+    where the backend reports no memory). With sharded parameters the rows go over their mesh's batch axes.
+    `stop_early=False` decodes every call to max_new_tokens (scripts/bench_sampler.py measures what stopping saves)."""
 
     pads_batch = True  # compiles per batch shape: callers with a varying row count pad to a few sizes
 
@@ -235,11 +245,12 @@ class JaxSampler:
         version: int = 0,
         copy_weights: bool = False,
         max_rows_per_call: int | str = "auto",
+        stop_early: bool = True,
     ):
         self.cfg, self.version, self.copy_weights = cfg, version, copy_weights
         self.params = self._own(params)
         self.prompt_bucket = prompt_bucket
-        self.max_rows_per_call = max_rows_per_call
+        self.max_rows_per_call, self.stop_early = max_rows_per_call, stop_early
         self._auto_rows: dict = {}  # (prompt bucket, max_new, n) -> rows, sized once
 
     def _own(self, params):
@@ -267,8 +278,7 @@ class JaxSampler:
         return tok, mask
 
     def prompts_per_call(self, prompts: int, n: int, prompt_len: int, max_new: int) -> int:
-        """Prompts of one generate call: whole groups within max_rows_per_call, a multiple of the batch shards
-        when there are that many (each device an equal share), never more than the request."""
+        """Prompts of one generate call of a request of `prompts` (call_prompts of max_rows_per_call)."""
         rows = self.max_rows_per_call
         mesh = self.mesh
         shards = pmesh.dp_size(mesh) if mesh is not None else 1
@@ -282,10 +292,7 @@ class JaxSampler:
             rows = self._auto_rows[key]
             if rows is None:
                 return prompts
-        per = max(1, rows // n)
-        if per >= shards:
-            per -= per % shards
-        return min(per, prompts)
+        return call_prompts(rows, n, prompts, shards)
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig, seed: int) -> Rollout:
         if self.params is None:
@@ -299,6 +306,7 @@ class JaxSampler:
             "n": n,
             "truncate": sampling.top_k > 0 or sampling.top_p < 1.0,
             "greedy": sampling.temperature == 0,
+            "stop_early": self.stop_early,
             "mesh": mesh,
         }
         parts = []
