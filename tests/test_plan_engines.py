@@ -64,7 +64,7 @@ def test_toy_memory_and_rows(toy):
     assert d["reserve"] == {"overhead": GiB, "activations": 2560, "logits": 640, "total": TOY_RESERVE}
     assert d["kv_cache_bytes"] == pytest.approx(5 * 320 + 100)
     assert d["kv_rows"] == 5 and d["concurrent_rows"] == 5 and d["fits"]
-    assert d["step_rows"] == 12 and d["waves"] == 3  # 3 prompts x 4 samples, in waves of 5, 5, 2
+    assert d["step_rows"] == 12 and d["waves"] == 3 and d["wave_rows"] == 5  # 3 prompts x 4 samples: 5, 5, 2
 
 
 def test_toy_times(toy):
@@ -94,6 +94,14 @@ def test_toy_engines_for_a_bound(toy, bound, k, rows):
     else:
         assert d["engines_generation_s"] <= bound
         assert d["engines_generation_s"] == pytest.approx((rows // 5) * wave(5) + (wave(rows % 5) if rows % 5 else 0))
+
+
+def test_toy_rows_at_once_capped_by_max_num_seqs(monkeypatch):
+    monkeypatch.setitem(chips.GPUS, "toy", TOY._replace(memory_bytes=2 * (TOY_RESERVE + 2608 + 100 * 320)))
+    monkeypatch.setitem(engines.VLLM_DEFAULTS, "toy", (8, 16))
+    d = engines.engine_plan(toy_cfg(), "toy", None)
+    assert d["kv_rows"] == 100 and d["concurrent_rows"] == 8 and d["wave_rows"] == 8 and d["waves"] == 2
+    assert d["generation_s"] == pytest.approx(wave(8) + wave(4))
 
 
 def test_toy_does_not_fit(monkeypatch):
@@ -186,3 +194,5 @@ def test_cli_plan_prints_and_writes_the_engines(tmp_path, capsys):
     assert e["gpu"] == "h100-80gb" and e["fits"] and e["train_bound_s"] is None and e["engines"] is None
     assert e["kv_bytes_per_token"] == 2 * 4 * 1 * 32 * 4 and e["step_rows"] == 16  # tiny: float32, 4 prompts x 4
     assert f"{e['kv_bytes_per_token']:,} B/token" in out
+    assert e["concurrent_rows"] == 1024 and e["wave_rows"] == 16 and e["waves"] == 1  # all of the step in one wave
+    assert "decode step" in out and "at 16 rows" in out and "16 rows in 1 wave," in out

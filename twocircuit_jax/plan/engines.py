@@ -148,9 +148,10 @@ def engine_plan(cfg, gpu_name: str, train_bound_s: float | None) -> dict:
     def engine_s(r: int) -> float:  # r rows through one engine, in waves of R; never shorter for more rows
         return (r // R) * wave_s(R) + wave_s(r % R)
 
-    d["decode_step"] = decode_step(R, weights, kv_token * (P + M / 2), 2.0 * N, peak, bw)
-    d["prefill_s"] = 2.0 * N * R * P / peak
-    d["wave_s"] = wave_s(R)
+    d["wave_rows"] = w = min(R, rows)  # the rows of a full wave of this step
+    d["decode_step"] = decode_step(w, weights, kv_token * (P + M / 2), 2.0 * N, peak, bw)
+    d["prefill_s"] = 2.0 * N * w * P / peak
+    d["wave_s"] = wave_s(w)
     d["waves"] = math.ceil(rows / R)
     d["generation_s"] = engine_s(rows)
     d["engines"] = d["engine_rows"] = d["engines_generation_s"] = None
@@ -176,7 +177,7 @@ def render_engines(d: dict) -> str:
     out = [
         f"vLLM sampler on {d['gpu']} ({d['chip']['name']}), {d['dtype']} weights and KV; estimates from shapes "
         "and datasheet numbers (plan/engines.py)",
-        f"  per engine: weights {size(d['weight_bytes'])} ({d['params'] / 1e6:.1f} M params), "
+        f"  per engine: weights {size(d['weight_bytes'])} ({d['params'] / 1e6:,.2f} M params), "
         f"KV {d['kv_bytes_per_token']:,} B/token, {size(d['kv_bytes_per_row'])}/row at {P:,} + {M:,} tokens",
         f"  memory: {d['gpu_memory_utilization']:g} x {size(d['chip']['memory_bytes'])} - weights "
         f"{size(d['weight_bytes'])} - reserve {size(d['reserve']['total'])} = KV cache {size(d['kv_cache_bytes'])}"
@@ -187,11 +188,12 @@ def render_engines(d: dict) -> str:
         return "\n".join(out)
     s = d["decode_step"]
     out.append(
-        f"  decode step {_sec(s['bound_s'])} at {d['concurrent_rows']:,} rows ({s['limit']}); prefill "
+        f"  decode step {_sec(s['bound_s'])} at {d['wave_rows']:,} rows ({s['limit']}); prefill "
         f"{_sec(d['prefill_s'])} per wave (flops bound)"
     )
     out.append(
-        f"  one engine: {d['step_rows']:,} rows in {d['waves']:,} waves, {_sec(d['generation_s'])} per step "
+        f"  one engine: {d['step_rows']:,} rows in {d['waves']:,} wave{'s' * (d['waves'] > 1)}, "
+        f"{_sec(d['generation_s'])} per step "
         f"(every row runs all {M:,} new tokens)"
     )
     if d["engines"] is not None:
