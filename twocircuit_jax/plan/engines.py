@@ -168,6 +168,8 @@ def engine_plan(cfg, gpu_name: str, train_bound_s: float | None) -> dict:
 
 
 def _sec(s: float) -> str:
+    if s < 1e-3:
+        return f"{s * 1e6:.2f} µs"
     return f"{s * 1e3:.3f} ms" if s < 1 else f"{s:,.1f} s"
 
 
