@@ -75,11 +75,7 @@ def test_rows_are_split_over_the_devices_and_weights_gathered_once(params):
     mesh = JaxSampler(CFG, p).mesh
     args = (jnp.zeros((8, 8), jnp.int32), jnp.ones((8, 8), jnp.int32), jax.random.key(0), jnp.float32(1.0))
     args += (jnp.int32(0), jnp.float32(1.0), jnp.int32(0))
-    hlo = (
-        js.generate_tokens.lower(CFG, p, *args, max_new_tokens=10, n=2, mesh=mesh)
-        .compile()
-        .as_text()
-    )
+    hlo = js.generate_tokens.lower(CFG, p, *args, max_new_tokens=10, n=2, mesh=mesh).compile().as_text()
     # the cache of one layer: [16 rows, 2 kv heads, 18 slots, 8] in float32, a device holding 2 rows of it
     assert "f32[2,2,18,8]" in hlo and "f32[16,2,18,8]" not in hlo
     comps = {c.split(" ", 1)[0].lstrip("%"): c for c in hlo.split("\n\n")}

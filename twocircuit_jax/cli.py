@@ -134,6 +134,13 @@ def _parser() -> argparse.ArgumentParser:
         help="tpu:v5e-4, tpu:v5e-8, tpu:v5p-8, tpu:v5p-16, tpu:v6e-4, tpu:v6e-8, or cpu:N (N fake host devices)",
     )
     n.add_argument("--json", default="", metavar="FILE", help="also write the plan as JSON")
+    n.add_argument(
+        "--sampler-chip",
+        default="",
+        metavar="NAME",
+        help="GPU the vLLM sampler's engines run on (h100-80gb, h200, a100-80gb, l40s): per engine memory, rows at "
+        "once, generation time, engines needed; required with sampler.backend: vllm",
+    )
     refuse_repeats(p)
     return p
 
@@ -261,7 +268,7 @@ def _dispatch(args) -> int:
         # cpu:N asks XLA for N fake host devices, which works only before jax's CPU backend starts: here, before
         # any computation
         targets.prepare_cpu(targets.parse(args.topology))
-        return run_plan(load_config(args.config, args.set), args.topology, args.json)
+        return run_plan(load_config(args.config, args.set), args.topology, args.json, sampler_chip=args.sampler_chip)
     if args.cmd == "plot":
         from twocircuit_jax.metrics.plot import expand_runs, plot_runs
 

@@ -8,18 +8,29 @@ import json
 FITS, DOES_NOT_FIT = 0, 1
 
 
-def run_plan(cfg, topology: str, json_path: str = "", print_fn=print) -> int:
+def run_plan(cfg, topology: str, json_path: str = "", print_fn=print, sampler_chip: str = "") -> int:
     """Plan `cfg` on the target named `topology` (plan/targets.py); print the table, write `json_path` if given.
-    Returns 0 when it fits (or the target has no chip memory: cpu:N), 1 when not. Bad input raises ConfigError."""
-    from twocircuit_jax.plan import targets
+    With `sampler_chip` (required when sampler.backend is vllm) also the vLLM engines on that GPU (plan/engines.py).
+    Returns 0 when it fits (or the target has no chip memory: cpu:N), 1 when the step or one engine does not.
+    Bad input raises ConfigError."""
+    from twocircuit_jax.plan import engines, targets
     from twocircuit_jax.plan.report import make_plan
     from twocircuit_jax.plan.table import render
 
     target = targets.parse(topology)
     targets.check_mesh(cfg, target)  # before any device or compile
+    with_engines = bool(sampler_chip) or cfg.sampler.backend == "vllm"
+    if with_engines:
+        engines.gpu(sampler_chip)  # the flag checked before any compile too
     plan = make_plan(cfg, target, targets.devices(target))
     print_fn(render(plan))
+    if with_engines:
+        step = plan["step"]
+        plan["engines"] = engines.engine_plan(cfg, sampler_chip, step.get("train_bound_s", step.get("step_bound_s")))
+        print_fn(engines.render_engines(plan["engines"]))
     if json_path:
         with open(json_path, "w") as fh:
             json.dump(plan, fh, indent=1)
-    return DOES_NOT_FIT if plan["peak"]["fits"] is False else FITS
+    if plan["peak"]["fits"] is False or plan.get("engines", {}).get("fits") is False:
+        return DOES_NOT_FIT
+    return FITS
