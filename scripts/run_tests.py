@@ -139,6 +139,7 @@ WEIGHTS = {
     "test_rewards.py": (1, 0),
     "test_anchor_projection.py": (1, 1),
     "test_envs.py": (1, 1),
+    "test_install_pins.py": (1, 1),
 }
 DEFAULT_WEIGHT = 5.0
 # Files whose tests start a vLLM engine (test_vllm_*.py, `twocircuit serve-sampler`): all in one group.
