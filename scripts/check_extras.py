@@ -6,9 +6,10 @@ For each extra set (default: `gpu,vllm`, `tpu`, `test,vllm-cpu`) it runs
 
 against the package index (nothing is installed; metadata only, but the first run fetches some wheels' metadata
 and builds this project's), reads pip's report and prints one row per set: the vLLM, torch and jax CUDA plugin it
-resolved and the CUDA majors its packages bring. It exits 1 when a set holds packages of two CUDA majors (e.g.
-nvidia-*-cu12 beside cuda-toolkit 13), or resolves vllm / vllm-cpu to another release than
-twocircuit_jax/sampler/vllm_pin.py's or torch to another than pyproject.toml pins; 2 when pip cannot resolve a set.
+resolved and the CUDA majors its packages bring (NOT_A_STACK lists the exceptions, each with its reason). It exits
+1 when a set holds packages of two CUDA majors (e.g. nvidia-*-cu12 beside cuda-toolkit 13), or resolves vllm /
+vllm-cpu to another release than twocircuit_jax/sampler/vllm_pin.py's or torch to another than pyproject.toml
+pins; 2 when pip cannot resolve a set.
 
 It asks the index what a user on a fresh machine would get, so by default it isolates pip from this machine's
 configuration: PIP_CONFIG_FILE=/dev/null (no pip.conf: no local constraints such as a torch cap, no local
@@ -56,6 +57,14 @@ VERSION_IS_CUDA = {
     "nvidia-cuda-cupti",
     "nvidia-nvjitlink",
     "nvidia-cublas",
+}
+# Packages named for a CUDA major that bring no CUDA library of it, and that no extra of ours can leave out; listed
+# in the output as not counted, with the reason. Checked by hand (the wheel's contents) for the release named.
+NOT_A_STACK = {
+    "nvidia-cutlass-dsl-libs-cu12": (
+        "nvidia-cutlass-dsl 4.8.0 (vLLM 0.32.0 asks for its [cu13] extra) requires it whatever the extra; the wheel "
+        "(92 MB) holds CUTLASS's DSL compiler for CUDA 12 and no CUDA runtime or math library"
+    ),
 }
 _SUFFIX = re.compile(r"(?:^|-)cu(\d{2,3})(?:-|$)")  # nvidia-cudnn-cu13, nvidia-nccl-cu12, cupy-cuda12x is below
 _NAMED = re.compile(r"(?:^|-)cuda(\d{2,3})(?:x)?(?:-|$)")  # jax-cuda13-plugin, jax-cuda12-pjrt, cupy-cuda12x
@@ -125,9 +134,9 @@ def summarise(report: dict) -> dict:
     majors: dict[int, list[str]] = {}
     for name, version in sorted(pkgs.items()):
         major = cuda_major(name, version)
-        if major is not None:
+        if major is not None and name not in NOT_A_STACK:
             majors.setdefault(major, []).append(f"{name} {version}")
-    return {"pkgs": pkgs, "majors": majors}
+    return {"pkgs": pkgs, "majors": majors, "not_counted": sorted(set(pkgs) & set(NOT_A_STACK))}
 
 
 def problems(extras: str, pkgs: dict, majors: dict, vllm: str, torch: set[str]) -> list[str]:
@@ -181,6 +190,8 @@ def main(argv=None) -> int:
         rows.append((extras, vllm_found, pkgs.get("torch", "-"), plugin or "-", cuda, "FAIL" if bad else "ok"))
         for b in bad:
             print(f"[{extras}] {b}")
+        for name in s["not_counted"]:
+            print(f"[{extras}] not counted: {name} {pkgs[name]}: {NOT_A_STACK[name]}")
         if bad:
             failed.append(extras)
     head = ("extras", "vllm", "torch", "jax CUDA plugin", "CUDA majors", "verdict")

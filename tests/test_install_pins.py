@@ -138,5 +138,8 @@ def test_check_extras_flags_two_majors_and_other_pins():
     assert set(majors) == {12, 13}
     found = ce.problems("gpu,vllm", pkgs, majors, "0.32.0", {"2.13.0"})
     assert len(found) == 3 and found[0].startswith("two CUDA majors")
-    one = {"vllm": "0.32.0", "torch": "2.13.0", "nvidia-nccl-cu13": "2.29.7"}
-    assert ce.problems("gpu,vllm", one, {13: ["nvidia-nccl-cu13 2.29.7"]}, "0.32.0", {"2.13.0"}) == []
+    # the CUTLASS DSL's cu12 compiler comes with vLLM's nvidia-cutlass-dsl whatever its extra: listed, not counted
+    one = {"vllm": "0.32.0", "torch": "2.13.0", "nvidia-nccl-cu13": "2.29.7", "nvidia-cutlass-dsl-libs-cu12": "4.8.0"}
+    s = ce.summarise({"install": [{"metadata": {"name": n, "version": v}} for n, v in one.items()]})
+    assert s["majors"] == {13: ["nvidia-nccl-cu13 2.29.7"]} and s["not_counted"] == ["nvidia-cutlass-dsl-libs-cu12"]
+    assert ce.problems("gpu,vllm", one, s["majors"], "0.32.0", {"2.13.0"}) == []
