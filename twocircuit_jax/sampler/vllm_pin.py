@@ -39,5 +39,5 @@ def check_vllm_version(found: str, weight_update: str, supported: str = VLLM_VER
         )
     return True, (
         f"warning: vLLM {found} is not the tested release {supported}; running because --weight-update reload "
-        f"reads no vLLM internals, but this combination is untested"
+        f"reads no vLLM tensor layout, but this combination is untested"
     )
