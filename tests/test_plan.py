@@ -22,8 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 
 
-def plan(capsys, topology, *sets, json_path=""):
-    args = ["plan", "--config", TINY, "--topology", topology]
+def plan(capsys, topology, *sets, json_path="", chip=""):
+    args = ["plan", "--config", TINY, "--topology", topology] + (["--sampler-chip", chip] if chip else [])
     for s in sets:
         args += ["--set", s]
     if json_path:
@@ -62,7 +62,8 @@ def test_tiny_fits_on_v5e_8(tiny_tpu):
         for key in ("argument", "output", "temp", "alias"):
             assert r["memory"][key] >= 0
         assert r["oom"] == "" and r["cost"]["flops"] > 0 and r["cost"]["bytes_accessed"] > 0
-        assert set(r["roofline"]) == {"compute_s", "hbm_s", "collective_s", "bound_s", "limit"}
+        keys = {"compute_s", "hbm_s", "collective_s", "bound_s", "limit"}
+        assert set(r["roofline"]) == (keys | {"decode_step_s"} if name == "generate" else keys)
         assert r["largest"] and r["largest"][0]["bytes"] >= r["largest"][-1]["bytes"]
     # every gradient program reduces over data: the dp mean of the float32 gradients at least
     params = p["step"]["params"]
@@ -142,10 +143,13 @@ def test_huge_vocab_does_not_fit_and_names_the_largest_buffer(capsys, tmp_path):
     # past a v5e's 16 GiB, so the TPU compiler refuses the step; the plan names that buffer. (A long sequence does
     # the same through the attention scores, but its compiles take minutes on a shared CPU; this one is short.)
     # One layer: the logits are the buffer that does not fit, whatever the depth; each layer only adds compile time.
+    # Rollouts from vLLM engines (sized by --sampler-chip, no program here): the embedded sampler's call over a 9M
+    # vocabulary would only add a long compile to a check of the train step.
     V = 9_000_000
     rc, out, err = plan(
         capsys, "tpu:v5e-8", f"model.vocab_size={V}", "train.train_batch=64", "train.mini_batch=64",
-        "fast.codec=none", "model.num_layers=1", json_path=tmp_path / "p.json",
+        "fast.codec=none", "model.num_layers=1", "sampler.backend=vllm", json_path=tmp_path / "p.json",
+        chip="h100-80gb",
     )  # fmt: skip
     assert rc == 1, err
     assert "DOES NOT FIT" in out and "largest buffers of train_step" in out
@@ -159,14 +163,14 @@ def test_huge_vocab_does_not_fit_and_names_the_largest_buffer(capsys, tmp_path):
 
 
 def test_a_generation_that_cannot_fit_does_not_fit_and_names_its_buffer(capsys, tmp_path):
-    """The rollouts' call is a program of the plan: 16,384 rows of 16 + 2,048 positions in one call (2,048 rows a
-    device, 8 KV heads of 32 over 2 layers in float32: 8.5 MB of cache a row, 17 GB a device) are past a v5e's
-    16 GiB while the train step, one row a device at a time, fits. The plan says so, exit 1, naming the generation
+    """The rollouts' call is a program of the plan: 4,096 rows of 16 + 2,048 positions in one call (512 rows a
+    device, 16 KV heads of 128 in one float32 layer: 34 MB of cache a row, 17 GB a device) are past a v5e's 16 GiB
+    while the train step, one row a device at a time, fits. The plan says so, exit 1, naming the generation
     program and its largest buffer."""
     rc, out, err = plan(
         capsys, "tpu:v5e-8", "model.num_layers=1", "fast.pp_size=1", "fast.codec=none", "grpo.kl_coef=0",
-        "model.num_heads=8", "model.num_kv_heads=8", "sampler.sampling.max_new_tokens=2048",
-        "train.train_batch=4096", "train.mini_batch=4096", "train.micro_batch=1", "sampler.max_rows_per_call=16384",
+        "model.num_heads=16", "model.num_kv_heads=16", "model.head_dim=128", "sampler.sampling.max_new_tokens=2048",
+        "train.train_batch=1024", "train.mini_batch=1024", "train.micro_batch=1", "sampler.max_rows_per_call=4096",
         json_path=tmp_path / "p.json",
     )  # fmt: skip
     assert rc == 1, err
@@ -174,7 +178,7 @@ def test_a_generation_that_cannot_fit_does_not_fit_and_names_its_buffer(capsys, 
     p = json.loads((tmp_path / "p.json").read_text())
     assert p["peak"]["program"] == "generate" and p["peak"]["fits"] is False
     assert p["programs"]["train_step"]["oom"] == "" and p["programs"]["generate"]["oom"].startswith("RESOURCE_EXH")
-    assert p["programs"]["generate"]["rows"] == 16384
+    assert p["programs"]["generate"]["rows"] == 4096
     big = p["programs"]["generate"]["largest"][0]
     assert f"{big['op']} {big['shape']}" in out
 
