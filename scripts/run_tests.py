@@ -124,6 +124,7 @@ WEIGHTS = {
     "test_import_graph.py": (1, 0),
     "test_trainer_shape.py": (2, 2),
     "test_step_trace.py": (36, 1),
+    "test_clean_console.py": (34, 1),
     "test_codec_plugin.py": (16, 0),
     "test_names.py": (1, 0),
     "test_tokenizer.py": (1, 0),

@@ -5,12 +5,18 @@ replays dense updates and keeps dense optimizer moments; the sampler (twocircuit
 from the dense weights; twocircuit_jax.grpo holds the objective, twocircuit_jax.metrics the diagnostics.
 """
 
-from twocircuit_jax.fast import (
+from twocircuit_jax import platforms as _platforms
+
+# Before the imports below import jax: which runtimes may start is settled while jax can still be told
+# (twocircuit_jax/platforms.py; on a host without a TPU, no TPU runtime warnings on the console).
+_platforms.configure()
+
+from twocircuit_jax.fast import (  # noqa: E402
     codecs as _codecs,  # noqa: F401  (registers the built-in codecs' config types)
     powersgd as _powersgd,  # noqa: F401  (registers the powersgd gradient codec)
 )
-from twocircuit_jax.model.hf_io import load_hf, save_hf
-from twocircuit_jax.model.qwen2 import forward
+from twocircuit_jax.model.hf_io import load_hf, save_hf  # noqa: E402
+from twocircuit_jax.model.qwen2 import forward  # noqa: E402
 
 __version__ = "0.1.0"
 

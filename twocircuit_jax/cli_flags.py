@@ -6,8 +6,15 @@ from __future__ import annotations
 
 import argparse
 
-# Flags that add up when repeated (--set, --checkpoint); every other flag may be given once.
-_ACCUMULATE = (argparse._AppendAction, argparse._ExtendAction, argparse._CountAction, argparse._HelpAction)
+# Flags that add up when repeated (--set, --checkpoint), and --help and --version (they exit at once); every other
+# flag may be given once.
+_ACCUMULATE = (
+    argparse._AppendAction,
+    argparse._ExtendAction,
+    argparse._CountAction,
+    argparse._HelpAction,
+    argparse._VersionAction,
+)
 _ONCE = (argparse._StoreAction, argparse._StoreConstAction)  # store_true/false are _StoreConstAction subclasses
 _GIVEN = "_twocircuit_given"  # namespace attribute: the dests set so far (removed after parsing)
 
