@@ -142,6 +142,7 @@ WEIGHTS = {
     "test_envs.py": (1, 1),
     "test_plan_engines.py": (35, 1),
     "test_install_pins.py": (1, 1),
+    "test_sampler_scale.py": (40, 40),
 }
 DEFAULT_WEIGHT = 5.0
 # Files whose tests start a vLLM engine (test_vllm_*.py, `twocircuit serve-sampler`): all in one group.
