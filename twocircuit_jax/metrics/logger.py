@@ -1,4 +1,5 @@
-"""Run metrics: `metrics.jsonl` (the public record, design §9), TensorBoard scalars, and a tqdm progress bar.
+"""Run metrics: `metrics.jsonl` (the public record, design §9), TensorBoard scalars, and the progress (a tqdm bar
+on a terminal, plain lines in a log file: progress.py).
 
 `metrics.jsonl` holds one JSON object per GRPO step, written and flushed as the step ends, so a crash loses at most
 the step in flight. Values are converted to plain JSON: jax/numpy scalars become int/float/bool, arrays become
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import jax
 import numpy as np
+
+from twocircuit_jax.metrics.progress import progress
 
 _JSONL = "metrics.jsonl"
 
@@ -99,8 +102,6 @@ class MetricsLogger:
     """`log(step, metrics)` after each GRPO step; `close()` at the end (or use as a context manager)."""
 
     def __init__(self, run_dir, total_steps: int, show_progress: bool = True, resume_from_step: int | None = None):
-        from tqdm.auto import tqdm
-
         SummaryWriter = _summary_writer_class()
 
         self.run_dir = Path(run_dir)
@@ -116,7 +117,7 @@ class MetricsLogger:
         self._file = open(self.path, "a", encoding="utf-8")
         purge = None if resume_from_step is None else int(resume_from_step) + 1
         self._tb = SummaryWriter(logdir=str(self.run_dir), purge_step=purge)
-        self._bar = tqdm(
+        self._bar = progress(
             total=total_steps,
             initial=min(start, total_steps),
             disable=not show_progress,
