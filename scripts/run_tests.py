@@ -143,6 +143,8 @@ WEIGHTS = {
     "test_plan_engines.py": (35, 1),
     "test_install_pins.py": (1, 1),
     "test_sampler_scale.py": (40, 40),
+    "test_docs.py": (1, 1),
+    "test_progress.py": (1, 1),
 }
 DEFAULT_WEIGHT = 5.0
 # Files whose tests start a vLLM engine (test_vllm_*.py, `twocircuit serve-sampler`): all in one group.
