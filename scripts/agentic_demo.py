@@ -35,6 +35,9 @@ def main(argv=None) -> int:
         f"problems x {cfg.sampler.n} trajectories, up to {cfg.env.max_turns} turns -> {run_dir}"
     )
     summary = GRPOTrainer(cfg, run_dir).run()
+    if "preempted_at" in summary:  # SIGTERM/SIGINT: checkpointed at a step boundary, no final evaluation to show
+        print(f"\n[agentic] stopped at step {summary['preempted_at']}; checkpoint and metrics in {run_dir}")
+        return 0
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     steps = [r for r in rows if "env/return" in r]
     k = max(1, min(10, len(steps) // 2))

@@ -29,6 +29,9 @@ def main() -> int:
         f"-> {run_dir}"
     )
     summary = GRPOTrainer(cfg, run_dir).run()
+    if "preempted_at" in summary:  # SIGTERM/SIGINT: checkpointed at a step boundary, no final evaluation to show
+        print(f"\n[demo] stopped at step {summary['preempted_at']}; checkpoint and metrics in {run_dir}")
+        return 0
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
     k = max(1, min(10, len(rewards) // 2))
