@@ -312,6 +312,9 @@ def _train(args) -> int:
 
     launch = distributed.resolve(args)  # flags and environment checked before anything starts
     cfg = load_config(args.config, args.set)
+    from twocircuit_jax.train.setup import check_local_paths
+
+    check_local_paths(cfg)  # a missing checkpoint or data file: one line, exit 2, before anything starts
     distributed.initialize(launch)  # before the first JAX computation (the model init in the trainer)
     from twocircuit_jax.train import faults
     from twocircuit_jax.train.loop import GRPOTrainer

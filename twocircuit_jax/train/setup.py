@@ -14,6 +14,22 @@ from twocircuit_jax.model.qwen2 import dtype_of, init_params
 from twocircuit_jax.model.tokenizer import load_tokenizer
 
 
+def check_local_paths(run_cfg) -> None:
+    """Before any heavy work: the local folders and files the run reads exist (base_model, a tokenizer folder, the
+    task's train/eval files). The first one missing is one ConfigError naming its field and path (exit 2)."""
+    if run_cfg.base_model and not os.path.isdir(os.path.expanduser(run_cfg.base_model)):
+        raise ConfigError(
+            "base_model", f"got {run_cfg.base_model!r}; directory not found (a local Hugging Face or native checkpoint)"
+        )
+    tok = run_cfg.tokenizer
+    if tok not in ("", "auto", "char") and not os.path.isdir(os.path.expanduser(tok)):
+        raise ConfigError("tokenizer", f"got {tok!r}; directory not found (a local Hugging Face tokenizer folder)")
+    for key in ("train_files", "eval_files"):
+        for path in getattr(run_cfg.task, key, ()) or ():
+            if not os.path.isfile(os.path.expanduser(path)):
+                raise ConfigError(f"task.{key}", f"got {path!r}; file not found (local .jsonl or .parquet files)")
+
+
 def load_model(run_cfg, seed: int):
     """(ModelConfig, params) from `base_model`: a Hugging Face dir (config.json), a native export/import dir
     (meta.json + params/), or '' for random init from `model:`."""

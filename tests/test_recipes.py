@@ -1,0 +1,105 @@
+"""configs/recipes/: the research's workloads as complete configs. Each loads, starts from its shapes file (the same
+model), has a mesh for its target, plans from shapes (shrunk to a few layers here, so a plan takes seconds, on
+conftest's 8 fake CPU devices), and `twocircuit train` refuses it with one line naming the missing local path."""
+
+import glob
+import os
+
+import pytest
+
+from twocircuit_jax import cli
+from twocircuit_jax.config import load_config
+from twocircuit_jax.config.sections import MathFilesTask
+from twocircuit_jax.plan import targets
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPES = sorted(glob.glob(os.path.join(ROOT, "configs", "recipes", "*.yaml")))
+SHAPES = os.path.join(ROOT, "configs", "shapes", "qwen2p5_1p5b.yaml")
+# recipe file -> (its shapes file, the target its mesh is for: a TPU slice, or the 8 GPUs JAX sees as 8 devices)
+TARGET = {"v5e8": "tpu:v5e-8", "gpu8": "cpu:8"}
+# a few layers, a narrow model and a small batch: what a plan checks holds at any size, and the 1.5B compile takes
+# minutes
+SMALL = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.head_dim=32",
+    "model.intermediate_size=128",
+    "model.vocab_size=256",
+    "model.eos_token_id=1",
+    "model.pad_token_id=1",
+    "model.max_position_embeddings=64",
+    "model.logits_chunk=16",
+    "fast.pp_size=2",
+    "train.train_batch=8",
+    "train.mini_batch=4",
+    "train.max_prompt_len=16",
+    "sampler.sampling.max_new_tokens=16",
+]
+
+
+def _target(path):
+    return next(t for key, t in TARGET.items() if f"_{key}" in os.path.basename(path))
+
+
+def test_the_recipes_are_there():
+    names = {os.path.basename(p) for p in RECIPES}
+    for want in ("qwen2p5_math_1p5b_gpu8", "qwen2p5_math_1p5b_v5e8"):
+        assert {f"{want}.yaml", f"{want}_dense.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=os.path.basename)
+def test_recipe_loads_with_its_shapes_and_mesh(path):
+    cfg, shapes = load_config(path), load_config(SHAPES)
+    assert cfg.model == shapes.model and cfg.mesh == shapes.mesh
+    assert cfg.base_model and cfg.tokenizer == "auto"
+    assert isinstance(cfg.task, MathFilesTask) and cfg.task.train_files and cfg.task.eval_files
+    assert "\\boxed{}" in cfg.task.prompt_template
+    assert cfg.train.eval_every > 0 and cfg.train.checkpoint_every > 0
+    target = _target(path)
+    assert cfg.sampler.backend == ("jax" if target.startswith("tpu") else "vllm")
+    sizes = targets.check_mesh(cfg, targets.parse(target))
+    assert sizes["data"] * sizes["fsdp"] * sizes["tensor"] * sizes.get("stage", 1) == 8
+    dense = path.endswith("_dense.yaml")
+    assert (cfg.fast.codec_type == "none") == dense and cfg.anchor.enabled != dense
+    if dense:  # the twin differs from its recipe in the circuits only
+        twin = load_config(path.replace("_dense.yaml", ".yaml"))
+        assert (cfg.task, cfg.sampler, cfg.train, cfg.optim, cfg.grpo) == (
+            twin.task,
+            twin.sampler,
+            twin.train,
+            twin.optim,
+            twin.grpo,
+        )
+
+
+# The dense twins: one plan per target kind (the embedded sampler's generation; the vLLM engines on an H100). The
+# two-circuit recipes add the anchor's programs, which tests/test_plan.py plans on tiny shapes.
+@pytest.mark.slow  # two compiles, 15-25 s each on the 2-core machine: `make test-fast` skips them
+@pytest.mark.parametrize("name", ["qwen2p5_math_1p5b_v5e8_dense", "qwen2p5_math_1p5b_gpu8_dense"])
+def test_recipe_plans_from_shapes(name, capsys):
+    path = os.path.join(ROOT, "configs", "recipes", f"{name}.yaml")
+    args = ["plan", "--config", path, "--topology", "cpu:8"]
+    if load_config(path).sampler.backend == "vllm":
+        args += ["--sampler-chip", "h100-80gb"]
+    rc = cli.main(args + [x for s in SMALL for x in ("--set", s)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "plan for cpu:8: 8 devices (data=2 stage=1 fsdp=4 tensor=1)" in out
+    assert ("vLLM sampler on h100-80gb" in out) == ("gpu8" in name)
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=os.path.basename)
+def test_train_refuses_missing_local_paths(path, tmp_path, capsys):
+    cfg = load_config(path)
+    out = tmp_path / "run"
+    rc = cli.main(["train", "--config", path, "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    assert "base_model" in err[0] and cfg.base_model in err[0] and "not found" in err[0]
+    assert not out.exists()
+    # with the model there, the next missing path is the training data
+    rc = cli.main(["train", "--config", path, "--out", str(out), "--set", f"base_model={ROOT}/configs"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "task.train_files" in err[0] and cfg.task.train_files[0] in err[0]
