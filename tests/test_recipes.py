@@ -2,6 +2,7 @@
 model), has a mesh for its target, plans from shapes (shrunk to a few layers here, so a plan takes seconds, on
 conftest's 8 fake CPU devices), and `twocircuit train` refuses it with one line naming the missing local path."""
 
+import dataclasses
 import glob
 import os
 
@@ -52,7 +53,10 @@ def test_the_recipes_are_there():
 @pytest.mark.parametrize("path", RECIPES, ids=os.path.basename)
 def test_recipe_loads_with_its_shapes_and_mesh(path):
     cfg, shapes = load_config(path), load_config(SHAPES)
-    assert cfg.model == shapes.model and cfg.mesh == shapes.mesh
+    # the pad id is left to the checkpoint (the default 0 is not compared with its config.json); the rest is the shapes'
+    assert cfg.model.pad_token_id == 0
+    assert dataclasses.replace(cfg.model, pad_token_id=shapes.model.pad_token_id) == shapes.model
+    assert cfg.mesh == shapes.mesh
     assert cfg.base_model and cfg.tokenizer == "auto"
     assert isinstance(cfg.task, MathFilesTask) and cfg.task.train_files and cfg.task.eval_files
     assert "\\boxed{}" in cfg.task.prompt_template
@@ -103,3 +107,32 @@ def test_train_refuses_missing_local_paths(path, tmp_path, capsys):
     rc = cli.main(["train", "--config", path, "--out", str(out), "--set", f"base_model={ROOT}/configs"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "task.train_files" in err[0] and cfg.task.train_files[0] in err[0]
+
+
+# The model fields of Qwen/Qwen2.5-Math-1.5B's config.json on the Hugging Face hub (no pad_token_id in it).
+QWEN2P5_MATH_1P5B = {
+    "model_type": "qwen2",
+    "vocab_size": 151936,
+    "hidden_size": 1536,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "intermediate_size": 8960,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 4096,
+    "bos_token_id": 151643,
+    "eos_token_id": 151643,
+}
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=os.path.basename)
+def test_recipe_model_section_agrees_with_the_checkpoint(path):
+    """With base_model every model.* key the recipe sets must equal the checkpoint's (train/setup.py): checked against
+    the checkpoint's config.json without its weights."""
+    from twocircuit_jax.model.hf_io import config_from_hf
+    from twocircuit_jax.train.setup import _check_model_section
+
+    cfg = load_config(path)
+    _check_model_section(cfg.model, config_from_hf(QWEN2P5_MATH_1P5B), cfg.base_model)
