@@ -3,7 +3,12 @@ with this code and repeats, step for step, what the old code logged without the 
 
 tests/data/layout1_run/ was made by the code of 051645e: `twocircuit train --config run.yaml` (lowrank codec with
 an anchor-owned basis, PowerSGD past its warm-up, the anchor with merger and swap), stopped after step 3's
-checkpoint (step_00000003 and metrics.jsonl kept); uninterrupted_metrics.jsonl is the same run left to finish.
+checkpoint (step_00000003 and metrics.jsonl kept); uninterrupted_metrics.jsonl was the same run left to finish.
+Its steps 4-6 were recorded again when the embedded sampler's noise became keyed by row (the same seed then draws
+other tokens, so no code after that change can repeat the old run's later rollouts): by resuming this checkpoint with
+that commit's code, whose restore was unchanged from the code that passed this test against 051645e's own steps
+(`XLA_FLAGS='--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0' JAX_PLATFORMS=cpu
+twocircuit train --config run.yaml --out RUN --resume` on a copy of the folder). Steps 0-3 are still 051645e's.
 Its anchor buffers were pickled then (anchor_buffers.pkl); checkpoints never hold pickles now, so that file was
 converted once, array for array, to the data-only anchor_buffers.npz (train/safe_blob.py).
 """
