@@ -11,6 +11,7 @@ import pytest
 
 from twocircuit_jax import cli
 from twocircuit_jax.config import load_config
+from twocircuit_jax.model.qwen2 import param_count
 from twocircuit_jax.plan import chips, engines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,8 +54,8 @@ def test_param_count_is_the_model_tree():
     for sets in ([], ["model.tie_embeddings=false", "model.qkv_bias=false", "model.qk_norm=true"]):
         m = load_config(TINY, sets).model
         tree = jax.eval_shape(lambda k, m=m: init_params(m, k), jax.random.key(0))
-        assert engines.param_count(m) == sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
-    assert engines.param_count(toy_cfg().model) == 1304
+        assert param_count(m) == sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+    assert param_count(toy_cfg().model) == 1304
 
 
 def test_toy_memory_and_rows(toy):

@@ -309,6 +309,15 @@ def decode_step(cfg: ModelConfig, params, cache: KVCache, tokens, token_mask, la
     return _head(cfg, params, x[:, -1:] if last_only else x), new
 
 
+def param_count(m) -> int:
+    """Parameters of a ModelConfig's tree (init_params), from its shapes."""
+    H, F, D = m.hidden_size, m.intermediate_size, m.head_dim
+    q, kv = m.num_heads * D, m.num_kv_heads * D
+    layer = 2 * H + H * q + 2 * H * kv + q * H + 3 * H * F
+    layer += (q + 2 * kv) * m.qkv_bias + 2 * D * m.qk_norm
+    return m.num_layers * layer + m.vocab_size * H * (1 if m.tie_embeddings else 2) + H
+
+
 def init_params(cfg: ModelConfig, key, std: float = 0.02):
     """Random parameters (normal(std) matrices, unit norms, zero biases) in `param_dtype`."""
     dt = dtype_of(cfg.param_dtype)

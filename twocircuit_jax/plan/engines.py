@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 
 from twocircuit_jax.config.base import ConfigError
+from twocircuit_jax.model.qwen2 import param_count
 from twocircuit_jax.plan.chips import GPUS, GiB, GpuChip
 from twocircuit_jax.plan.table import size
 
@@ -61,15 +62,6 @@ def gpu(name: str) -> GpuChip:
 def engine_dtype(cfg) -> str:
     """The dtype the vLLM engine loads and caches in: what train/setup.py passes the server."""
     return cfg.model.param_dtype if cfg.sampler.dtype == "auto" else cfg.sampler.dtype
-
-
-def param_count(m) -> int:
-    """Parameters of a ModelConfig's tree (model/qwen2.py init_params), from its shapes."""
-    H, F, D = m.hidden_size, m.intermediate_size, m.head_dim
-    q, kv = m.num_heads * D, m.num_kv_heads * D
-    layer = 2 * H + H * q + 2 * H * kv + q * H + 3 * H * F
-    layer += (q + 2 * kv) * m.qkv_bias + 2 * D * m.qk_norm
-    return m.num_layers * layer + m.vocab_size * H * (1 if m.tie_embeddings else 2) + H
 
 
 def reserve(m, b: int, max_seqs: int, batched_tokens: int) -> dict:

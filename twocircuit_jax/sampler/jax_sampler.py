@@ -30,7 +30,14 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from twocircuit_jax.config.sections import ModelConfig, SamplingConfig
-from twocircuit_jax.model.qwen2 import decode_step, dtype_of, fuse_decode_layer, init_cache, layer_params
+from twocircuit_jax.model.qwen2 import (
+    decode_step,
+    dtype_of,
+    fuse_decode_layer,
+    init_cache,
+    layer_params,
+    param_count,
+)
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
 from twocircuit_jax.parallel.host import to_host
 from twocircuit_jax.sampler.base import Rollout
@@ -200,8 +207,7 @@ def rows_that_fit(cfg: ModelConfig, free_bytes: float, prompt_len: int, max_new:
     D, nkv, nq = cfg.head_dim, cfg.num_kv_heads, cfg.num_heads
     P, S = prompt_len, prompt_len + max_new
     kv_token = 2 * L * nkv * D * it
-    params = L * (H * (nq + 2 * nkv) * D + nq * D * H + 3 * H * F) + V * H * (1 if cfg.tie_embeddings else 2)
-    fixed = params * it / tensor
+    fixed = param_count(cfg) * it / tensor
     prefill = kv_token * P * 2 + 4 * nq * P * P + P * (2 * F + 4 * H) * 4
     per_row = kv_token * S + S + 16 * V + 8 * max_new + prefill / n
     per_device = max(0, math.floor((0.9 * free_bytes - fixed) / per_row))
