@@ -145,7 +145,7 @@ WEIGHTS = {
     "test_sampler_scale.py": (40, 40),
     "test_docs.py": (1, 1),
     "test_progress.py": (1, 1),
-    "test_recipes.py": (38, 1),
+    "test_recipes.py": (58, 3),
 }
 DEFAULT_WEIGHT = 5.0
 # Files whose tests start a vLLM engine (test_vllm_*.py, `twocircuit serve-sampler`): all in one group.

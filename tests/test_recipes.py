@@ -78,12 +78,12 @@ def test_recipe_loads_with_its_shapes_and_mesh(path):
         )
 
 
-# The dense twins: one plan per target kind (the embedded sampler's generation; the vLLM engines on an H100). The
-# two-circuit recipes add the anchor's programs, which tests/test_plan.py plans on tiny shapes.
-@pytest.mark.slow  # two compiles, 15-25 s each on the 2-core machine: `make test-fast` skips them
-@pytest.mark.parametrize("name", ["qwen2p5_math_1p5b_v5e8_dense", "qwen2p5_math_1p5b_gpu8_dense"])
-def test_recipe_plans_from_shapes(name, capsys):
-    path = os.path.join(ROOT, "configs", "recipes", f"{name}.yaml")
+# Every recipe: the embedded sampler's generation on the TPU ones, the vLLM engines on an H100 on the GPU ones, and the
+# anchor's programs on the two-circuit ones.
+@pytest.mark.slow  # four compiles, 15-40 s each on the 2-core machine: `make test-fast` skips them
+@pytest.mark.parametrize("path", RECIPES, ids=os.path.basename)
+def test_recipe_plans_from_shapes(path, capsys):
+    name = os.path.basename(path)
     args = ["plan", "--config", path, "--topology", "cpu:8"]
     if load_config(path).sampler.backend == "vllm":
         args += ["--sampler-chip", "h100-80gb"]
@@ -92,6 +92,8 @@ def test_recipe_plans_from_shapes(name, capsys):
     assert rc == 0, out
     assert "plan for cpu:8: 8 devices (data=2 stage=1 fsdp=4 tensor=1)" in out
     assert ("vLLM sampler on h100-80gb" in out) == ("gpu8" in name)
+    assert ("anchor_fire" in out) == (not name.endswith("_dense.yaml"))
+    assert any(line.startswith("generate ") for line in out.splitlines()) == ("v5e8" in name)  # embedded sampler
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=os.path.basename)
