@@ -85,15 +85,16 @@ def export_weights(
         # No zstd: weights in bf16/fp32 barely compress (a 126 MB delta payload shrank to 100 MB) and compressing
         # cost 4-7x the write (0.3-0.7 s vs 0.1 s on /dev/shm, 2 cores). Readers need no flag: the codec is in
         # the array metadata.
-        options = {}
+        saver = {}
         if alone:
             import jax
+            from orbax.checkpoint.options import MultiprocessingOptions
 
             me = jax.process_index()
-            options["multiprocessing_options"] = ocp.options.MultiprocessingOptions(
+            saver["multiprocessing_options"] = MultiprocessingOptions(
                 primary_host=me, active_processes={me}
             )
-        ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False), **options).save(
+        ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False), **saver).save(
             os.path.join(tmp, PARAMS), params
         )
         with open(os.path.join(tmp, META), "w") as fh:
