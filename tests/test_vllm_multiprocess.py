@@ -107,8 +107,9 @@ def test_two_processes_one_engine_stop_and_resume(tmp_path):
         assert got["broadcast"] == {
             "rollout_equal": True,
             "big_equal": True,
-            "failed": "ValueError: engine gone" if got is first[0] else "ProcessZeroError: process 0's sampler "
-            "failed: ValueError: engine gone",
+            "failed": "ValueError: engine gone"
+            if got is first[0]
+            else "ProcessZeroError: process 0's sampler failed: ValueError: engine gone",
         }, got["broadcast"]
     second = _run(tmp_path, CFG, "second", "--resume")
     for leg in (first, second):
@@ -133,3 +134,37 @@ def test_two_processes_async_rollouts(tmp_path):
     assert [r["sampler/weight_version"] for r in rows] == [0, 0, 1]
     assert [r["sampler/staleness"] for r in rows] == [0, 1, 1]
     assert all(r["sampler/generate_ahead_s"] > 0 for r in rows[1:])
+
+
+def test_async_with_many_processes_refuses_what_it_cannot_do():
+    """The refusals of train.async_rollouts with several processes (built_run.py), each naming the field: the
+    embedded sampler (a JAX program from the background thread) and an environment (played on process 0 alone);
+    the vLLM sampler on a single-turn task passes."""
+    from twocircuit_jax.config import ConfigError, load_config
+    from twocircuit_jax.train.built_run import _check_async_many_processes
+
+    base = {**CFG, "train": {**CFG["train"], "async_rollouts": 1}}
+    _check_async_many_processes(load_config(data=base))
+    jax_sampler = {**base, "sampler": {**base["sampler"], "backend": "jax"}}
+    with pytest.raises(ConfigError, match="sampler.backend: jax runs with one trainer process") as e:
+        _check_async_many_processes(load_config(data=jax_sampler))
+    assert e.value.path == "train.async_rollouts"
+    env = {**base, "env": {"type": "calculator", "max_turns": 2}}
+    with pytest.raises(ConfigError, match="with an environment") as e:
+        _check_async_many_processes(load_config(data=env))
+    assert e.value.path == "train.async_rollouts"
+
+
+def test_rollout_packing_is_exact():
+    """The rollout's wire form: ragged rows (an empty one too), float64 log-probs bit for bit, the flags and the
+    version, through the bytes the broadcast carries (one process here: the two-process broadcast is the worker's
+    --broadcast-check above)."""
+    from twocircuit_jax.sampler.base import Rollout
+    from twocircuit_jax.sampler.process_zero import _bucket, broadcast_bytes, dumps, loads, pack_rollout, unpack_rollout
+
+    r = Rollout([[3, 4], [], [9]], [[-0.5, -1e-300], [], [-2.0 / 3.0]], [True, False, False], 5)
+    arrays, meta = loads(broadcast_bytes(lambda: dumps(pack_rollout(r), {"sampler/restarts": 1})))
+    assert unpack_rollout(arrays) == r and meta == {"sampler/restarts": 1}
+    assert [_bucket(n) for n in (0, 1024, 1025, 5000)] == [1024, 1024, 2048, 8192]
+    with pytest.raises(ValueError, match="log-probs and tokens differ"):
+        pack_rollout(Rollout([[1, 2]], [[-1.0]], [False], 0))

@@ -26,10 +26,13 @@ def broadcast_checks() -> dict:
     )
 
     # ragged rows (1, 3 and 0 tokens), log-probs whose float64 bits a float32 trip would change, one truncated row
-    want = Rollout([[5], [7, 8, 9], []], [[-0.1], [-1e-300, -2.0 / 3.0, -1234.5678901234567], []], [False, True, False], 7)
+    want = Rollout(
+        [[5], [7, 8, 9], []], [[-0.1], [-1e-300, -2.0 / 3.0, -1234.5678901234567], []], [False, True, False], 7
+    )
     mine = want if jax.process_index() == 0 else Rollout([[1, 2]], [[-9.0, -9.0]], [True], 99)  # others: not sent
     got = unpack_rollout(loads(broadcast_bytes(lambda: dumps(pack_rollout(mine), {})))[0])
     big = broadcast_bytes(lambda: bytes(range(256)) * 20)  # past the first 1 KiB bucket
+
     def gone():
         raise ValueError("engine gone")
 
@@ -41,7 +44,8 @@ def broadcast_checks() -> dict:
     except ValueError as e:
         failed = f"ValueError: {e}"
     return {
-        "rollout_equal": got == want and all(
+        "rollout_equal": got == want
+        and all(
             [math.copysign(1, x) for x in a] == [math.copysign(1, x) for x in b]
             for a, b in zip(got.logprobs, want.logprobs)
         ),

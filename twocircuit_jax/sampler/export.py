@@ -91,9 +91,7 @@ def export_weights(
             from orbax.checkpoint.options import MultiprocessingOptions
 
             me = jax.process_index()
-            saver["multiprocessing_options"] = MultiprocessingOptions(
-                primary_host=me, active_processes={me}
-            )
+            saver["multiprocessing_options"] = MultiprocessingOptions(primary_host=me, active_processes={me})
         ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False), **saver).save(
             os.path.join(tmp, PARAMS), params
         )
