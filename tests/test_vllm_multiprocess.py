@@ -119,8 +119,9 @@ def test_two_processes_one_engine_stop_and_resume(tmp_path):
     assert [r["step"] for r in logged] == [1, 2, 3]
     assert [r["sampler/weight_version"] for r in logged] == [0, 1, 2]
     assert all(r["sampler/staleness"] == 0 for r in logged)
-    # the engine's side: one sampler for the whole run, process 0's (no process but 0 started one)
-    assert os.path.isfile(tmp_path / "run" / "sampler" / "sampler.log")
+    # one engine per leg, process 0's: every engine start appends its READY line to the run's one sampler log
+    log = (tmp_path / "run" / "sampler" / "sampler.log").read_text()
+    assert sum(line.startswith("READY ") for line in log.splitlines()) == 2 * ENGINES
 
 
 def test_two_processes_async_rollouts(tmp_path):

@@ -70,8 +70,13 @@ def broadcast_bytes(make) -> bytes:
         except Exception as e:  # noqa: BLE001 -- any failure is the others' failure too; re-raised below
             err, status = e, _FAILED
             data = f"{type(e).__name__}: {e}".encode("utf-8", "replace")
-    # a fixed-shape header first (the others do not know the payload's size), then the payload padded to its bucket
-    head = np.asarray(multihost_utils.broadcast_one_to_all(np.array([status, len(data)], np.int64)))
+    if len(data) >= 1 << 31:  # the header is int32 (JAX without x64); a rollout batch is far smaller
+        err, status = ValueError(f"broadcast from process 0: {len(data)} bytes, over the 2 GiB limit"), _FAILED
+        data = str(err).encode()
+    # A fixed-shape header first (the others do not know the payload's size), then the payload padded to its
+    # bucket. broadcast_one_to_all sums every process's copy (zeros but process 0's) on the devices: each local
+    # device holds the padded payload for the moment of the call.
+    head = np.asarray(multihost_utils.broadcast_one_to_all(np.array([status, len(data)], np.int32)))
     status, size = int(head[0]), int(head[1])
     buf = np.zeros(_bucket(size), np.uint8)
     if source:
