@@ -171,7 +171,10 @@ class SamplerConfig:
 
     backend: Literal["jax", "vllm"] = field(
         default="jax",
-        metadata=doc("jax = the embedded sampler; vllm = a vLLM server process (one trainer process only)"),
+        metadata=doc(
+            "jax = the embedded sampler; vllm = a vLLM server process (with many trainer processes: driven by "
+            "process 0, docs/multihost.md)"
+        ),
     )
     n: int = field(default=4, metadata=doc("samples per prompt (group size)", "G"))
     sampling: SamplingConfig = SamplingConfig()

@@ -59,8 +59,14 @@ def latest_version(export_root: str):
     return v[-1] if v else None
 
 
-def export_weights(params, config, export_root: str, version: int, keep: int = 3, meta: dict | None = None) -> str:
+def export_weights(
+    params, config, export_root: str, version: int, keep: int = 3, meta: dict | None = None, *, alone: bool = False
+) -> str:
     """Save `params` (jax or numpy pytree) as version `version`; returns the version folder.
+
+    `alone`: this process writes host arrays it holds whole, and the run's other processes (jax.distributed) are not
+    saving with it: orbax's barriers then wait for this process only (by default orbax syncs every process of the
+    run, which a save on process 0 alone, sampler/process_zero.py, would wait on forever).
 
     Costs one host copy of the parameters (orbax gathers sharded arrays). Re-exporting an existing version
     replaces it. `keep` >= 1 newest versions are retained; older ones are deleted after the rename (see prune).
@@ -79,7 +85,16 @@ def export_weights(params, config, export_root: str, version: int, keep: int = 3
         # No zstd: weights in bf16/fp32 barely compress (a 126 MB delta payload shrank to 100 MB) and compressing
         # cost 4-7x the write (0.3-0.7 s vs 0.1 s on /dev/shm, 2 cores). Readers need no flag: the codec is in
         # the array metadata.
-        ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False)).save(os.path.join(tmp, PARAMS), params)
+        saver = {}
+        if alone:
+            import jax
+            from orbax.checkpoint.options import MultiprocessingOptions
+
+            me = jax.process_index()
+            saver["multiprocessing_options"] = MultiprocessingOptions(primary_host=me, active_processes={me})
+        ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False), **saver).save(
+            os.path.join(tmp, PARAMS), params
+        )
         with open(os.path.join(tmp, META), "w") as fh:
             json.dump({**(meta or {}), "version": int(version), "model_config": _config_dict(config)}, fh, indent=1)
         faults.point("export/before_commit")  # a kill here leaves the .tmp-* folder: prune removes it next start

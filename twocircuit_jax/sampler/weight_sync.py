@@ -342,13 +342,16 @@ class WeightPublisher:
         import jax
 
         tree = jax.tree_util.tree_unflatten(self.treedef, self.published() if leaves is None else leaves)
-        ex.export_weights(tree, self.model_config, self.root, version, keep=keep, meta=self._meta("full"))
+        # alone: the publisher's host copy, written by the one process that drives the engine
+        ex.export_weights(tree, self.model_config, self.root, version, keep=keep, meta=self._meta("full"), alone=True)
 
     def _write_delta(self, version, base, idx, val, counts, keep) -> None:
         meta = self._meta(DELTA, base_version=int(base))
         for n, c in zip(self.names, counts):
             meta["leaves"][n]["count"] = c
-        ex.export_weights({"idx": idx, "val": val}, self.model_config, self.root, version, keep=keep, meta=meta)
+        ex.export_weights(
+            {"idx": idx, "val": val}, self.model_config, self.root, version, keep=keep, meta=meta, alone=True
+        )
 
 
 def _swap(a: np.ndarray, pos: np.ndarray, v: np.ndarray) -> np.ndarray:

@@ -130,10 +130,7 @@ def assemble(cfg, task, run_dir: str, *, resume: bool, allow_config_change: bool
         cfg = apply_mitigations(cfg, guard.applied)
     enable_compile_cache(cfg.train.compile_cache)  # before the first compile of this process
     if cfg.train.async_rollouts and jax.process_count() > 1:
-        # The background generation would dispatch programs in a different order on each process.
-        raise ConfigError(
-            "train.async_rollouts", f"1 runs with one trainer process; this run has {jax.process_count()}"
-        )
+        _check_async_many_processes(cfg)
     health = HealthMonitor(cfg.health)
     t, s = cfg.train, cfg.sampler
     tokenizer = load_run_tokenizer(cfg)
@@ -175,6 +172,30 @@ def assemble(cfg, task, run_dir: str, *, resume: bool, allow_config_change: bool
         ref_params=ref_params, ahead=ahead, **parts,
     )  # fmt: skip
     return built, state, cs
+
+
+def _check_async_many_processes(cfg) -> None:
+    """`train.async_rollouts` with several trainer processes runs with an engine process on process 0
+    (sampler/process_zero.py: its thread collects, every main thread receives the batch at the same point). What
+    it cannot make correct is refused, with the reason."""
+    n = jax.process_count()
+    if cfg.sampler.backend == "jax":
+        # The embedded sampler's generation is a JAX program over every process's devices: dispatched from a
+        # background thread, it would interleave with the main thread's programs in a different order on each
+        # process.
+        raise ConfigError(
+            "train.async_rollouts",
+            f"1 with sampler.backend: jax runs with one trainer process; this run has {n} (use sampler.backend: "
+            "vllm, whose engine process 0 drives, or train.async_rollouts: 0)",
+        )
+    if cfg.env.enabled:
+        # Process 0's thread plays the episodes alone: the other processes' environments would not advance, and a
+        # step collected in the main thread after a rollback would start them from other states.
+        raise ConfigError(
+            "train.async_rollouts",
+            f"1 with an environment (the env section) runs with one trainer process; this run has {n} "
+            "(set train.async_rollouts: 0)",
+        )
 
 
 def _circuits(cfg, model_cfg, mesh, optimizer, state_sh, params, fuse_old: bool):

@@ -125,7 +125,7 @@ class GRPOTrainer(TrainerCheckpoints):
         self.state_version = gs
         if b.ahead is not None:
             with timer("rollout_wait"):  # step gs+1's rollouts stay those of the weights before this step's
-                b.ahead.join()
+                b.ahead.join(share=ph.ahead_share(b))  # many processes: process 0's batch, broadcast here
         with timer("export"):
             b.sampler.update_weights(self.state.params, gs)  # publish: the next rollout uses these weights
         metrics.update(length_stats(col.lengths, col.truncated, b.max_new))

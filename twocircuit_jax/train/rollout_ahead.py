@@ -23,6 +23,11 @@ gives them back in their own dtype on `take`/`held` (exact: only arrays whose va
 The work runs in one background thread when the sampler is a separate process (vLLM) or JAX dispatch may run two
 programs at once. On a multi-device XLA:CPU mesh (parallel/dispatch.py) the embedded sampler's program must not
 be in flight beside the trainer's, so there `threaded=False` runs it at `start`: the same batches, no overlap.
+
+With several trainer processes and a sampler on process 0 (sampler/process_zero.py) the thread runs no
+collective: process 0's thread collects, the others' hold None, and `join`/`take` with `share=share_from_zero`
+broadcast process 0's finished batch from every process's main thread, at the same point of the step on each
+(before publishing version gs, or at the step that uses them).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from twocircuit_jax.train import safe_blob
 from twocircuit_jax.train.rollout import Collected
 
 PACKED = ("attention_mask", "response_mask")  # [R, T] 0/1 masks held as uint8
@@ -59,6 +65,20 @@ def expand(c: Collected, dtypes: dict) -> Collected:
     return c._replace(batch={k: (v.astype(dtypes[k]) if k in dtypes else v) for k, v in c.batch.items()})
 
 
+def share_from_zero(future: cf.Future) -> tuple:
+    """Process 0's finished step-ahead batch, (Collected, dtypes) as `compact` packs it, on every process: the
+    `share` of `join`/`take` with a sampler on process 0 of many (sampler/process_zero.py). A collective, in the main
+    thread of every process; a failure of process 0's background work is raised on every process."""
+    from twocircuit_jax.sampler.process_zero import broadcast_bytes
+
+    def make():
+        col, dtypes = future.result()  # process 0: raises the thread's failure, which broadcast_bytes spreads
+        return safe_blob.dumps({"collected": tuple(col), "dtypes": {k: np.dtype(v).str for k, v in dtypes.items()}})
+
+    out = safe_blob.loads(broadcast_bytes(make), "process 0's step-ahead rollouts")
+    return Collected(*out["collected"]), {k: np.dtype(v) for k, v in out["dtypes"].items()}
+
+
 def host_bytes(cfg) -> dict:
     """Host bytes of the step-ahead rollouts held (`train.async_rollouts: 1`), from shapes: one step's packed batch
     of train_batch x n rows of max_prompt_len + max_new_tokens tokens, as stored (masks uint8). Single-turn rows;
@@ -81,13 +101,15 @@ class RolloutAhead:
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-ahead") if threaded else None
         self._gs: Optional[int] = None
         self._future: Optional[cf.Future] = None
+        self._shared = False  # the held result is the same on every process (after `share`)
 
     def start(self, gs: int, fn: Callable[[], Collected]) -> None:
         """Begin step gs's rollouts: `fn()` in the background thread (or now, unthreaded)."""
         if self._future is not None:
             raise RuntimeError(f"rollouts for step {self._gs} are still held; take or drop them first")
-        self._gs = gs
-        packed = lambda: compact(fn())  # noqa: E731  (held compactly; `_result` expands)
+        self._gs, self._shared = gs, False
+        # held compactly (`_result` expands); None: another process's batch, received at `share`
+        packed = lambda: (lambda c: None if c is None else compact(c))(fn())  # noqa: E731
         if self._pool is not None:
             self._future = self._pool.submit(packed)
         else:
@@ -97,21 +119,32 @@ class RolloutAhead:
             except BaseException as e:  # raised at join/take, like the threaded path
                 self._future.set_exception(e)
 
-    def join(self) -> float:
-        """Wait for the rollouts in flight; seconds waited. A failure in the background is raised here."""
+    def join(self, share: Optional[Callable] = None) -> float:
+        """Wait for the rollouts in flight; seconds waited. A failure in the background is raised here. `share`
+        (many processes, a sampler on process 0): called with the finished future on every process, it returns
+        process 0's (Collected, dtypes), which every process then holds; a collective, so every process must join
+        at the same point."""
         if self._future is None:
             return 0.0
         t0 = time.perf_counter()
-        self._future.result()
+        if share is None:
+            self._future.result()
+        elif not self._shared:
+            cf.wait([self._future])  # bounded by the sampler's own timeouts and retries
+            done: cf.Future = cf.Future()
+            done.set_result(share(self._future))  # raises on every process when process 0's work failed
+            self._future, self._shared = done, True
         return time.perf_counter() - t0
 
-    def take(self, gs: int) -> Optional[Collected]:
+    def take(self, gs: int, share: Optional[Callable] = None) -> Optional[Collected]:
         """Step gs's rollouts when they are the ones held (waiting for them if needed), else None; either way
-        nothing is held afterwards (rollouts for another step are stale and dropped)."""
+        nothing is held afterwards (rollouts for another step are stale and dropped). `share`: as for `join`."""
         if self._future is None:
             return None
         mine = self._gs == gs
         try:
+            if mine and share is not None:
+                self.join(share)
             return expand(*self._future.result()) if mine else None
         finally:
             if not mine:
@@ -127,8 +160,8 @@ class RolloutAhead:
     def held(self) -> Optional[tuple]:
         """(step, Collected) of the finished rollouts held, without releasing them; None when none are."""
         f = self._future
-        if f is None or not f.done() or f.exception() is not None:
-            return None
+        if f is None or not f.done() or f.exception() is not None or f.result() is None:
+            return None  # None: another process's batch not shared yet (process 0 writes the checkpoint's copy)
         return self._gs, expand(*f.result())
 
     def state_dict(self) -> dict:
@@ -142,7 +175,8 @@ class RolloutAhead:
         """Hold the rollouts `state_dict` gave (a resume); {} holds nothing. Whatever was held is dropped first."""
         self.drop()
         if d:
-            self._gs, self._future = int(d["step"]), cf.Future()
+            # shared again at `take`: every process then uses process 0's copy whatever it read
+            self._gs, self._future, self._shared = int(d["step"]), cf.Future(), False
             self._future.set_result(compact(Collected(*d["collected"])))
 
     def close(self) -> None:

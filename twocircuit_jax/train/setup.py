@@ -149,13 +149,19 @@ def make_sampler(run_cfg, model_cfg, params, tokenizer, run_dir: str):
             max_rows_per_call=run_cfg.sampler.max_rows_per_call,
         )
     if jax.process_count() > 1:
-        # Every process would start its own engine, export its own copy of the weights and get different samples
-        # (vLLM's sampling is not reproducible across engines): the processes' batches would disagree.
-        raise ConfigError(
-            "sampler.backend",
-            f"'{run_cfg.sampler.backend}' runs with one trainer process; this run has {jax.process_count()} "
-            "(use sampler.backend: jax, the embedded sampler, on many hosts)",
-        )
+        # An engine per process would export its own copy of the weights and draw other samples (vLLM's sampling
+        # is not reproducible across engines): the processes' batches would disagree. Process 0 alone builds the
+        # one-process sampler, from the initial weights gathered to it (a collective: every process is here), and
+        # every process trains on its rollouts (sampler/process_zero.py).
+        from twocircuit_jax.sampler.process_zero import ProcessZeroSampler, gather_to_zero
+
+        host = gather_to_zero(params)
+        return ProcessZeroSampler(lambda: _one_process_sampler(run_cfg, model_cfg, host, run_dir))
+    return _one_process_sampler(run_cfg, model_cfg, params, run_dir)
+
+
+def _one_process_sampler(run_cfg, model_cfg, params, run_dir: str):
+    """The engine process of `sampler.backend: vllm`, driven from this process."""
     from twocircuit_jax.model.hf_io import save_hf
     from twocircuit_jax.sampler.export import make_shm_root
     from twocircuit_jax.sampler.http_guard import limits_for_run

@@ -26,6 +26,7 @@ from twocircuit_jax.step.train_step import learning_rate
 from twocircuit_jax.tasks import bounded
 from twocircuit_jax.train import rollout as ro
 from twocircuit_jax.train.built_run import BuiltRun, step_seed
+from twocircuit_jax.train.rollout_ahead import share_from_zero
 
 
 def logp_rows(batch: dict) -> dict:
@@ -34,20 +35,42 @@ def logp_rows(batch: dict) -> dict:
     return {k: batch[k] for k in ("tokens", "attention_mask", "sample_id") if k in batch}
 
 
-def collect(b: BuiltRun, gs: int):
-    """Step gs's rollouts, scored and packed (train/collect.py)."""
-    begin = getattr(b.task, "begin_step", None)  # optional: a task whose scoring depends on the step
+def begin_step(b: BuiltRun, gs: int) -> None:
+    """The task's preparation for step gs, on every process (optional: a task whose scoring depends on the step)."""
+    begin = getattr(b.task, "begin_step", None)
     if begin is not None:
         begin(gs)
         bounded.refresh(b.task)  # its scoring workers fork again from the task as begin_step left it
-    return b.collector.collect(gs, b.problems_for(gs), b.sampler, step_seed(b.cfg.train.seed, gs))
+
+
+def collect(b: BuiltRun, gs: int, sampler=None):
+    """Step gs's rollouts, scored and packed (train/collect.py), from `sampler` (default the run's)."""
+    begin_step(b, gs)
+    sampler = b.sampler if sampler is None else sampler
+    return b.collector.collect(gs, b.problems_for(gs), sampler, step_seed(b.cfg.train.seed, gs))
+
+
+def ahead_share(b: BuiltRun):
+    """How every process receives the step-ahead batch: from process 0 when the sampler lives there alone (its
+    `ahead_work`: sampler/process_zero.py), else None (each process has its own)."""
+    return share_from_zero if hasattr(b.sampler, "ahead_work") else None
+
+
+def ahead_work(b: BuiltRun, gs: int):
+    """What the step-ahead thread runs for step gs. With a sampler on process 0 of many, no collective may run
+    there: process 0 collects with the inner sampler, the others only prepare the task; `ahead_share` then
+    broadcasts process 0's batch from every main thread."""
+    work = getattr(b.sampler, "ahead_work", None)
+    if work is None:
+        return lambda: collect(b, gs)
+    return work(lambda inner: collect(b, gs, sampler=inner), others=lambda: begin_step(b, gs))
 
 
 def rollouts(b: BuiltRun, gs: int, timer):
     """(Collected, metrics) of step gs: the rollouts generated during step gs-1 when `train.async_rollouts`
     (their engine and scoring seconds overlapped that step: `sampler/*_ahead_s`, not phases of this one), else
     collected now. With async_rollouts, step gs+1's then start from the weights the sampler holds."""
-    col = b.ahead.take(gs) if b.ahead is not None else None
+    col = b.ahead.take(gs, share=ahead_share(b)) if b.ahead is not None else None
     if col is None:
         col = collect(b, gs)
         timer.add("generate", col.gen_s)
@@ -57,7 +80,7 @@ def rollouts(b: BuiltRun, gs: int, timer):
         metrics = {**col.metrics, "sampler/generate_ahead_s": col.gen_s, "sampler/score_ahead_s": col.score_s}
     if b.ahead is not None and gs < b.cfg.train.steps:
         with timer("rollout_wait"):  # ~0 s in a thread; all of step gs+1's generation when inline
-            b.ahead.start(gs + 1, lambda: collect(b, gs + 1))
+            b.ahead.start(gs + 1, ahead_work(b, gs + 1))
     return col, metrics
 
 
