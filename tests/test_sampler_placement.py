@@ -1,0 +1,125 @@
+"""sampler.engines / devices / tensor_parallel / endpoints: each bad placement is one line naming the field, exit 2
+through the CLI, before any engine starts; and the fleet's routing rule (sampler/fleet.py route) without engines."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import yaml
+from tiny_run import tiny_config
+
+from twocircuit_jax.config import load_config
+from twocircuit_jax.config.base import ConfigError
+from twocircuit_jax.sampler import placement
+from twocircuit_jax.sampler.fleet import prompt_seed, route
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cfg(**sampler):
+    return load_config(data=tiny_config(sampler={"backend": "vllm", **sampler}))
+
+
+@pytest.mark.parametrize(
+    "sampler, field, words",
+    [
+        ({"engines": 2, "devices": [[0], [0]]}, "sampler.devices", "must not overlap"),
+        ({"engines": 2, "devices": [[0]]}, "sampler.devices", "one GPU list per local engine"),
+        ({"engines": 1, "devices": [[0, 1]]}, "sampler.devices", "tensor_parallel"),
+        ({"engines": 1, "devices": [[]]}, "sampler.devices", "non-empty"),
+        ({"tensor_parallel": 2}, "sampler.weight_update", "weight_update: reload"),
+        ({"engines": 0}, "sampler.engines", "at least one engine"),
+        ({"endpoints": ["nohost"]}, "sampler.endpoints", "HOST:PORT"),
+        ({"endpoints": ["h:1"]}, "sampler.export_dir", "every host reads"),
+        ({"endpoints": ["h:1"], "export_dir": "shm"}, "sampler.export_dir", "every host reads"),
+    ],
+)
+def test_bad_placement_names_the_field(sampler, field, words):
+    with pytest.raises(ConfigError) as e:
+        _cfg(**sampler)
+    assert f"{field}:" in str(e.value) and words in str(e.value)
+
+
+def test_placement_on_the_host():
+    """A GPU the host does not have, and no GPU left to the trainer (host GPUs given explicitly: none here)."""
+    sc = _cfg(engines=2, devices=[[0], [1]]).sampler
+    assert placement.trainer_gpus(sc, [0, 1, 2]) == [2]
+    with pytest.raises(ConfigError, match="leave at least one for the trainer"):
+        placement.trainer_gpus(sc, [0, 1])
+    with pytest.raises(ConfigError, match="names GPU 1, but this host has 1 GPUs"):
+        placement.trainer_gpus(sc, [0])
+    with pytest.raises(ConfigError, match="this host has 0 GPUs"):
+        placement.trainer_gpus(sc, [])
+    assert placement.trainer_gpus(_cfg().sampler) is None  # no devices: nothing narrowed
+    assert placement.engine_env((2, 3)) == {"CUDA_VISIBLE_DEVICES": "2,3"} and placement.engine_env(()) == {}
+
+
+def _cli(tmp_path, sampler: dict, env=None):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_config(sampler={"backend": "vllm", **sampler})))
+    return subprocess.run(
+        [sys.executable, "-m", "twocircuit_jax.cli", "train", "--config", str(cfg), "--out", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT, **(env or {})},
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cli_exit_2(tmp_path):
+    """Through `twocircuit train`: a config error, a GPU this host lacks (it has none: no NVIDIA driver here, or the
+    test is skipped), an endpoint without a secret and one nobody answers. One line each, exit 2, no traceback."""
+    if placement.host_gpus():
+        pytest.skip("this host has GPUs: the 0-GPU message is not what it prints")
+    r = _cli(tmp_path, {"engines": 2, "devices": [[0], [0]]})
+    assert r.returncode == 2 and "sampler.devices" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = _cli(tmp_path, {"engines": 2, "devices": [[0], [1]]})
+    assert r.returncode == 2 and "this host has 0 GPUs" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    exports = str(tmp_path / "exports")
+    env = {"TWOCIRCUIT_SAMPLER_TOKEN": ""}
+    r = _cli(tmp_path, {"engines": 0, "endpoints": ["127.0.0.1:9"], "export_dir": exports}, env)
+    assert r.returncode == 2 and "sampler.secret_file" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    port = _free_port()
+    r = _cli(
+        tmp_path, {"engines": 0, "endpoints": [f"127.0.0.1:{port}"], "export_dir": exports, "secret_file": str(secret)}
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    line = [x for x in r.stderr.splitlines() if "error" in x]
+    assert line and f"127.0.0.1:{port}" in line[-1] and "sampler.endpoints" in line[-1], r.stderr
+
+
+def test_route_blocks():
+    """Contiguous blocks over the live engines, sizes within one of each other, a group on one engine."""
+    assert route(7, [0, 1, 2], 3) == [0, 0, 0, 1, 1, 2, 2]
+    assert route(2, [0, 1, 2], 3) == [0, 1]
+    assert route(4, [1], 2) == [1, 1, 1, 1]
+    assert route(5, [0, 2], 3) == [0, 0, 0, 2, 2]
+    with pytest.raises(Exception, match="no sampler engine is live"):
+        route(3, [], 2)
+
+
+def test_route_keys():
+    """A key keeps its engine (key mod K) while that engine is live, else the next live one; deterministic."""
+    assert route(4, [0, 1], 2, keys=[5, 6, 7, 8]) == [1, 0, 1, 0]
+    assert route(4, [0, 2], 3, keys=[0, 1, 2, 3]) == [0, 2, 2, 0]
+    assert route(2, [1], 3, keys=[0, 2]) == [1, 1]
+    with pytest.raises(ValueError):
+        route(2, [0], 1, keys=[1])
+
+
+def test_seeds_follow_the_prompt():
+    """A prompt's seed is the single engine's derivation (vllm_server: seed * 1_000_003 + i) for its index in the
+    call, whichever engine serves it."""
+    assert prompt_seed(7, 3) == (7 * 1_000_003 + 3) % (2**31 - 1)
+    assert len({prompt_seed(0, i) for i in range(100)}) == 100
