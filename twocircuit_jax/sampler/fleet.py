@@ -246,6 +246,13 @@ class VLLMFleet:
                 out = True
         return out
 
+    def wait_restarts(self) -> None:
+        """Wait for the restarts in progress (each bounded by sampler.startup_timeout_s); the restarted engines
+        rejoin at the newest version at the next generate or update_weights."""
+        for t in list(self._restarting):
+            if t is not None:
+                t.join(timeout=self.config.startup_timeout_s + 10)
+
     def _live(self) -> list[int]:
         return [k for k in range(len(self.engines)) if self.up[k]]
 
