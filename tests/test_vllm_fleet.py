@@ -119,9 +119,9 @@ def test_endpoint_engine_started_by_serve_sampler(tmp_path):
     """`twocircuit serve-sampler` started here (as an operator would on another host: secret in a file, never on
     argv or in the environment), the trainer with no local engine reaching it through sampler.endpoints; a few
     steps run and the engine serves the newest version."""
+    from twocircuit_jax.config import load_config
     from twocircuit_jax.model.hf_io import save_hf
     from twocircuit_jax.model.qwen2 import init_params
-    from twocircuit_jax.config import load_config
 
     exports, secret = tmp_path / "exports", tmp_path / "secret"
     secret.write_text("fleet-test-secret\n")
@@ -132,13 +132,29 @@ def test_endpoint_engine_started_by_serve_sampler(tmp_path):
     model_dir = save_hf(cfg.model, jax.device_get(init_params(cfg.model, jax.random.key(0))), str(tmp_path / "hf"))
     port = _free_port()
     scfg = tmp_path / "serve.yaml"
-    scfg.write_text(yaml.safe_dump(tiny_config(model=MODEL, sampler={**SAMPLER, "export_dir": str(exports), "port": port})))
+    scfg.write_text(
+        yaml.safe_dump(tiny_config(model=MODEL, sampler={**SAMPLER, "export_dir": str(exports), "port": port}))
+    )
     env = {k: v for k, v in os.environ.items() if k != "TWOCIRCUIT_SAMPLER_TOKEN"}
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "twocircuit_jax.cli", "serve-sampler", "--config", str(scfg), "--model-dir", model_dir,
-         "--secret-file", str(secret)],
-        stdout=log, stderr=subprocess.STDOUT, env={**env, "PYTHONPATH": ROOT}, cwd=ROOT, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "twocircuit_jax.cli",
+            "serve-sampler",
+            "--config",
+            str(scfg),
+            "--model-dir",
+            model_dir,
+            "--secret-file",
+            str(secret),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**env, "PYTHONPATH": ROOT},
+        cwd=ROOT,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 240
@@ -147,9 +163,11 @@ def test_endpoint_engine_started_by_serve_sampler(tmp_path):
             time.sleep(0.5)
         with open(f"/proc/{proc.pid}/cmdline", "rb") as fh:
             assert b"fleet-test-secret" not in fh.read()
-        global STEPS
         tr = _trainer(
-            tmp_path / "run", engines=0, endpoints=[f"127.0.0.1:{port}"], export_dir=str(exports),
+            tmp_path / "run",
+            engines=0,
+            endpoints=[f"127.0.0.1:{port}"],
+            export_dir=str(exports),
             secret_file=str(secret),
         )
         with tr:
