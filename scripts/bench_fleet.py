@@ -53,6 +53,7 @@ def main() -> int:
     ap.add_argument("--skip", type=int, default=2, help="first steps left out of the medians")
     ap.add_argument("--engines", default="1,2", help="arms, comma separated")
     args = ap.parse_args()
+    __import__("twocircuit_jax")  # settles the platforms before jax is imported (platforms.py)
     import jax
 
     print(f"device: {jax.devices()[0].platform} x{jax.device_count()}; {args.config} {' '.join(args.set)}")

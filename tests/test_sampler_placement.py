@@ -13,7 +13,8 @@ from tiny_run import tiny_config
 from twocircuit_jax.config import load_config
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.sampler import placement
-from twocircuit_jax.sampler.fleet import prompt_seed, route
+from twocircuit_jax.sampler.base import Rollout
+from twocircuit_jax.sampler.fleet import prompt_seed, reassemble, route
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -123,3 +124,18 @@ def test_seeds_follow_the_prompt():
     call, whichever engine serves it."""
     assert prompt_seed(7, 3) == (7 * 1_000_003 + 3) % (2**31 - 1)
     assert len({prompt_seed(0, i) for i in range(100)}) == 100
+
+
+def test_reassemble_prompt_major():
+    """Answers of two engines (engine 1 took prompts 0 and 2 after engine 0 failed them, say) come back in prompt
+    order, n rows per prompt, at the oldest answer's version; a prompt missing or answered twice is an error."""
+    n = 2
+    a = Rollout([[1], [1, 1], [3], [3, 3]], [[-0.1], [-0.1, -0.1], [-0.3], [-0.3, -0.3]], [0, 1, 0, 1], 5)
+    b = Rollout([[2], [2, 2]], [[-0.2], [-0.2, -0.2]], [1, 0], 4)
+    out = reassemble(3, n, [([1], b), ([0, 2], a)])
+    assert out.tokens == [[1], [1, 1], [2], [2, 2], [3], [3, 3]] and out.weight_version == 4
+    assert out.logprobs[2:4] == [[-0.2], [-0.2, -0.2]] and out.truncated == [0, 1, 1, 0, 0, 1]
+    with pytest.raises(ValueError, match="not answered"):
+        reassemble(3, n, [([0, 2], a)])
+    with pytest.raises(ValueError, match="answered twice"):
+        reassemble(2, n, [([0, 1], a), ([1], b)])

@@ -69,6 +69,27 @@ def route(groups: int, live: list[int], engines: int, keys=None) -> list[int]:
     return out
 
 
+def reassemble(prompts: int, n: int, answers: list) -> Rollout:
+    """One prompt-major Rollout from per-engine answers [(prompt indices, Rollout of those prompts' rows)], which
+    cover every prompt once; its weight_version is the oldest among them."""
+    parts = [None] * prompts
+    for gs, out in answers:
+        for j, g in enumerate(gs):
+            if parts[g] is not None:
+                raise ValueError(f"prompt {g} answered twice")
+            sl = slice(j * n, (j + 1) * n)
+            parts[g] = (out.tokens[sl], out.logprobs[sl], out.truncated[sl])
+    missing = [g for g, p in enumerate(parts) if p is None]
+    if missing:
+        raise ValueError(f"prompts {missing[:5]} not answered")
+    toks, lps, trunc = [], [], []
+    for t, lp, tr in parts:
+        toks += t
+        lps += lp
+        trunc += tr
+    return Rollout(toks, lps, trunc, min(out.weight_version for _, out in answers))
+
+
 class VLLMFleet:
     """K engines as one sampler. Build it with `make_sampler` (train/setup.py), or directly: the arguments are
     VLLMSampler's (model folder, export folder, model config, dtype, ...) plus `endpoints` [(host, port)] and
@@ -282,8 +303,7 @@ class VLLMFleet:
         G = len(prompts)
         min_version = -1 if self.latest is None else self.latest - self.config.max_staleness
         todo = list(range(G))
-        parts = [None] * G  # per prompt: (tokens, logprobs, truncated) of its n rows
-        versions = []
+        answers = []  # (prompt indices, Rollout of their rows) per answered request
         # every round takes at least one engine out or finishes; stale answers (409) get max_retries rounds
         stale_rounds = 0
         while todo:
@@ -315,10 +335,7 @@ class VLLMFleet:
                     self._take_out(k, f"generate failed: {type(err).__name__}: {err}")
                     continue
                 self.rows[k] += len(gs) * n
-                versions.append(out.weight_version)
-                for j, g in enumerate(gs):
-                    sl = slice(j * n, (j + 1) * n)
-                    parts[g] = (out.tokens[sl], out.logprobs[sl], out.truncated[sl])
+                answers.append((gs, out))
             if stale:
                 stale_rounds += 1
                 if stale_rounds > self.config.max_retries:
@@ -328,12 +345,7 @@ class VLLMFleet:
                     )
                 self._rejoin()
             todo = sorted(failed)
-        toks, lps, trunc = [], [], []
-        for t, lp, tr in parts:
-            toks += t
-            lps += lp
-            trunc += tr
-        return Rollout(tokens=toks, logprobs=lps, truncated=trunc, weight_version=min(versions))
+        return reassemble(G, n, answers)
 
     def _timed(self, k: int, payload: dict) -> Rollout:
         t0 = time.perf_counter()
