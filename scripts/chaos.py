@@ -292,13 +292,16 @@ def check_vllm(ref: str, run: str, steps: int) -> tuple[int, list[str]]:
 
 
 def _engine_leaders(trainer_pid: int) -> list[int]:
-    """The tagged processes that lead their own process group other than the trainer: the fleet's engines."""
+    """The tagged processes that lead their own process group and run the sampler server: the fleet's engines (the
+    trainer starts other session leaders too, e.g. its reward worker)."""
     out = []
     for pid in _tagged():
         try:
-            if pid != trainer_pid and os.getpgid(pid) == pid:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                server = b"twocircuit_jax.sampler.vllm_server" in fh.read()
+            if pid != trainer_pid and server and os.getpgid(pid) == pid:
                 out.append(pid)
-        except ProcessLookupError:
+        except (OSError, ProcessLookupError):  # gone meanwhile
             pass
     return sorted(out)
 

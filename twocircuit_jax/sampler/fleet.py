@@ -304,14 +304,22 @@ class VLLMFleet:
         min_version = -1 if self.latest is None else self.latest - self.config.max_staleness
         todo = list(range(G))
         answers = []  # (prompt indices, Rollout of their rows) per answered request
-        # every round takes at least one engine out or finishes; stale answers (409) get max_retries rounds
-        stale_rounds = 0
+        # a round answers every prompt, or takes an engine out (which restarts) or finds it stale: bounded by
+        # max_retries rounds per engine beyond the first
+        stale_rounds, rounds = 0, 0
         while todo:
+            rounds += 1
             live = self._live()
-            if not live:
+            restarting = any(t is not None and t.is_alive() for t in self._restarting)
+            if rounds > (1 + self.config.max_retries) * len(self.engines) or not (live or restarting):
+                why = "no engine is left" if not live else f"engines kept failing for {rounds - 1} rounds"
                 raise SamplerError(
-                    f"no sampler engine is left to generate ({len(todo)} of {G} prompts unserved); logs {self._logs()}"
+                    f"sampler fleet: {why} ({len(todo)} of {G} prompts unserved; sampler.max_retries="
+                    f"{self.config.max_retries}); logs {self._logs()}"
                 )
+            if not live:  # every engine is out, some restarting: wait for them (bounded), then try again
+                self._rejoin(wait=True)
+                continue
             where = route(len(todo), live, len(self.engines), None if keys is None else [keys[g] for g in todo])
             jobs = {}
             for k in sorted(set(where)):
