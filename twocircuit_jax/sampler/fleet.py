@@ -40,6 +40,8 @@ from twocircuit_jax.sampler.vllm_client import (
     generate_payload,
 )
 
+PROBE_EVERY_S = 30.0
+
 
 def prompt_seed(seed: int, i: int) -> int:
     """Prompt i's sampling seed: the one the server derives for a single request (sampler/vllm_server.py)."""
@@ -159,6 +161,7 @@ class VLLMFleet:
         self.latest = None
         self.last_publish = None
         self._restarting = [None] * K  # background restart thread per local engine
+        self._next_probe = [0.0] * K  # monotonic time an endpoint that is out may be asked again
         self._closing = False
         self._lock = threading.RLock()  # one generate or update at a time (async rollouts call from a thread)
         self._pool = cf.ThreadPoolExecutor(max_workers=K, thread_name_prefix="fleet")
@@ -192,6 +195,8 @@ class VLLMFleet:
         where = f"{e.address[0]}:{e.address[1]}" if e.address else f"engine {k}"
         print(f"sampler: engine {k} ({where}) out: {why}", file=sys.stderr, flush=True)
         self.up[k], self.served[k] = False, None
+        if e.endpoint is not None:
+            self._next_probe[k] = time.monotonic() + PROBE_EVERY_S
         if e.endpoint is not None or self._closing:
             return
         e._kill()
@@ -231,6 +236,11 @@ class VLLMFleet:
                     self._take_out(k, "process not running")
                     continue
             else:
+                # an endpoint that does not answer costs up to /health's 10 s timeout: asked at most every
+                # PROBE_EVERY_S seconds, not at every call
+                if time.monotonic() < self._next_probe[k]:
+                    continue
+                self._next_probe[k] = time.monotonic() + PROBE_EVERY_S
                 try:
                     e._reach()
                 except SamplerError:
