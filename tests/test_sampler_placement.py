@@ -139,3 +139,48 @@ def test_reassemble_prompt_major():
         reassemble(3, n, [([0, 2], a)])
     with pytest.raises(ValueError, match="answered twice"):
         reassemble(2, n, [([0, 1], a), ([1], b)])
+
+
+def test_episodes_pass_trajectory_ids_as_routing_keys():
+    """envs/episodes.py gives a sampler that accepts keys (the fleet) each turn's live trajectory ids, so route()
+    keeps every trajectory on one engine across turns; a sampler without `accepts_keys` gets the plain call (the
+    scripted engine of tests/test_envs.py, which has no keys argument)."""
+    import numpy as np
+    from test_envs import TOK, ScriptedSampler, _guess
+
+    from twocircuit_jax.config.sections import SamplingConfig
+    from twocircuit_jax.envs.episodes import run_episodes
+
+    class Keyed(ScriptedSampler):
+        accepts_keys = True
+
+        def generate(self, prompts, n, sampling, seed, keys=None):
+            self.keys.append(list(keys))
+            return super().generate(prompts, n, sampling, seed)
+
+    _, fam, prob = _guess(20, max_turns=3)
+    script = {"1-31?": "16", "1-31?16>": "24", "1-31?16>24<": "20"}  # every trajectory plays 3 turns
+
+    def play(sampler):
+        run_episodes(
+            fam,
+            [prob, prob],
+            2,
+            sampler,
+            TOK,
+            SamplingConfig(max_new_tokens=8),
+            max_turns=3,
+            prompt_len=32,
+            format_penalty=0.0,
+            rng=np.random.default_rng(0),
+            seed_of_turn=lambda k: k,
+        )
+        return sampler
+
+    assert len(play(ScriptedSampler(script.get)).calls) == 3  # no keys argument: still called
+    keyed = Keyed(script.get)
+    keyed.keys = []
+    play(keyed)
+    assert keyed.keys == [[0, 1, 2, 3]] * 3
+    engines = [route(4, [0, 1], 2, keys=k) for k in keyed.keys]
+    assert engines[0] == engines[1] == engines[2] == [0, 1, 0, 1]
