@@ -45,7 +45,7 @@ def _dataset():
     return [{"prompt": f"{i}+{i % 7}=", "answer": str(i + i % 7)} for i in range(32)]
 
 
-def _trainer(run_dir, **sampler):
+def _trainer(run_dir, train=None, **sampler):
     import twocircuit_jax
 
     cfg = tiny_config(
@@ -54,7 +54,7 @@ def _trainer(run_dir, **sampler):
         optim={"lr": 1e-2},
         grpo={"overlong_mode": "soft", "overlong_buffer": 1},
         sampler={**SAMPLER, **sampler},
-        train={"steps": STEPS, "eval_every": 0, "eval_size": 4, "final_checkpoint": False},
+        train={"steps": STEPS, "eval_every": 0, "eval_size": 4, "final_checkpoint": False, **(train or {})},
     )
     del cfg["task"]  # the trainer makes it `type: python` around `digits`
     data = _dataset()
@@ -118,7 +118,7 @@ def _free_port() -> int:
 def test_endpoint_engine_started_by_serve_sampler(tmp_path):
     """`twocircuit serve-sampler` started here (as an operator would on another host: secret in a file, never on
     argv or in the environment), the trainer with no local engine reaching it through sampler.endpoints; a few
-    steps run and the engine serves the newest version."""
+    steps run, rollouts one step ahead (train.async_rollouts: 1), and the engine serves the newest version."""
     from twocircuit_jax.config import load_config
     from twocircuit_jax.model.hf_io import save_hf
     from twocircuit_jax.model.qwen2 import init_params
@@ -165,6 +165,7 @@ def test_endpoint_engine_started_by_serve_sampler(tmp_path):
             assert b"fleet-test-secret" not in fh.read()
         tr = _trainer(
             tmp_path / "run",
+            {"async_rollouts": 1},  # the fleet called from the rollout thread too
             engines=0,
             endpoints=[f"127.0.0.1:{port}"],
             export_dir=str(exports),
@@ -174,6 +175,7 @@ def test_endpoint_engine_started_by_serve_sampler(tmp_path):
             rows = [tr.step() for _ in range(3)]
             m = tr.sampler.metrics()
         assert [r["step"] for r in rows] == [1, 2, 3]
+        assert [r["sampler/weight_version"] for r in rows] == [0, 0, 1]  # one step behind (async_rollouts: 1)
         assert m["sampler/engine_0/rows"] > 0 and m["sampler/engine_0/version"] == 3
         assert proc.poll() is None  # the trainer's close() leaves an engine it did not start running
     finally:
