@@ -52,7 +52,7 @@ WEIGHTS = {
     "test_fast_invariants.py": (42, 0),
     "test_vllm_agentic.py": (44, 0),
     "test_vllm_resume.py": (55, 0),
-    "test_vllm_fleet.py": (75, 0),
+    "test_vllm_fleet.py": (93, 0),
     "test_programs.py": (47, 0),
     "test_fast_bootstrap.py": (46, 9),
     "test_guard.py": (35, 0),

@@ -76,29 +76,40 @@ def _pgid(pid):
 
 def test_two_engines_share_rows_and_survive_a_kill(tmp_path):
     """Two local engines: both serve rows, the reward rises over the run, and engine 1, SIGKILLed (its whole
-    process group) after step 3, costs no step: its groups go to engine 0, it is restarted, loads the newest version
-    and serves again; closing the trainer leaves no engine process behind."""
+    process group) inside step 4's generate call, as its request is sent, costs no step: its groups go to engine 0
+    within that call, it is restarted, loads the newest version and serves again; closing the trainer leaves no
+    engine process behind."""
     from twocircuit_jax.sampler.fleet import VLLMFleet
 
     tr = _trainer(tmp_path / "run", engines=2)
     fleet = tr.sampler
     assert isinstance(fleet, VLLMFleet) and len(fleet.engines) == 2
     leaders = [e.proc.pid for e in fleet.engines]
-    rows, killed, after = [], None, {}
+    rows, killed, after = [], [], {}
+    engine = fleet.engines[1]
+
+    def killed_as_sent(payload):
+        """Engine 1's next request: its process group is SIGKILLed, then the request goes out (and fails)."""
+        del engine.generate_once  # back to the class's method
+        killed.append(engine.proc.pid)
+        os.killpg(engine.proc.pid, signal.SIGKILL)
+        return engine.generate_once(payload)
+
     with tr:
         for gs in range(1, STEPS + 1):
             if gs == 4:
-                killed = fleet.engines[1].proc.pid
-                os.killpg(killed, signal.SIGKILL)
                 after = fleet.metrics()
+                engine.generate_once = killed_as_sent
             if gs == 9:  # the restart (~20 s here) may outlast the steps: wait for it, to see the engine serve again
                 fleet.wait_restarts()
             rows.append(tr.step())
+            if gs == 4:
+                assert killed and fleet.metrics()["sampler/engine_1/rows"] == after["sampler/engine_1/rows"]
         m = fleet.metrics()
         leaders.append(fleet.engines[1].proc.pid)
     assert len(rows) == STEPS and [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert m["sampler/restarts"] == 1 and m["sampler/engine_1/restarts"] == 1 and m["sampler/engine_0/restarts"] == 0
-    assert leaders[2] != killed
+    assert leaders[2] != killed[0] == leaders[1]
     # engine 1 served rows after its restart, at the newest version
     assert m["sampler/engine_1/rows"] > after["sampler/engine_1/rows"] > 0 and m["sampler/engine_0/rows"] > 0
     assert m["sampler/engine_1/version"] == m["sampler/engine_0/version"] == STEPS
