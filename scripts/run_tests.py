@@ -65,7 +65,7 @@ WEIGHTS = {
     "test_fast_mask.py": (36, 8),
     "test_kernel_prf_mask.py": (32, 18),
     "test_sampler_security.py": (3, 3),
-    "test_sampler_placement.py": (18, 18),
+    "test_sampler_placement.py": (22, 22),
     "test_async_rollouts.py": (27, 0),
     "test_trainer_api.py": (27, 0),
     "test_example.py": (24, 1),

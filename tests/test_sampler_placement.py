@@ -184,3 +184,29 @@ def test_episodes_pass_trajectory_ids_as_routing_keys():
     assert keyed.keys == [[0, 1, 2, 3]] * 3
     engines = [route(4, [0, 1], 2, keys=k) for k in keyed.keys]
     assert engines[0] == engines[1] == engines[2] == [0, 1, 0, 1]
+
+
+def test_serve_sampler_secret_file_errors(tmp_path):
+    """`twocircuit serve-sampler --secret-file`: a missing or empty file is one line and exit 2, before any engine."""
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    for path, words in ((tmp_path / "missing", "No such file"), (empty, "is empty")):
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "twocircuit_jax.sampler.vllm_server",
+                "--model-dir",
+                str(tmp_path),
+                "--export-root",
+                str(tmp_path),
+                "--secret-file",
+                str(path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": ROOT},
+        )
+        assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
