@@ -28,6 +28,14 @@ published after step s - 1 (`sampler/weight_version` == s - 1, as in the uninter
 really served (`mismatch/prob_gap_mean`, the engine's logprobs against the trainer's, under 1e-4). After each
 attempt the processes it left (found by a tag in their environment) get 20 s to exit by themselves (the server
 watches its parent every second); any still there then is SIGKILLed and counted as an orphan.
+
+`--sampler vllm --engines 2`: a fleet of engines (sampler/fleet.py) instead, and the kills hit single engines, not
+the trainer: one `twocircuit train` run of --steps steps, and --kills times, at instants drawn from the seed once the
+first step is logged (0.5-4 s apart), the process group of one running engine (drawn too) is SIGKILLed. The run must
+complete every step (exit 0, every metrics line, the final checkpoint), each step from the previous step's weights
+served as published (as above), `sampler/restarts` must count the kills that hit a running engine, and no engine
+process may outlive the trainer.
+    python scripts/chaos.py --sampler vllm --engines 2 --kills 3 --steps 30
 """
 
 from __future__ import annotations
@@ -283,6 +291,87 @@ def check_vllm(ref: str, run: str, steps: int) -> tuple[int, list[str]]:
     return n + 1, problems
 
 
+def _engine_leaders(trainer_pid: int) -> list[int]:
+    """The tagged processes that lead their own process group and run the sampler server: the fleet's engines (the
+    trainer starts other session leaders too, e.g. its reward worker)."""
+    out = []
+    for pid in _tagged():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                server = b"twocircuit_jax.sampler.vllm_server" in fh.read()
+            if pid != trainer_pid and server and os.getpgid(pid) == pid:
+                out.append(pid)
+        except (OSError, ProcessLookupError):  # gone meanwhile
+            pass
+    return sorted(out)
+
+
+def engine_chaos(args, rng: random.Random, cfg_data: dict) -> int:
+    """--engines K: kill single engines of one running trainer (module doc)."""
+    t0 = time.time()
+    cfg_data["sampler"].update(engines=args.engines, gpu_memory_utilization=0.06)
+    cfg_data["train"].update(eval_every=0)
+    cfg = os.path.join(args.out, "cfg.yaml")
+    with open(cfg, "w") as fh:
+        yaml.safe_dump(cfg_data, fh)
+    run = os.path.join(args.out, "fleet", "run")
+    os.makedirs(os.path.dirname(run))
+    argv = [sys.executable, "-m", "twocircuit_jax.cli", "train", "--config", cfg, "--out", run, "--no-progress"]
+    kills, hit = [], 0
+    with open(os.path.join(args.out, "fleet", "attempt.log"), "w") as log:
+        p = subprocess.Popen(argv, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+        metrics = os.path.join(run, "metrics.jsonl")
+        deadline = time.time() + 600  # engine starts and the run: bounded; a stuck run is killed and fails
+        while p.poll() is None and time.time() < deadline and not _logged_a_step(metrics):
+            time.sleep(0.2)
+        while p.poll() is None and len(kills) < args.kills and time.time() < deadline:
+            time.sleep(rng.uniform(0.5, 4.0))
+            leaders = _engine_leaders(p.pid)
+            if not leaders or p.poll() is not None:
+                continue
+            victim = rng.choice(leaders)
+            try:
+                os.killpg(victim, signal.SIGKILL)
+                hit += 1
+            except ProcessLookupError:
+                continue
+            kills.append(victim)
+            print(f"chaos: kill {len(kills)}: engine process group {victim} ({len(leaders)} running)", flush=True)
+        try:
+            rc = p.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            rc = p.wait()
+    _reap()
+    with open(os.path.join(args.out, "fleet", "attempt.log")) as fh:
+        tail = fh.read()[-3000:]
+    if rc != 0:
+        print(f"chaos: the fleet run failed (exit {rc}):\n{tail}")
+        return 1
+    _, problems = check_vllm(run, run, args.steps)
+    rows = _rows(run)
+    restarts = rows[-1].get("sampler/restarts", 0)
+    if restarts < hit:
+        problems.append(f"sampler/restarts {restarts} < {hit} engines killed")
+    if ORPHANS["killed"]:
+        problems.append(f"{ORPHANS['killed']} processes outlived the trainer")
+    per = {k: v for k, v in rows[-1].items() if k.startswith("sampler/engine_")}
+    print(f"chaos: {hit} engine kills, sampler/restarts {restarts}; {per}")
+    for d in problems[:20]:
+        print(f"chaos: MISMATCH {d}")
+    print(f"chaos: {'FAIL' if problems else 'OK'} in {time.time() - t0:.0f} s")
+    return 1 if problems else 0
+
+
+def _logged_a_step(metrics: str) -> bool:
+    """The run's metrics.jsonl holds a step's line (step 0 is the start-of-run evaluation)."""
+    try:
+        with open(metrics) as fh:
+            return any(json.loads(line).get("step", 0) >= 1 for line in fh if line.strip())
+    except (OSError, ValueError):  # not written yet, or a line being written
+        return False
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kills", type=int, default=20)
@@ -296,11 +385,18 @@ def main(argv=None) -> int:
         default="jax",
         help="jax: the embedded sampler (bit-for-bit check); vllm: a vLLM server (completion and weight versions)",
     )
+    ap.add_argument(
+        "--engines", type=int, default=0, help="with --sampler vllm: a fleet of this many engines; kill single engines"
+    )
     args = ap.parse_args(argv)
     t0 = time.time()
     rng = random.Random(args.seed)
     shutil.rmtree(args.out, ignore_errors=True)
     os.makedirs(args.out)
+    if args.engines:
+        if args.sampler != "vllm" or args.engines < 2:
+            ap.error("--engines needs --sampler vllm and at least 2 engines (one must serve while another restarts)")
+        return engine_chaos(args, rng, tiny_config(args.steps, os.path.join(args.out, "xla_cache"), "vllm"))
     cfg = os.path.join(args.out, "cfg.yaml")
     with open(cfg, "w") as fh:
         yaml.safe_dump(tiny_config(args.steps, os.path.join(args.out, "xla_cache"), args.sampler), fh)

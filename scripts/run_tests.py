@@ -54,6 +54,7 @@ WEIGHTS = {
     "test_vllm_resume.py": (55, 0),
     # measured on a machine loaded by others (load average ~6): test_vllm_loop.py took 43 s in the same run
     "test_vllm_multiprocess.py": (151, 0),
+    "test_vllm_fleet.py": (93, 0),
     "test_programs.py": (47, 0),
     "test_fast_bootstrap.py": (46, 9),
     "test_guard.py": (35, 0),
@@ -66,6 +67,7 @@ WEIGHTS = {
     "test_fast_mask.py": (36, 8),
     "test_kernel_prf_mask.py": (32, 18),
     "test_sampler_security.py": (3, 3),
+    "test_sampler_placement.py": (22, 22),
     "test_async_rollouts.py": (27, 0),
     "test_trainer_api.py": (27, 0),
     "test_example.py": (24, 1),

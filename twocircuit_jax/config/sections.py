@@ -248,6 +248,41 @@ class SamplerConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = field(
         default="auto", metadata=doc("vllm: the engine's weight dtype, and so the exports'; auto = model.param_dtype")
     )
+    engines: int = field(
+        default=1,
+        metadata=doc(
+            "vllm: engine processes this trainer starts (a fleet when > 1 or with endpoints: a step's prompt groups "
+            "are split over them, docs/sampler.md)"
+        ),
+    )
+    devices: tuple[tuple[int, ...], ...] = field(
+        default=(),
+        metadata=doc(
+            "vllm: one list of host GPU indices per local engine (its CUDA_VISIBLE_DEVICES); the trainer sees only "
+            "the GPUs no engine owns; [] = engines and trainer share what the host shows them"
+        ),
+    )
+    tensor_parallel: int = field(
+        default=1,
+        metadata=doc(
+            "vllm: GPUs per engine (vLLM's tensor_parallel_size); equals each devices list's length when devices is "
+            "set; > 1 needs weight_update: reload"
+        ),
+    )
+    endpoints: tuple[str, ...] = field(
+        default=(),
+        metadata=doc(
+            "vllm: HOST:PORT of engines started elsewhere by `twocircuit serve-sampler` with --export-root = "
+            "export_dir; they serve beside the `engines` local ones (engines: 0 = endpoints only)"
+        ),
+    )
+    secret_file: str = field(
+        default="",
+        metadata=doc(
+            "vllm: file holding the endpoints' secret (else env TWOCIRCUIT_SAMPLER_TOKEN); serve-sampler reads it "
+            "too. Never put the secret itself in a config or on a command line"
+        ),
+    )
 
     def check(self):
         require(self.n >= 1, "n", f"got {self.n}; must be >= 1")
@@ -283,6 +318,75 @@ class SamplerConfig:
         require(self.stall_timeout_s >= 0, "stall_timeout_s", f"got {self.stall_timeout_s}; must be >= 0")
         require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "allowed (0, 1]")
         require(self.full_every >= 1, "full_every", f"got {self.full_every}; must be >= 1")
+        self._check_fleet()
+
+    def _check_fleet(self):
+        """The fleet's own fields; what depends on the host (its GPU count) is checked by sampler/placement.py at
+        train start, so a config written on a GPU host still loads elsewhere (eval, plan)."""
+        require(self.engines >= 0, "engines", f"got {self.engines}; must be >= 0")
+        if self.backend != "vllm":
+            for name, value, default in (
+                ("engines", self.engines, 1),
+                ("devices", self.devices, ()),
+                ("endpoints", self.endpoints, ()),
+                ("tensor_parallel", self.tensor_parallel, 1),
+            ):
+                require(value == default, name, f"got {value!r}; engine placement applies to sampler.backend: vllm")
+        require(
+            self.engines >= 1 or self.endpoints,
+            "engines",
+            "got 0 and no sampler.endpoints; at least one engine must serve (engines >= 1 or endpoints set)",
+        )
+        require(self.tensor_parallel >= 1, "tensor_parallel", f"got {self.tensor_parallel}; must be >= 1")
+        # With TP > 1 the engine's weights are shards in vLLM's worker processes: the in-place path writes the
+        # tensors of the process serving HTTP (LLM.apply_model's first worker), so it cannot address them.
+        require(
+            self.tensor_parallel == 1 or self.weight_update == "reload",
+            "weight_update",
+            f"got inplace with sampler.tensor_parallel={self.tensor_parallel}; an in-place write cannot reach "
+            "tensor-parallel shards: set sampler.weight_update: reload",
+        )
+        if self.devices:
+            require(
+                len(self.devices) == self.engines,
+                "devices",
+                f"got {len(self.devices)} lists for sampler.engines={self.engines}; one GPU list per local engine",
+            )
+            seen = {}
+            for k, lst in enumerate(self.devices):
+                require(
+                    bool(lst) and all(d >= 0 for d in lst),
+                    "devices",
+                    f"engine {k}: got {lst!r}; a non-empty list of GPU indices >= 0",
+                )
+                require(
+                    len(lst) == self.tensor_parallel,
+                    "devices",
+                    f"engine {k} has {len(lst)} GPUs {list(lst)}, sampler.tensor_parallel={self.tensor_parallel}; "
+                    "each engine's list holds tensor_parallel GPUs",
+                )
+                for d in lst:
+                    require(
+                        d not in seen or seen[d] == k,
+                        "devices",
+                        f"GPU {d} is given to engines {seen.get(d)} and {k}; engines' GPU lists must not overlap",
+                    )
+                    require(list(lst).count(d) == 1, "devices", f"engine {k} names GPU {d} twice: {list(lst)}")
+                    seen[d] = k
+        for e in self.endpoints:
+            host, sep, port = str(e).rpartition(":")
+            require(
+                bool(sep and host and port.isdigit() and 0 < int(port) < 65536),
+                "endpoints",
+                f"got {e!r}; each endpoint is HOST:PORT with a port in 1..65535",
+            )
+        if self.endpoints:
+            require(
+                self.export_dir not in ("", "shm"),
+                "export_dir",
+                f"got {self.export_dir!r} with sampler.endpoints set; remote engines load versions from a folder "
+                "every host reads: set export_dir to it (the engines' --export-root)",
+            )
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,11 @@ def run_episodes(
         if pads:  # fixed shapes: a few batch sizes compile, not one per count of live trajectories
             prompts = prompts + [prompts[0]] * (_bucket(len(prompts), B) - len(prompts))
         t0 = time.perf_counter()
-        out = sampler.generate(prompts, 1, sampling, seed=seed_of_turn(t))
+        if getattr(sampler, "accepts_keys", False):  # a fleet: each trajectory stays on its engine (prefix cache)
+            keys = active + [active[0]] * (len(prompts) - len(active))
+            out = sampler.generate(prompts, 1, sampling, seed=seed_of_turn(t), keys=keys)
+        else:
+            out = sampler.generate(prompts, 1, sampling, seed=seed_of_turn(t))
         gen_s += time.perf_counter() - t0
         version = out.weight_version if version is None else min(version, out.weight_version)
         texts = [tokenizer.decode(list(out.tokens[j])) for j in range(len(active))]

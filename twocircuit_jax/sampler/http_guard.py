@@ -41,8 +41,9 @@ class Limits(NamedTuple):
 
     def generate_cap(self) -> int:
         """Bytes of the largest valid /generate body: each token id at most 6 digits and a ", " (vocabularies
-        below 10^6), plus 4 KiB for the other fields. 16 MiB at the defaults; 20 KiB for the demo's run."""
-        return 4096 + self.prompts * (8 * self.prompt_len + 4)
+        below 10^6), plus 4 KiB for the other fields and 12 bytes per prompt for a fleet's per-prompt seeds (10
+        digits and a ", "). 16 MiB at the defaults; 20 KiB for the demo's run."""
+        return 4096 + self.prompts * (8 * self.prompt_len + 16)
 
 
 def limits_for_run(run_cfg) -> Limits:
@@ -153,6 +154,13 @@ def check_generate(body, limits: Limits, vocab: int | None = None) -> dict:
     seed = body.get("seed")
     if seed is not None:
         _int(body, "seed")
+    seeds = body.get("seeds")
+    if seeds is not None and (
+        not isinstance(seeds, list)
+        or len(seeds) != len(prompts)
+        or not all(type(x) is int and 0 <= x < 2**31 for x in seeds)
+    ):
+        raise Refusal(400, f"seeds must be a list of {len(prompts)} integers in [0, 2^31), one per prompt")
     return {
         "prompts": prompts,
         "n": _bounded("n", _int(body, "n", 1), 1, limits.n),
@@ -161,6 +169,7 @@ def check_generate(body, limits: Limits, vocab: int | None = None) -> dict:
         "top_p": _num(body, "top_p", 1.0),
         "top_k": _int(body, "top_k", 0),
         "seed": seed,
+        "seeds": seeds,
         "min_version": _int(body, "min_version", -1),
     }
 

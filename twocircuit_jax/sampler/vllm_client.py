@@ -82,6 +82,11 @@ class VLLMSampler:
         log_path: str = "",
         limits: Limits | None = None,
         socket_timeout_s: float = 30.0,
+        publisher: WeightPublisher | None = None,
+        endpoint: tuple | None = None,
+        token: str = "",
+        cuda_devices=(),
+        start: bool = True,
     ):
         """`model_dir`: HF folder the engine starts from (config.json + safetensors; its weights are version 0).
         `export_root`: where update_weights() writes versions (default config.export_dir, else a temp folder).
@@ -91,7 +96,10 @@ class VLLMSampler:
         `remove_exports`: delete `export_root` on close() (a folder in /dev/shm holds host memory).
         `command`: argv prefix that replaces `python -m twocircuit_jax.sampler.vllm_server` (tests).
         `limits`: the largest request the server accepts (http_guard.limits_for_run: the trainer's own; default
-        http_guard.Limits()). `socket_timeout_s`: the server closes a connection idle this long."""
+        http_guard.Limits()). `socket_timeout_s`: the server closes a connection idle this long.
+        A fleet (sampler/fleet.py) builds its engines with these: `publisher` (one WeightPublisher shared by all),
+        `endpoint` ((host, port) of an engine started elsewhere: no process here, `token` is its secret),
+        `cuda_devices` (host GPUs of this engine's process) and `start=False` (the fleet starts it)."""
         self.config = config
         self.model_dir = model_dir
         self.export_root = export_root or config.export_dir or tempfile.mkdtemp(prefix="twocircuit-export-")
@@ -103,7 +111,10 @@ class VLLMSampler:
         self.model_config = model_config
         self.keep_versions = keep_versions
         dtype = model_config.param_dtype if dtype == "auto" else dtype
-        self.publisher = WeightPublisher(self.export_root, model_config, dtype, delta=delta_sync, full_every=full_every)
+        self.publisher = publisher or WeightPublisher(
+            self.export_root, model_config, dtype, delta=delta_sync, full_every=full_every
+        )
+        self.endpoint = tuple(endpoint) if endpoint else None
         self.last_publish = None  # weight_sync.PublishStats of the newest update
         self.remove_exports = remove_exports
         self._cmd = list(command or [sys.executable, "-m", "twocircuit_jax.sampler.vllm_server"])
@@ -122,10 +133,14 @@ class VLLMSampler:
         self.limits = limits or Limits()
         self._extra += server_args(self.limits, config.stall_timeout_s or config.request_timeout_s)
         self._extra += ["--socket-timeout-s", str(socket_timeout_s)] + ["--allow-remote"] * config.allow_remote
+        if config.tensor_parallel > 1:
+            self._extra += ["--tensor-parallel-size", str(config.tensor_parallel)]
         # The per-run secret: to the server through its environment only (never argv, which any local user can
         # read in /proc, and never a log or the run folder); every request carries it (Authorization: Bearer).
-        self._token = new_token()
-        self._env = dict(os.environ if env is None else env, **{TOKEN_ENV: self._token})
+        self._token = token or new_token()
+        from twocircuit_jax.sampler.placement import engine_env
+
+        self._env = dict(os.environ if env is None else env, **{TOKEN_ENV: self._token}, **engine_env(cuda_devices))
         self.log_path = log_path or os.path.join(self.export_root, "sampler.log")
         self.latest = None  # newest version exported by update_weights (None: still the model_dir weights)
         self.restarts = 0
@@ -140,10 +155,14 @@ class VLLMSampler:
             None,
         ):
             signal.signal(signal.SIGTERM, _on_sigterm)
-        self._start()
+        if start:
+            self._start()
 
     # ---------------------------------------------------------------- process lifecycle
     def _start(self) -> None:
+        if self.endpoint is not None:
+            self._reach()
+            return
         os.makedirs(self.export_root, exist_ok=True)
         argv = (
             self._cmd
@@ -173,9 +192,12 @@ class VLLMSampler:
             )
         deadline = time.monotonic() + self.config.startup_timeout_s
         while True:
-            if self.proc.poll() is not None:
+            p = self.proc
+            if p is None:  # close() (another thread) stopped it while it started
+                raise SamplerError(f"sampler stopped during startup; log {self.log_path}")
+            if p.poll() is not None:
                 raise SamplerError(
-                    f"sampler process exited with code {self.proc.returncode} during startup; "
+                    f"sampler process exited with code {p.returncode} during startup; "
                     f"log {self.log_path}:\n{self._log_tail()}"
                 )
             m = re.search(r"^READY (\S+):(\d+)$", self._log_text(), re.M)
@@ -203,7 +225,21 @@ class VLLMSampler:
     def _log_tail(self, lines: int = 25) -> str:
         return "\n".join(self._log_text().splitlines()[-lines:])
 
+    def _reach(self) -> None:
+        """An engine started elsewhere (`endpoint`): answers /health with the secret, or SamplerError naming it."""
+        self.address = self.endpoint
+        where = f"{self.endpoint[0]}:{self.endpoint[1]}"
+        try:
+            status, body = self._request("GET", "/health", None, timeout=10.0)
+        except _TRANSPORT_ERRORS as e:
+            raise SamplerError(f"sampler endpoint {where} cannot be reached: {type(e).__name__}: {e}") from None
+        if status != 200 or not body.get("ok"):
+            hint = " (wrong secret: sampler.secret_file / TWOCIRCUIT_SAMPLER_TOKEN)" if status == 401 else ""
+            raise SamplerError(f"sampler endpoint {where} answers /health with {status} {body}{hint}")
+
     def alive(self) -> bool:
+        if self.endpoint is not None:  # no process here: a dead one shows as a failed request
+            return True
         return self.proc is not None and self.proc.poll() is None
 
     def restart(self) -> None:
@@ -213,7 +249,10 @@ class VLLMSampler:
             self._start()
 
     def _kill(self, grace_s: float = 5.0) -> None:
-        """SIGTERM the whole process group, SIGKILL what is left after `grace_s`, reap the leader."""
+        """SIGTERM the whole process group, SIGKILL what is left after `grace_s`, reap the leader. An endpoint's
+        engine is not this process's to stop."""
+        if self.endpoint is not None:
+            return
         p, self.proc, self.address = self.proc, None, None
         if p is None:
             return
@@ -289,31 +328,32 @@ class VLLMSampler:
             raise
 
     def generate(self, prompts, n: int, sampling: SamplingConfig, seed: int) -> Rollout:
-        rows = len(prompts) * n
         min_version = -1 if self.latest is None else self.latest - self.config.max_staleness
-        payload = {
-            "prompts": [list(map(int, p)) for p in prompts],
-            "n": int(n),
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k,
-            "max_new_tokens": sampling.max_new_tokens,
-            "seed": int(seed),
-            "min_version": min_version,
-        }
+        payload = generate_payload(prompts, n, sampling, seed, min_version)
 
         def once():
-            status, body = self._request("POST", "/generate", payload, self.config.request_timeout_s)
-            if status == 409 and self.latest is not None:  # stale weights on the server: reload, then retry
+            try:
+                return self.generate_once(payload)
+            except StaleWeights as e:  # stale weights on the server: reload, then retry
+                if self.latest is None:
+                    raise _Retry(str(e)) from None
                 self.load(self.latest)
-                raise _Retry(f"sampler served stale weights: {body.get('error')}")
-            if status in (400, 401, 413):  # a request the server refuses: the same again would be refused again
-                raise SamplerError(f"sampler rejected the request (HTTP {status}): {body.get('error')}")
-            if status != 200:
-                raise _Retry(f"HTTP {status}: {body.get('error')}")
-            return _parse_rollout(body, rows, sampling.max_new_tokens, min_version)
+                raise _Retry(f"sampler served stale weights: {e}") from None
 
         return self._retrying("generate", once)
+
+    def generate_once(self, payload: dict) -> Rollout:
+        """One /generate request (no retry, no restart). StaleWeights on 409, SamplerError for a request the server
+        refuses (the same again would be refused again), _Retry for another bad answer, transport errors as raised."""
+        status, body = self._request("POST", "/generate", payload, self.config.request_timeout_s)
+        if status == 409:
+            raise StaleWeights(str(body.get("error")))
+        if status in (400, 401, 413):
+            raise SamplerError(f"sampler rejected the request (HTTP {status}): {body.get('error')}")
+        if status != 200:
+            raise _Retry(f"HTTP {status}: {body.get('error')}")
+        rows = len(payload["prompts"]) * payload["n"]
+        return _parse_rollout(body, rows, payload["max_new_tokens"], payload["min_version"])
 
     def _retrying(self, what: str, fn):
         """Run fn up to 1 + max_retries times. A dead server (noticed by poll() or a refused/reset connection,
@@ -356,6 +396,27 @@ class VLLMSampler:
 
 class _Retry(Exception):
     """A bad answer worth another attempt."""
+
+
+class StaleWeights(_Retry):
+    """The server answered 409: it serves an older version than the request's min_version."""
+
+
+def generate_payload(prompts, n: int, sampling: SamplingConfig, seed: int, min_version: int, seeds=None) -> dict:
+    """The /generate body; `seeds` (one per prompt) replaces the server's per-prompt seeds derived from `seed`."""
+    out = {
+        "prompts": [list(map(int, p)) for p in prompts],
+        "n": int(n),
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "max_new_tokens": sampling.max_new_tokens,
+        "seed": int(seed),
+        "min_version": int(min_version),
+    }
+    if seeds is not None:
+        out["seeds"] = [int(x) for x in seeds]
+    return out
 
 
 def _parse_rollout(body, rows: int, max_new: int, min_version: int) -> Rollout:

@@ -9,7 +9,8 @@ non-integer Content-Length, 413 above the body cap, 408 for a body not sent with
     GET  /health   -> {"ok": bool, "version": int}; 503 with "stuck" when generate or load requests have been in
                     flight for --stall-s with none answered
     POST /generate {"prompts": [[ids]], "n", "temperature", "top_p", "top_k", "max_new_tokens", "seed",
-                    "min_version"} -> {"rows": [{"tokens", "logprobs", "finish_reason": "stop"|"length"}],
+                    "min_version", optional "seeds": one per prompt, else prompt i's is derived from "seed" and i}
+                    -> {"rows": [{"tokens", "logprobs", "finish_reason": "stop"|"length"}],
                     "version"}; rows are prompt-major (prompt i -> rows i*n .. i*n+n-1). 409 if version < min_version.
     POST /load     {"version": v} -> {"version": v}. Applies export_root/v{v:08d} (a full version, or a delta against
                     the served one: sampler/weight_sync.py) to the engine without a restart: a full version
@@ -205,6 +206,7 @@ class Engine:
             logprobs_mode="raw_logprobs",
             enforce_eager=True,
             gpu_memory_utilization=args.gpu_memory_utilization,
+            tensor_parallel_size=args.tensor_parallel_size,
             **kw,
         )
         self.params = self._engine_params() if self.inplace else {}
@@ -225,10 +227,15 @@ class Engine:
             temperature, top_p = float(req.get("temperature", 1.0)), float(req.get("top_p", 1.0))
             top_k, seed = int(req.get("top_k", 0)), req.get("seed")
             min_version = int(req.get("min_version", -1))
+            # a fleet (sampler/fleet.py) sends each prompt's seed itself: a group keeps its seed on whichever
+            # engine serves it
+            seeds = None if req.get("seeds") is None else [int(x) for x in req["seeds"]]
         except (KeyError, TypeError, ValueError) as e:
             raise RequestError(f"bad /generate body: {type(e).__name__}: {e}") from None
         if not prompts or any(not p or min(p) < 0 or max(p) >= self.vocab for p in prompts):
             raise RequestError(f"prompts must be non-empty lists of token ids in [0, {self.vocab})")
+        if seeds is not None and len(seeds) != len(prompts):
+            raise RequestError(f"seeds: {len(seeds)} given for {len(prompts)} prompts")
         if n < 1 or max_new < 1:
             raise RequestError(f"n and max_new_tokens must be >= 1 (got {n}, {max_new})")
         # One seed per prompt: a shared seed would give every prompt the same noise stream (correlated samples).
@@ -241,7 +248,13 @@ class Engine:
                 max_tokens=max_new,
                 logprobs=0,
                 stop_token_ids=self.eos,
-                seed=None if seed is None else (int(seed) * 1_000_003 + i) % (2**31 - 1),
+                seed=(
+                    seeds[i] % (2**31 - 1)
+                    if seeds is not None
+                    else None
+                    if seed is None
+                    else (int(seed) * 1_000_003 + i) % (2**31 - 1)
+                ),
             )
             for i in range(len(prompts))
         ]
@@ -593,6 +606,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--socket-timeout-s", type=float, default=30.0, help="idle seconds before a connection closes")
     p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host (sampler.allow_remote)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs of this engine (sampler.tensor_parallel)")
+    p.add_argument(
+        "--secret-file",
+        default="",
+        help=f"file holding the request secret (instead of {TOKEN_ENV}; the secret itself never goes on argv)",
+    )
     refuse_repeats(p)
     return p
 
@@ -611,6 +630,16 @@ def serve(args) -> int:
     import signal
 
     token = os.environ.pop(TOKEN_ENV, "")  # out of the environment before vLLM starts: nothing below inherits it
+    if args.secret_file:
+        try:
+            with open(args.secret_file) as fh:
+                token = fh.read().strip()
+        except OSError as e:
+            print(f"error: --secret-file {args.secret_file}: {e.strerror}", file=sys.stderr, flush=True)
+            return 2
+        if not token:
+            print(f"error: --secret-file {args.secret_file} is empty", file=sys.stderr, flush=True)
+            return 2
     if not args.allow_remote and not is_loopback(args.host):
         print(
             f"error: --host {args.host} is not a loopback address; pass --allow-remote (sampler.allow_remote) to "
@@ -663,11 +692,12 @@ def serve(args) -> int:
     return 0
 
 
-def serve_from_config(run_config, model_dir: str = "", export_root: str = "") -> int:
+def serve_from_config(run_config, model_dir: str = "", export_root: str = "", secret_file: str = "") -> int:
     """`twocircuit serve-sampler`: serve `model_dir` (default run_config.base_model, an HF folder) with the
     sampler section's host/port/memory settings, loading versions from `export_root` (default sampler.export_dir).
-    Requests must carry the secret in TWOCIRCUIT_SAMPLER_TOKEN (exit 2 when unset) and stay within the limits of
-    the run config (http_guard.limits_for_run)."""
+    Requests must carry the secret read from `secret_file` (default sampler.secret_file) or, without one,
+    TWOCIRCUIT_SAMPLER_TOKEN (exit 2 when neither is set) and stay within the limits of the run config
+    (http_guard.limits_for_run)."""
     sc = run_config.sampler
     model_dir = model_dir or run_config.base_model
     export_root = export_root or sc.export_dir
@@ -696,6 +726,9 @@ def serve_from_config(run_config, model_dir: str = "", export_root: str = "") ->
             sc.weight_update,
             *server_args(limits_for_run(run_config), sc.stall_timeout_s or sc.request_timeout_s),
             *(["--allow-remote"] if sc.allow_remote else []),
+            "--tensor-parallel-size",
+            str(sc.tensor_parallel),
+            *(["--secret-file", secret_file or sc.secret_file] if (secret_file or sc.secret_file) else []),
         ]
     )
 

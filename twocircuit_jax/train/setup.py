@@ -181,16 +181,54 @@ def _one_process_sampler(run_cfg, model_cfg, params, run_dir: str):
         else sc.export_dir or os.path.join(run_dir, "sampler", "exports")
     )
     T = run_cfg.train.max_prompt_len + sc.sampling.max_new_tokens
-    return VLLMSampler(
-        sc,
-        model_dir,
-        export_root,
-        model_cfg,
+    kw = dict(
         dtype=run_cfg.model.param_dtype if sc.dtype == "auto" else sc.dtype,
         max_model_len=max(T, 32),
         delta_sync=sc.weight_sync == "delta",
         full_every=sc.full_every,
         remove_exports=shm,
-        log_path=os.path.join(run_dir, "sampler", "sampler.log"),
         limits=limits_for_run(run_cfg),  # the server refuses requests larger than this trainer's
     )
+    from twocircuit_jax.sampler import placement
+
+    placement.apply(sc)  # the host check; the CLI applied it before JAX started, an API caller may not have
+    if sc.engines == 1 and not sc.endpoints:  # one engine: the plain client, as before the fleet
+        return VLLMSampler(
+            sc, model_dir, export_root, model_cfg, log_path=os.path.join(run_dir, "sampler", "sampler.log"), **kw
+        )
+    from twocircuit_jax.sampler.fleet import VLLMFleet
+
+    endpoints = [(h, int(p)) for h, _, p in (e.rpartition(":") for e in sc.endpoints)]
+    return VLLMFleet(
+        sc,
+        model_dir,
+        export_root,
+        model_cfg,
+        endpoints=endpoints,
+        secret=endpoint_secret(sc) if endpoints else "",
+        log_dir=os.path.join(run_dir, "sampler"),
+        **kw,
+    )
+
+
+def endpoint_secret(sc) -> str:
+    """The secret of the engines at sampler.endpoints: sampler.secret_file's content, else env
+    TWOCIRCUIT_SAMPLER_TOKEN; ConfigError when neither holds one (never a secret on a command line or in a config)."""
+    from twocircuit_jax.sampler.http_guard import TOKEN_ENV
+
+    if sc.secret_file:
+        try:
+            with open(sc.secret_file) as fh:
+                token = fh.read().strip()
+        except OSError as e:
+            raise ConfigError("sampler.secret_file", f"{sc.secret_file}: {e.strerror}") from None
+        if not token:
+            raise ConfigError("sampler.secret_file", f"{sc.secret_file} is empty")
+        return token
+    token = os.environ.get(TOKEN_ENV, "")
+    if not token:
+        raise ConfigError(
+            "sampler.secret_file",
+            f"sampler.endpoints needs their secret: set sampler.secret_file to a file holding it, or env {TOKEN_ENV}",
+        )
+    return token
