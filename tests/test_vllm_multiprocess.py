@@ -1,5 +1,5 @@
 """`sampler.backend: vllm` with two trainer processes (jax.distributed on 127.0.0.1, gloo CPU collectives, 2 x 2 CPU
-devices, the params split over both by fsdp): process 0 drives the one engine (sampler/process_zero.py), every
+devices, the params split over both by fsdp): process 0 drives a fleet of two engines (sampler/process_zero.py, sampler/fleet.py), every
 process trains on its rollouts. Each process runs tests/vllm_mp_worker.py, which writes the metrics it computed at
 every step (only process 0 writes metrics.jsonl), so the two processes' steps can be compared: their batches were
 the same (each step's host rows also pass parallel/host.py's digest check across processes), so are their rewards,
@@ -97,11 +97,15 @@ def _logged(tmp_path) -> list:
     return [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
 
 
-def test_two_processes_one_engine_stop_and_resume(tmp_path):
-    """Two steps, stop; --resume to step 3: both processes train on the same batches in both legs, every step is
-    logged once, and the versions run on unbroken (step gs's rollouts are version gs-1, the resumed engine's
-    first included: the trainer republishes its restored weights as the checkpoint's step)."""
-    first = _run(tmp_path, CFG, "first", "--steps", "2", "--broadcast-check")
+def test_two_processes_two_engines_async_stop_and_resume(tmp_path):
+    """train.async_rollouts: 1 on two processes behind a fleet of two engines, two steps, stop; --resume to step 3:
+    process 0's thread generates and scores step gs+1's rollouts during step gs and both main threads receive them
+    before version gs is published; both processes train on the same batches in both legs (the resumed leg's first
+    batch is the one saved with the checkpoint), every step is logged once, each batch is one version behind as in
+    an uninterrupted run, and a held-out evaluation after each leg (the sampler's plain generate, broadcast from
+    process 0) gives both processes the same result."""
+    cfg = {**CFG, "train": {**CFG["train"], "async_rollouts": 1}}
+    first = _run(tmp_path, cfg, "first", "--steps", "2", "--broadcast-check")
     for got in first:  # the ragged broadcast on its own, on both processes
         assert got["broadcast"] == {
             "rollout_equal": True,
@@ -110,32 +114,23 @@ def test_two_processes_one_engine_stop_and_resume(tmp_path):
             if got is first[0]
             else "ProcessZeroError: process 0's sampler failed: ValueError: engine gone",
         }, got["broadcast"]
-    second = _run(tmp_path, CFG, "second", "--resume")
+    second = _run(tmp_path, cfg, "second", "--resume")
     for leg in (first, second):
         _assert_same_steps(leg[0]["rows"], leg[1]["rows"])
+        assert leg[0]["eval"] and leg[0]["eval"] == leg[1]["eval"], (leg[0]["eval"], leg[1]["eval"])
     assert [r["step"] for r in first[0]["rows"]] == [1, 2] and [r["step"] for r in second[0]["rows"]] == [3]
     logged = [r for r in _logged(tmp_path) if r["step"] > 0]
     assert [r["step"] for r in logged] == [1, 2, 3]
-    assert [r["sampler/weight_version"] for r in logged] == [0, 1, 2]
-    assert all(r["sampler/staleness"] == 0 for r in logged)
+    assert [r["sampler/weight_version"] for r in logged] == [0, 0, 1]
+    assert [r["sampler/staleness"] for r in logged] == [0, 1, 1]
+    assert logged[1]["sampler/generate_ahead_s"] > 0
     # process 0's engines, started once per leg: each engine's start appends its READY line to its own log
     for k in range(ENGINES):
         log = (tmp_path / "run" / "sampler" / f"engine_{k}.log").read_text()
         assert sum(line.startswith("READY ") for line in log.splitlines()) == 2, k
-        assert all(r[f"sampler/engine_{k}/rows"] > 0 for r in logged), k  # every engine served rows every step
-
-
-def test_two_processes_async_rollouts(tmp_path):
-    """train.async_rollouts: 1 on two processes: process 0's thread generates and scores step gs+1's rollouts
-    during step gs, both main threads receive them before version gs is published; the batches agree and each
-    is one version behind."""
-    cfg = {**CFG, "train": {**CFG["train"], "async_rollouts": 1}}
-    got = _run(tmp_path, cfg, "async")
-    _assert_same_steps(got[0]["rows"], got[1]["rows"])
-    rows = got[0]["rows"]
-    assert [r["sampler/weight_version"] for r in rows] == [0, 0, 1]
-    assert [r["sampler/staleness"] for r in rows] == [0, 1, 1]
-    assert all(r["sampler/generate_ahead_s"] > 0 for r in rows[1:])
+        # every engine served rows from the first step on (step 3's batch is the one the checkpoint saved: the
+        # resumed fleet has generated nothing by the time it is logged)
+        assert all(r[f"sampler/engine_{k}/rows"] > 0 for r in logged[:2]) and logged[2][f"sampler/engine_{k}/rows"] == 0
 
 
 def test_async_with_many_processes_refuses_what_it_cannot_do():
@@ -147,7 +142,7 @@ def test_async_with_many_processes_refuses_what_it_cannot_do():
 
     base = {**CFG, "train": {**CFG["train"], "async_rollouts": 1}}
     _check_async_many_processes(load_config(data=base))
-    jax_sampler = {**base, "sampler": {**base["sampler"], "backend": "jax"}}
+    jax_sampler = {**base, "sampler": {k: v for k, v in base["sampler"].items() if k != "engines"} | {"backend": "jax"}}
     with pytest.raises(ConfigError, match="sampler.backend: jax runs with one trainer process") as e:
         _check_async_many_processes(load_config(data=jax_sampler))
     assert e.value.path == "train.async_rollouts"

@@ -1,6 +1,6 @@
 """One trainer process of tests/test_vllm_multiprocess.py: jax.distributed on the loopback interface, a GRPOTrainer
-with the run's config, `--steps` steps (or to the end), then every step's metrics as this process computed them
-into `--rows` (only process 0 writes metrics.jsonl; the others' metrics exist only here).
+with the run's config, `--steps` steps (or to the end) and one held-out evaluation, then every step's metrics and the
+evaluation's as this process computed them into `--rows` (only process 0 writes metrics.jsonl; the others' metrics exist only here).
 
 `--broadcast-check`: before the run, the ragged-Rollout broadcast of sampler/process_zero.py on its own, with real
 collectives: the results go into `--rows` beside the metrics.
@@ -79,6 +79,8 @@ def main(argv=None) -> int:
         last = tr.cfg.train.steps if not a.steps else min(tr.cfg.train.steps, tr.gs + a.steps)
         while tr.gs < last:
             out["rows"].append(tr.step())
+        # a held-out evaluation: the sampler's plain generate (no step-ahead thread), broadcast from process 0
+        out["eval"] = tr.evaluate(tr.gs)
     with open(a.rows, "w") as fh:
         json.dump(out, fh, default=float)
     return 0
