@@ -138,3 +138,39 @@ def test_recipe_model_section_agrees_with_the_checkpoint(path):
 
     cfg = load_config(path)
     _check_model_section(cfg.model, config_from_hf(QWEN2P5_MATH_1P5B), cfg.base_model)
+
+
+LAYOUTS = sorted(glob.glob(os.path.join(ROOT, "configs", "layouts", "*.yaml")))
+
+
+def test_layouts_place_the_engines():
+    """configs/layouts/: each starts from a recipe and changes where things run. On an 8-GPU host the one-host
+    layout leaves the trainer GPUs 0-1, a mesh of two devices; the others reach their engines through endpoints,
+    with exports on a shared folder and the secret from a file; on this host (no GPU) the placed layout is refused
+    with one line naming sampler.devices."""
+    from twocircuit_jax.sampler.placement import trainer_gpus
+
+    names = {os.path.basename(p): load_config(p) for p in LAYOUTS}
+    assert set(names) == {"gpu8_engines6.yaml", "two_hosts_gpu.yaml", "tpu_v5e8_gpu_engines.yaml"}
+    one = names["gpu8_engines6.yaml"]
+    assert trainer_gpus(one.sampler, list(range(8))) == [0, 1]
+    assert one.mesh.data * one.mesh.fsdp * one.mesh.tensor == 2 and one.sampler.engines == 6
+    for name in ("two_hosts_gpu.yaml", "tpu_v5e8_gpu_engines.yaml"):
+        sc = names[name].sampler
+        assert sc.backend == "vllm" and sc.engines == 0 and len(sc.endpoints) >= 4, name
+        assert sc.export_dir.startswith("/shared/") and sc.secret_file and sc.allow_remote, name
+    assert names["tpu_v5e8_gpu_engines.yaml"].mesh == load_config(SHAPES).mesh  # the v5e-8's mesh, unchanged
+
+
+def test_placed_layout_is_refused_on_a_host_without_gpus(tmp_path, capsys):
+    from twocircuit_jax.sampler.placement import host_gpus
+
+    if host_gpus():
+        pytest.skip("this host has GPUs")
+    out = tmp_path / "run"
+    rc = cli.main(
+        ["train", "--config", os.path.join(ROOT, "configs", "layouts", "gpu8_engines6.yaml"), "--out", str(out)]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "sampler.devices" in err[0] and "0 GPUs" in err[0], err
+    assert not out.exists()

@@ -173,7 +173,7 @@ class SamplerConfig:
         default="jax",
         metadata=doc(
             "jax = the embedded sampler; vllm = a vLLM server process (with many trainer processes: driven by "
-            "process 0, docs/multihost.md)"
+            "process 0, docs/scale.md)"
         ),
     )
     n: int = field(default=4, metadata=doc("samples per prompt (group size)", "G"))

@@ -36,7 +36,7 @@ class Launch:
 
 
 def add_flags(parser) -> None:
-    g = parser.add_argument_group("many processes (docs/multihost.md)")
+    g = parser.add_argument_group("many processes (docs/scale.md)")
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="process 0's address, reachable by all")
     g.add_argument("--num-processes", type=int, default=None, metavar="N", help="processes in the run")
     g.add_argument("--process-id", type=int, default=None, metavar="I", help="this process, 0 .. N-1")

@@ -1,6 +1,6 @@
 """A sampler that lives on process 0 only, seen by every trainer process through the `Sampler` protocol.
 
-With several trainer processes (jax.distributed, docs/multihost.md) an engine per process would export its own
+With several trainer processes (jax.distributed, docs/scale.md) an engine per process would export its own
 copy of the weights and draw other samples (vLLM's sampling is not reproducible across engines): the processes'
 batches would disagree. So process 0 drives one inner sampler (whatever `make_sampler` builds for one process: a
 `VLLMSampler`, or a fleet of engines behind the same protocol) and every process trains on its rollouts:
