@@ -54,7 +54,7 @@ WEIGHTS = {
     "test_vllm_resume.py": (55, 0),
     # measured on a machine loaded by others (load average ~6): test_vllm_loop.py took 43 s in the same run
     "test_vllm_multiprocess.py": (96, 0),
-    "test_vllm_fleet.py": (93, 0),
+    "test_vllm_fleet.py": (71, 0),
     "test_programs.py": (47, 0),
     "test_fast_bootstrap.py": (46, 9),
     "test_guard.py": (35, 0),

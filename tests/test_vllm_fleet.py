@@ -29,7 +29,7 @@ SAMPLER = {
     "gpu_memory_utilization": 0.06,
 }
 MODEL = {"hidden_size": 64, "head_dim": 32, "intermediate_size": 96, "max_position_embeddings": 64}
-STEPS = 16
+STEPS = 20
 
 
 def digits(prompts, completions, **kw):
@@ -74,11 +74,10 @@ def _pgid(pid):
         return None
 
 
-def test_two_engines_share_rows_and_survive_a_kill(tmp_path):
-    """Two local engines: both serve rows, the reward rises over the run, and engine 1, SIGKILLed (its whole
-    process group) inside step 4's generate call, as its request is sent, costs no step: its groups go to engine 0
-    within that call, it is restarted, loads the newest version and serves again; closing the trainer leaves no
-    engine process behind."""
+@pytest.fixture(scope="module")
+def two_engines(tmp_path_factory):
+    """The two-engine run of the test below, shared with the endpoint test (its one-engine twin)."""
+    tmp_path = tmp_path_factory.mktemp("two_engines")
     from twocircuit_jax.sampler.fleet import VLLMFleet
 
     tr = _trainer(tmp_path / "run", engines=2)
@@ -107,6 +106,15 @@ def test_two_engines_share_rows_and_survive_a_kill(tmp_path):
                 assert killed and fleet.metrics()["sampler/engine_1/rows"] == after["sampler/engine_1/rows"]
         m = fleet.metrics()
         leaders.append(fleet.engines[1].proc.pid)
+    return {"rows": rows, "metrics": m, "after": after, "killed": killed, "leaders": leaders}
+
+
+def test_two_engines_share_rows_and_survive_a_kill(two_engines):
+    """Two local engines: both serve rows, the reward rises over the run, and engine 1, SIGKILLed (its whole
+    process group) inside step 4's generate call, as its request is sent, costs no step: its groups go to engine 0
+    within that call, it is restarted, loads the newest version and serves again; closing the trainer leaves no
+    engine process behind."""
+    rows, m, after, killed, leaders = (two_engines[k] for k in ("rows", "metrics", "after", "killed", "leaders"))
     assert len(rows) == STEPS and [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert m["sampler/restarts"] == 1 and m["sampler/engine_1/restarts"] == 1 and m["sampler/engine_0/restarts"] == 0
     assert leaders[2] != killed[0] == leaders[1]
@@ -126,10 +134,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_endpoint_engine_started_by_serve_sampler(tmp_path):
+def test_endpoint_engine_started_by_serve_sampler(tmp_path, two_engines):
     """`twocircuit serve-sampler` started here (as an operator would on another host: secret in a file, never on
-    argv or in the environment), the trainer with no local engine reaching it through sampler.endpoints; a few
-    steps run, rollouts one step ahead (train.async_rollouts: 1), and the engine serves the newest version."""
+    argv or in the environment), the trainer with no local engine reaching it through sampler.endpoints: the same
+    run as the two-engine one with this one engine, which serves every row at the newest version; the reward rises
+    as it does with two engines (each prompt's sampling seed is the same whichever engine serves it, so the two runs
+    draw alike wherever the engines' logits agree)."""
     from twocircuit_jax.config import load_config
     from twocircuit_jax.model.hf_io import save_hf
     from twocircuit_jax.model.qwen2 import init_params
@@ -176,18 +186,24 @@ def test_endpoint_engine_started_by_serve_sampler(tmp_path):
             assert b"fleet-test-secret" not in fh.read()
         tr = _trainer(
             tmp_path / "run",
-            {"async_rollouts": 1},  # the fleet called from the rollout thread too
             engines=0,
             endpoints=[f"127.0.0.1:{port}"],
             export_dir=str(exports),
             secret_file=str(secret),
         )
         with tr:
-            rows = [tr.step() for _ in range(3)]
+            rows = [tr.step() for _ in range(STEPS)]
             m = tr.sampler.metrics()
-        assert [r["step"] for r in rows] == [1, 2, 3]
-        assert [r["sampler/weight_version"] for r in rows] == [0, 0, 1]  # one step behind (async_rollouts: 1)
-        assert m["sampler/engine_0/rows"] > 0 and m["sampler/engine_0/version"] == 3
+        assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+        assert [r["sampler/weight_version"] for r in rows] == list(range(STEPS))
+        # every rollout row (and the held-out evaluations' at the start and the end)
+        assert m["sampler/engine_0/rows"] == STEPS * tr.cfg.train.train_batch * tr.cfg.sampler.n + 2 * 4
+        assert m["sampler/engine_0/version"] == STEPS
+        one = [r["reward/mean"] for r in rows]
+        two = [r["reward/mean"] for r in two_engines["rows"]]
+        print("rewards one engine", [round(x, 3) for x in one])
+        rise = lambda r: sum(r[-4:]) / 4 - sum(r[:4]) / 4  # noqa: E731
+        assert rise(one) > 0.3 and abs(sum(one[-4:]) - sum(two[-4:])) / 4 < 0.25, (one, two)
         assert proc.poll() is None  # the trainer's close() leaves an engine it did not start running
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
