@@ -21,7 +21,7 @@ from twocircuit_jax.parallel import make_mesh
 
 TINY = {
     "tokenizer": "char",
-    "model": dict(FOUR_BLOCK_MODEL),
+    "model": {**FOUR_BLOCK_MODEL, "num_layers": 2},  # pp_size 2: one boundary, as at 4 layers (more: compile time)
     "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 32, "eval_size": 8},
     "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
     "fast": {"codec": "lowrank", "rank": 3, "pp_size": 2},
