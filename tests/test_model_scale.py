@@ -185,17 +185,19 @@ def make_hook(mask):
 _UNROLLED: dict = {}  # hook_layers -> the unrolled, un-rematerialised stack's (logits, aux, gradients)
 
 
-@pytest.mark.parametrize(
-    "knobs",
-    [
-        {"scan_layers": True},
-        {"scan_layers": True, "remat": "full"},
-        {"scan_layers": True, "remat": "dots", "attention": "blockwise", "attention_block": 6},
-        {"remat": "full"},
-        {"remat": "dots"},
-    ],
-)
-@pytest.mark.parametrize("hook_layers", [(), (1, 2), (0, 4)])
+SCANNED = [
+    {"scan_layers": True},
+    {"scan_layers": True, "remat": "full"},
+    {"scan_layers": True, "remat": "dots", "attention": "blockwise", "attention_block": 6},
+]
+HOOK_SETS = [(), (1, 2), (0, 4)]
+# The hooked layers decide where a scanned stack splits into runs (model/qwen2.py run_layers): every hook set with
+# every scanned case. The unrolled loop calls the hook between layers whatever the set, outside the rematerialised
+# layer: the unrolled remat policies with the first and last layer hooked.
+CASES = [(k, h) for h in HOOK_SETS for k in SCANNED] + [({"remat": r}, (0, 4)) for r in ("full", "dots")]
+
+
+@pytest.mark.parametrize("knobs,hook_layers", CASES)
 def test_scan_and_remat_equal_the_unrolled_stack(knobs, hook_layers):
     """Scanned runs between hooked layers (first, middle, last layer hooked), each remat policy: the logits, the
     hooks' aux and the gradients equal the unrolled, un-rematerialised stack's."""
