@@ -15,8 +15,9 @@ pytestmark = pytest.mark.slow  # end-to-end runs: `make test-fast` skips them, `
 
 CFG = tiny_config(
     name="fast_e2e",
-    task={"train_size": 32},  # tiny's 2 layers, pp_size 2: one boundary (more layers only add compile time)
-    fast={"pp_size": 2, "codec": "prf_mask", "p": 0.95},
+    model={"num_layers": 4},
+    task={"train_size": 32},
+    fast={"pp_size": 4, "codec": "prf_mask", "p": 0.95},
     train={"steps": 1, "train_batch": 2, "checkpoint_every": 0},
 )
 
@@ -47,6 +48,7 @@ def test_ratio_blind_to_a_large_sampler_gap(rows):
 def test_codec_and_comm_metrics_logged(rows):
     mask, dense = rows
     assert mask["codec/mask_ratio"] == pytest.approx(1 - 2 / 32)  # exact-k: k = round(0.05 * 32) = 2 kept
-    assert [k for k in mask if k.startswith("codec/recon_rel_err/")] == ["codec/recon_rel_err/0"]  # one per boundary
+    for b in (0, 1, 2):
+        assert f"codec/recon_rel_err/{b}" in mask
     assert 0 < mask["comm/bytes_ratio"] < 1 and mask["comm/bytes_compressed"] < mask["comm/bytes_dense"]
     assert not any(k.startswith(("codec/", "comm/")) for k in dense)  # codec off: the circuit is absent
