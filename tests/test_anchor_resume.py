@@ -11,8 +11,7 @@ from twocircuit_jax.cli import main
 pytestmark = pytest.mark.slow  # end-to-end runs: `make test-fast` skips them, `make test` (CI) runs them
 
 CFG = tiny_config(
-    optim={"lr": 3e-3},
-    model={"num_layers": 4},
+    optim={"lr": 3e-3},  # tiny's 2 layers, pp_size 2: one low-rank boundary, as 4 layers gave (more only compile)
     fast={"codec": "lowrank", "rank": 3},
     grpo={"format_penalty": -1.0},  # reward variance on a random model, so the updates are not all zero
     # delay < cadence: the batch a fire needs was retained before the interruption, so it must be checkpointed

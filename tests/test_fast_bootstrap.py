@@ -21,7 +21,7 @@ from twocircuit_jax.parallel import make_mesh
 
 TINY = {
     "tokenizer": "char",
-    "model": dict(FOUR_BLOCK_MODEL),
+    "model": {**FOUR_BLOCK_MODEL, "num_layers": 2},  # pp_size 2: one boundary, as at 4 layers (more: compile time)
     "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 32, "eval_size": 8},
     "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
     "fast": {"codec": "lowrank", "rank": 3, "pp_size": 2},
@@ -42,11 +42,11 @@ def test_bootstrap_publishes_the_power_iteration_of_a_dense_sketch():
     }
     st1, m = fc.bootstrap(st0, params, batch)
     assert m == {"codec/bootstrapped": 1}
-    # the same thing by hand: dense forward, sketch against Q0, one power-iteration step
+    # the same thing by hand: dense forward, sketch against Q0, one power-iteration step (the forward jitted: run
+    # op by op it took seconds of dispatch)
     hook, layers = fc.basis_sketcher(st0, batch["attention_mask"])
-    _, aux = forward_with_aux(
-        cfg.model, params, batch["tokens"], batch["attention_mask"], hook=hook, hook_layers=layers
-    )
+    dense = jax.jit(lambda p, tok, mask: forward_with_aux(cfg.model, p, tok, mask, hook=hook, hook_layers=layers))
+    _, aux = dense(params, batch["tokens"], batch["attention_mask"])
     ref = lr.activate_staged(lr.refresh_basis(lr.accumulate_sketch(st0, aux), cfg.fast.codec))
     for b in fc.boundaries:
         np.testing.assert_allclose(np.asarray(st1.Q[b]), np.asarray(ref.Q[b]), atol=1e-6)

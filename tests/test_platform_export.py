@@ -85,13 +85,19 @@ def test_kernel_lowers_to_its_custom_call(case, platform):
     assert kernel_calls(exp) == Counter({(CALL[platform], name): calls})
 
 
-# (config overrides, kernel name, calls per train step): the train forward's kernel at each of tiny's 3 boundaries
-# and its custom-VJP backward (the same kernel on the cotangent); PowerSGD's projection once per compressed leaf
+# (config overrides, kernel name, calls per train step): the train forward's kernel at the boundary of tiny at 2 layers
+# (pp_size 2: one boundary, after layer 0; each boundary lowers the same, more layers only add tracing time) and its
+# custom-VJP backward (the same kernel on the cotangent); PowerSGD's projection once per compressed leaf
+TWO_LAYERS = ["model.num_layers=2", "fast.pp_size=2"]
 STEPS = {
-    "prf_mask": (["fast.codec={type: prf_mask, p: 0.95, use_kernel: true}"], "prf_mask", 6),
-    "lowrank": (["fast.codec={type: lowrank, rank: 3, use_kernel: true}"], "lowrank_project_reconstruct", 6),
+    "prf_mask": (TWO_LAYERS + ["fast.codec={type: prf_mask, p: 0.95, use_kernel: true}"], "prf_mask", 2),
+    "lowrank": (
+        TWO_LAYERS + ["fast.codec={type: lowrank, rank: 3, use_kernel: true}"],
+        "lowrank_project_reconstruct",
+        2,
+    ),
     "powersgd": (
-        ["fast.codec=none", "fast.grad_codec={type: powersgd, rank: 2, start_after: 0, use_kernel: true}"],
+        TWO_LAYERS + ["fast.codec=none", "fast.grad_codec={type: powersgd, rank: 2, start_after: 0, use_kernel: true}"],
         "powersgd_ef_project",
         None,  # one per compressed leaf: counted from the codec's own leaf plan
     ),
