@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 import yaml
-from tiny_run import tiny_config, with_device_count
+from tiny_run import tiny_config, wait_all, with_device_count
 
 from twocircuit_jax.cli import main
 from twocircuit_jax.parallel.distributed import Launch, resolve
@@ -63,20 +63,6 @@ def _launch(cfg_path, out, *extra, local_devices_flag=False, env1=None):
     ]
 
 
-def _wait(procs, timeout=600):
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for i, (p, (so, se)) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"process {i} exited {p.returncode}:\n{se[-4000:]}"
-    return outs
-
-
 def _summaries(stdout) -> list:
     """The run summaries a process printed (gloo prints its connection lines to stdout too)."""
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
@@ -117,7 +103,7 @@ def test_two_processes_equal_one(tmp_path):
         assert main(["train", "--config", str(cfg), "--out", one, "--no-progress"]) == 0  # 1 process x 8 devices
     finally:
         # bounded: without the agreement both processes hang in mismatched collectives (measured: past 8 minutes)
-        (out0, err0), (out1, err1) = _wait(procs, timeout=400)
+        (out0, err0), (out1, err1) = wait_all(procs, timeout=400)
     assert "SIGTERM received" in err1 and "SIGTERM received" not in err0  # one process signalled
     ckpt = os.path.join(many, "checkpoints", "step_00000001")
     assert f"stopped by a signal to another process after step 1: checkpoint {ckpt}" in out0, out0
@@ -128,7 +114,7 @@ def test_two_processes_equal_one(tmp_path):
     _, p0 = load_policy(ckpt)  # the step-1 weights, written in shards by both processes
 
     # resume from the sharded step-1 checkpoint, to step 2, as 2 processes again (the device count from the flag)
-    second = _wait(_launch(str(cfg), many, "--resume", local_devices_flag=True))
+    second = wait_all(_launch(str(cfg), many, "--resume", local_devices_flag=True))
     assert [s["steps"] for s in _summaries(second[0][0])] == [2] and _summaries(second[1][0]) == []
     _assert_rows_match(_metrics(one), _metrics(many))
 

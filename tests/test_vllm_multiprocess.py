@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import yaml
-from tiny_run import tiny_config, with_device_count
+from tiny_run import tiny_config, wait_all, with_device_count
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -70,16 +70,7 @@ def _run(tmp_path, cfg: dict, leg: str, *extra, timeout=300) -> list:
         )
         for i in range(2)
     ]
-    outs = []
-    try:  # bounded: a process waiting in a collective its peer never joins would otherwise hang the suite
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for i, (p, (_, err)) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"process {i} exited {p.returncode}:\n{err[-4000:]}"
+    wait_all(procs, timeout)
     return [json.loads(r.read_text()) for r in rows]
 
 

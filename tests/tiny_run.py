@@ -123,3 +123,20 @@ def with_device_count(n: int) -> str:
 
     rest = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")).split()
     return " ".join([f"--xla_force_host_platform_device_count={n}", *rest])
+
+
+def wait_all(procs, timeout: float = 600) -> list:
+    """(stdout, stderr) of each of `procs` (subprocess.Popen with pipes), each waited for at most `timeout` s; any
+    still running then is killed (a process waiting in a collective its peer never joins would hang the suite), and
+    a non-zero exit fails the test with the end of that process's stderr."""
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for i, (p, (_, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"process {i} exited {p.returncode}:\n{err[-4000:]}"
+    return outs

@@ -105,24 +105,13 @@ class VLLMFleet:
         log_dir = log_dir or export_root
         os.makedirs(log_dir, exist_ok=True)
         devices = list(config.devices) or [()] * config.engines
-        first = (
-            VLLMSampler(
-                config,
-                model_dir,
-                export_root,
-                model_config,
-                start=False,
-                cuda_devices=devices[0] if devices else (),
-                log_path=os.path.join(log_dir, "engine_0.log"),
-                **kw,
-            )
-            if config.engines
-            else None
-        )
-        # The fleet's one publisher: the first engine's (or a standalone engine object's, endpoints only)
-        shared = dict(kw, publisher=first.publisher) if first is not None else dict(kw)
-        self.engines = [first] if first is not None else []
-        for k in range(1, config.engines):
+        # (its GPUs, its endpoint, the secret it is asked with) per engine: the local ones, then the endpoints
+        specs = [(d, None, "") for d in devices] + [((), (host, int(port)), secret) for host, port in endpoints]
+        self.engines = []
+        for k, (gpus, endpoint, token) in enumerate(specs):
+            # The fleet's one publisher: the first engine's, passed to every other
+            shared = dict(kw, publisher=self.engines[0].publisher) if self.engines else kw
+            extra = dict(endpoint=endpoint, token=token) if endpoint else dict(cuda_devices=gpus)
             self.engines.append(
                 VLLMSampler(
                     config,
@@ -130,25 +119,11 @@ class VLLMFleet:
                     export_root,
                     model_config,
                     start=False,
-                    cuda_devices=devices[k],
                     log_path=os.path.join(log_dir, f"engine_{k}.log"),
+                    **extra,
                     **shared,
                 )
             )
-        for j, (host, port) in enumerate(endpoints):
-            e = VLLMSampler(
-                config,
-                model_dir,
-                export_root,
-                model_config,
-                start=False,
-                endpoint=(host, int(port)),
-                token=secret,
-                log_path=os.path.join(log_dir, f"engine_{config.engines + j}.log"),
-                **shared,
-            )
-            shared.setdefault("publisher", e.publisher)
-            self.engines.append(e)
         self.publisher = self.engines[0].publisher
         self.export_root = self.engines[0].export_root
         self.keep_versions = self.engines[0].keep_versions
