@@ -13,8 +13,8 @@ from tiny_run import tiny_config
 from twocircuit_jax.config import load_config
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.sampler import placement
-from twocircuit_jax.sampler.base import Rollout
-from twocircuit_jax.sampler.fleet import prompt_seed, reassemble, route
+from twocircuit_jax.sampler.base import Rollout, prompt_seed
+from twocircuit_jax.sampler.fleet import reassemble, route
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -7,6 +7,12 @@ from typing import NamedTuple, Protocol
 from twocircuit_jax.config.sections import SamplingConfig
 
 
+def prompt_seed(seed: int, i: int) -> int:
+    """Prompt i's sampling seed in a request seeded `seed`: the vLLM server derives it, and a fleet sends it with each
+    prompt (sampler/fleet.py), so a prompt draws alike whichever engine serves it."""
+    return (int(seed) * 1_000_003 + int(i)) % (2**31 - 1)
+
+
 class Rollout(NamedTuple):
     """Samples for `len(prompts) * n` rows, prompt-major: prompt i's samples are rows i*n .. i*n+n-1."""
 

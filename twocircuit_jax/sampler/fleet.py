@@ -30,22 +30,17 @@ import threading
 import time
 
 from twocircuit_jax.config.sections import SamplingConfig
-from twocircuit_jax.sampler.base import Rollout
+from twocircuit_jax.sampler.base import Rollout, prompt_seed
 from twocircuit_jax.sampler.vllm_client import (
-    _TRANSPORT_ERRORS,
+    TRANSPORT_ERRORS,
+    BadAnswer,
     SamplerError,
     StaleWeights,
     VLLMSampler,
-    _Retry,
     generate_payload,
 )
 
 PROBE_EVERY_S = 30.0
-
-
-def prompt_seed(seed: int, i: int) -> int:
-    """Prompt i's sampling seed: the one the server derives for a single request (sampler/vllm_server.py)."""
-    return (int(seed) * 1_000_003 + int(i)) % (2**31 - 1)
 
 
 def route(groups: int, live: list[int], engines: int, keys=None) -> list[int]:
@@ -228,7 +223,7 @@ class VLLMFleet:
         """(status, body) of engine k's /load of `version`, or (None, error) when the request failed."""
         try:
             return self.engines[k]._request("POST", "/load", {"version": int(version)}, self.config.request_timeout_s)
-        except _TRANSPORT_ERRORS as err:
+        except TRANSPORT_ERRORS as err:
             return None, {"error": f"{type(err).__name__}: {err}"}
 
     def _load_all(self, ks: list[int]) -> bool:
@@ -323,7 +318,7 @@ class VLLMFleet:
                     self.up[k] = False  # brought to the newest version by _rejoin below
                     print(f"sampler: engine {k} served stale weights: {err}", file=sys.stderr, flush=True)
                     continue
-                except (_Retry, *_TRANSPORT_ERRORS) as err:
+                except (BadAnswer, *TRANSPORT_ERRORS) as err:
                     failed += gs
                     self._take_out(k, f"generate failed: {type(err).__name__}: {err}")
                     continue

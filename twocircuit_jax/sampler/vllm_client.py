@@ -28,7 +28,7 @@ from twocircuit_jax.sampler.http_guard import TOKEN_ENV, Limits, new_token, serv
 from twocircuit_jax.sampler.weight_sync import WeightPublisher
 
 _LIVE: "weakref.WeakSet[VLLMSampler]" = weakref.WeakSet()
-_TRANSPORT_ERRORS = (OSError, http.client.HTTPException, ValueError)  # refused/reset/timeout, bad HTTP, bad JSON
+TRANSPORT_ERRORS = (OSError, http.client.HTTPException, ValueError)  # refused/reset/timeout, bad HTTP, bad JSON
 
 
 class SamplerError(RuntimeError):
@@ -231,7 +231,7 @@ class VLLMSampler:
         where = f"{self.endpoint[0]}:{self.endpoint[1]}"
         try:
             status, body = self._request("GET", "/health", None, timeout=10.0)
-        except _TRANSPORT_ERRORS as e:
+        except TRANSPORT_ERRORS as e:
             raise SamplerError(f"sampler endpoint {where} cannot be reached: {type(e).__name__}: {e}") from None
         if status != 200 or not body.get("ok"):
             hint = " (wrong secret: sampler.secret_file / TWOCIRCUIT_SAMPLER_TOKEN)" if status == 401 else ""
@@ -336,22 +336,22 @@ class VLLMSampler:
                 return self.generate_once(payload)
             except StaleWeights as e:  # stale weights on the server: reload, then retry
                 if self.latest is None:
-                    raise _Retry(str(e)) from None
+                    raise BadAnswer(str(e)) from None
                 self.load(self.latest)
-                raise _Retry(f"sampler served stale weights: {e}") from None
+                raise BadAnswer(f"sampler served stale weights: {e}") from None
 
         return self._retrying("generate", once)
 
     def generate_once(self, payload: dict) -> Rollout:
         """One /generate request (no retry, no restart). StaleWeights on 409, SamplerError for a request the server
-        refuses (the same again would be refused again), _Retry for another bad answer, transport errors as raised."""
+        refuses (the same again would be refused again), BadAnswer for another bad answer, transport errors as raised."""
         status, body = self._request("POST", "/generate", payload, self.config.request_timeout_s)
         if status == 409:
             raise StaleWeights(str(body.get("error")))
         if status in (400, 401, 413):
             raise SamplerError(f"sampler rejected the request (HTTP {status}): {body.get('error')}")
         if status != 200:
-            raise _Retry(f"HTTP {status}: {body.get('error')}")
+            raise BadAnswer(f"HTTP {status}: {body.get('error')}")
         rows = len(payload["prompts"]) * payload["n"]
         return _parse_rollout(body, rows, payload["max_new_tokens"], payload["min_version"])
 
@@ -365,7 +365,7 @@ class VLLMSampler:
                     if not self.alive():
                         self.restart()
                     return fn()
-                except (_Retry, *_TRANSPORT_ERRORS) as e:
+                except (BadAnswer, *TRANSPORT_ERRORS) as e:
                     last = e
                     if self.alive() and not self._healthy():
                         self._kill()  # hung or half-loaded: the next attempt starts a fresh process
@@ -379,7 +379,7 @@ class VLLMSampler:
         try:
             status, body = self._request("GET", "/health", None, timeout=5.0)
             return status == 200 and bool(body.get("ok"))
-        except _TRANSPORT_ERRORS:
+        except TRANSPORT_ERRORS:
             return False
 
     def metrics(self) -> dict:
@@ -394,11 +394,11 @@ class VLLMSampler:
         return out
 
 
-class _Retry(Exception):
+class BadAnswer(Exception):
     """A bad answer worth another attempt."""
 
 
-class StaleWeights(_Retry):
+class StaleWeights(BadAnswer):
     """The server answered 409: it serves an older version than the request's min_version."""
 
 
@@ -420,21 +420,21 @@ def generate_payload(prompts, n: int, sampling: SamplingConfig, seed: int, min_v
 
 
 def _parse_rollout(body, rows: int, max_new: int, min_version: int) -> Rollout:
-    """Validate an answer fully before the trainer sees it; any defect is a _Retry (malformed or short answer)."""
+    """Validate an answer fully before the trainer sees it; any defect is a BadAnswer (malformed or short answer)."""
     try:
         version, items = int(body["version"]), body["rows"]
         if len(items) != rows:
-            raise _Retry(f"short answer: {len(items)} rows, expected {rows}")
+            raise BadAnswer(f"short answer: {len(items)} rows, expected {rows}")
         toks, lps, trunc = [], [], []
         for r in items:
             t, lp, fr = [int(x) for x in r["tokens"]], [float(x) for x in r["logprobs"]], r["finish_reason"]
             if not (1 <= len(t) <= max_new) or len(lp) != len(t) or fr not in ("stop", "length"):
-                raise _Retry(f"malformed row: {len(t)} tokens, {len(lp)} logprobs, finish_reason {fr!r}")
+                raise BadAnswer(f"malformed row: {len(t)} tokens, {len(lp)} logprobs, finish_reason {fr!r}")
             if any(x > 1e-4 for x in lp):
-                raise _Retry("malformed row: positive log-probability")
+                raise BadAnswer("malformed row: positive log-probability")
             toks.append(t), lps.append(lp), trunc.append(fr == "length")
     except (KeyError, TypeError, ValueError) as e:
-        raise _Retry(f"malformed answer: {type(e).__name__}: {e}") from None
+        raise BadAnswer(f"malformed answer: {type(e).__name__}: {e}") from None
     if version < min_version:
-        raise _Retry(f"answer from weight version {version} < allowed {min_version} (sampler.max_staleness)")
+        raise BadAnswer(f"answer from weight version {version} < allowed {min_version} (sampler.max_staleness)")
     return Rollout(tokens=toks, logprobs=lps, truncated=trunc, weight_version=version)

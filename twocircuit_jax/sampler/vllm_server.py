@@ -42,6 +42,7 @@ import time
 import numpy as np
 
 from twocircuit_jax.cli_flags import parse_once, refuse_repeats
+from twocircuit_jax.sampler.base import prompt_seed
 from twocircuit_jax.sampler.export import ExportError, read_meta, version_dir
 from twocircuit_jax.sampler.http_guard import TOKEN_ENV, Guard, Limits, is_loopback, limits_for_run, server_args
 from twocircuit_jax.sampler.vllm_pin import check_vllm_version
@@ -248,13 +249,7 @@ class Engine:
                 max_tokens=max_new,
                 logprobs=0,
                 stop_token_ids=self.eos,
-                seed=(
-                    seeds[i] % (2**31 - 1)
-                    if seeds is not None
-                    else None
-                    if seed is None
-                    else (int(seed) * 1_000_003 + i) % (2**31 - 1)
-                ),
+                seed=(seeds[i] % (2**31 - 1) if seeds is not None else None if seed is None else prompt_seed(seed, i)),
             )
             for i in range(len(prompts))
         ]
