@@ -140,21 +140,25 @@ def test_every_subcommand_has_help(cmd, capsys):
 
 
 @pytest.mark.slow
-def test_token_tis_and_sequence_tis_run_and_log(tmp_path):
-    for mode in ("token", "sequence"):
-        data = dict(
-            TINY,
-            grpo={"tis": mode, "tis_cap": 2.0},
-            train=dict(TINY["train"], steps=1, eval_every=0, checkpoint_every=0),
-        )
-        run = str(tmp_path / mode)
+def test_each_mismatch_correction_runs_and_logs(tmp_path):
+    # Sequence TIS shares token TIS's path through the step (grpo/tis.py correction_weights); its weights are
+    # checked against numpy in test_grpo_tis.py.
+    for name, grpo in (
+        ("token", {"tis": "token", "tis_cap": 2.0}),
+        ("geometric", {"tis": "token", "is_mask": {"type": "geometric"}}),
+        ("icepop", {"is_mask": {"type": "icepop"}}),
+    ):
+        data = dict(TINY, grpo=grpo, train=dict(TINY["train"], steps=1, eval_every=0, checkpoint_every=0))
+        run = str(tmp_path / name)
         assert (
-            main(["train", "--config", write_cfg(tmp_path, data, f"{mode}.yaml"), "--out", run, "--no-progress"]) == 0
+            main(["train", "--config", write_cfg(tmp_path, data, f"{name}.yaml"), "--out", run, "--no-progress"]) == 0
         )
         r = read_metrics(run)[1]
-        # dense JAX sampler: trainer and sampler agree, so every weight is ~1 and none is clipped
+        # dense JAX sampler: trainer and sampler agree, so every weight is ~1 and nothing is clipped or masked
         assert r["tis/weight_mean"] == pytest.approx(1.0, abs=1e-4) and r["tis/clip_frac"] == 0.0
         assert r["mismatch/ess"] == pytest.approx(1.0, abs=1e-4)
+        if "is_mask" in grpo:
+            assert r["mismatch/masked_tokens"] == 0 and r["tis/mask_seq_frac"] == 0
 
 
 @pytest.mark.slow

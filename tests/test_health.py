@@ -120,6 +120,8 @@ def test_mitigations_change_one_knob_each():
     assert both.grpo.kl_coef == pytest.approx(0.02) and both.grpo.tis == "token" and cfg.grpo.tis == "off"
     zero = load_config(data={"grpo": {"kl_coef": 0.0}, "fast": {"pp_size": 4}})
     assert mitigate(zero, "kl")[0].grpo.kl_coef == pytest.approx(1e-3)
+    icepop = load_config(data={"grpo": {"is_mask": {"type": "icepop"}}})  # its kept tokens carry ρ already
+    assert apply_mitigations(icepop, ["tis"]).grpo.tis == "off"
 
 
 def test_guard_config_errors_name_the_field():

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from twocircuit_jax.grpo.loss import agg_loss, kl_penalty
-from twocircuit_jax.grpo.tis import tis_weights
+from twocircuit_jax.grpo.tis import correction_weights
 from twocircuit_jax.parallel import mesh as pmesh, micro_batch as accumulate, pipeline as pipe
 
 
@@ -48,10 +48,10 @@ def anchor_loss(
     ratio = jnp.exp(logp - jax.lax.stop_gradient(logp))  # ≡ 1, carries ∇log π
     pg = -adv * ratio
     tis = {}
-    if grpo_cfg.tis != "off":
+    if grpo_cfg.corrects:
         if "sampler_logp" not in batch:
-            raise ValueError(f"grpo.tis={grpo_cfg.tis!r} but the replayed batch has no sampler_logp")
-        w, tis = tis_weights(jax.lax.stop_gradient(logp), batch["sampler_logp"], mask, grpo_cfg.tis, grpo_cfg.tis_cap)
+            raise ValueError("grpo.tis or grpo.is_mask is on but the replayed batch has no sampler_logp")
+        w, tis = correction_weights(jax.lax.stop_gradient(logp), batch["sampler_logp"], mask, grpo_cfg)
         pg = pg * w
     agg = dict(norm_len=max_new_tokens, token_count=batch.get("token_count"), seq_count=batch.get("seq_count"))
     pg_loss = agg_loss(pg, mask, grpo_cfg.loss_agg, **agg)
@@ -87,7 +87,7 @@ def anchor_batch_keys(grpo_cfg) -> list[str]:
     loop adds `ref_logp_dense` when the anchor is on), and the sampler's log-probs for the anchor's own TIS weights."""
     keys = ["tokens", "attention_mask", "response_mask", "advantages"]
     keys += ["ref_logp_dense"] if grpo_cfg.kl_coef > 0 else []
-    keys += ["sampler_logp"] if grpo_cfg.tis != "off" else []
+    keys += ["sampler_logp"] if grpo_cfg.corrects else []
     return keys
 
 
@@ -114,8 +114,8 @@ def make_anchor_grad(
     def fn(params, batch, sketch_state=None):
         (_, metrics, aux), grads = vg(params, batch, sketch_state)
         logp = metrics.pop(LOGP, None)
-        if logp is not None and grpo_cfg.tis != "off":
-            _, tis = tis_weights(logp, batch["sampler_logp"], batch["response_mask"], grpo_cfg.tis, grpo_cfg.tis_cap)
+        if logp is not None and grpo_cfg.corrects:
+            _, tis = correction_weights(logp, batch["sampler_logp"], batch["response_mask"], grpo_cfg)
             metrics.update({f"anchor/{k}": v for k, v in tis.items()})
         metrics["anchor/grad_norm"] = jnp.sqrt(
             sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))

@@ -390,6 +390,48 @@ class SamplerConfig:
 
 
 @dataclass(frozen=True)
+class MismatchMaskConfig:
+    """Which rollouts the policy loss drops for their sampler-trainer mismatch (grpo/tis.py), by ρ = π_old/π_sampler;
+    the subclass is chosen by `type:`. A dropped token keeps its place in the loss's normaliser, with weight 0."""
+
+    default_type = "none"
+    low: ClassVar[float] = 0.0
+    high: ClassVar[float] = 0.0
+
+    def check(self):
+        require(0 < self.low <= 1, "low", f"got {self.low}; allowed (0, 1]")
+        require(self.high >= 1, "high", f"got {self.high}; must be >= 1")
+
+
+@register(MismatchMaskConfig, "none")
+@dataclass(frozen=True)
+class NoMismatchMask(MismatchMaskConfig):
+    """No mask: every response token is in the loss."""
+
+    def check(self):
+        pass
+
+
+@register(MismatchMaskConfig, "geometric")
+@dataclass(frozen=True)
+class GeometricMask(MismatchMaskConfig):
+    """A whole sequence out when the geometric mean of its token ratios, exp(mean_t log ρ_t), leaves [low, high]."""
+
+    low: float = field(default=0.99, metadata=doc("lowest geometric-mean ratio kept"))
+    high: float = field(default=1.01, metadata=doc("highest geometric-mean ratio kept"))
+
+
+@register(MismatchMaskConfig, "icepop")
+@dataclass(frozen=True)
+class IcePopMask(MismatchMaskConfig):
+    """IcePop: a token out when its ratio ρ_t leaves [low, high]; a kept token is weighted by ρ_t (so grpo.tis must
+    be off: the ratio is already applied)."""
+
+    low: float = field(default=0.5, metadata=doc("lowest token ratio kept"))
+    high: float = field(default=2.0, metadata=doc("highest token ratio kept"))
+
+
+@dataclass(frozen=True)
 class GRPOConfig:
     """GRPO objective (design §5)."""
 
@@ -419,6 +461,10 @@ class GRPOConfig:
         ),
     )
     tis_cap: float = field(default=2.0, metadata=doc("truncated IS cap", "C"))
+    is_mask: MismatchMaskConfig = field(
+        default_factory=NoMismatchMask,
+        metadata=doc("rollouts left out of the policy loss for their mismatch: none, geometric (sequences), icepop"),
+    )
     overlong_mode: Literal["zero", "mask", "soft"] = field(
         default="zero",
         metadata=doc("truncated completions: zero = reward 0; mask = left out of the loss; soft = DAPO length penalty"),
@@ -434,6 +480,17 @@ class GRPOConfig:
         require(self.dual_clip == 0 or self.dual_clip > 1, "dual_clip", f"got {self.dual_clip}; 0 (off) or > 1")
         require(self.kl_coef >= 0, "kl_coef", f"got {self.kl_coef}; must be >= 0")
         require(self.tis_cap > 0, "tis_cap", f"got {self.tis_cap}; must be > 0")
+        require(
+            not (isinstance(self.is_mask, IcePopMask) and self.tis != "off"),
+            "tis",
+            f"got {self.tis!r} with is_mask icepop, which weights each kept token by its ratio already; set tis: off",
+        )
+
+    @property
+    def corrects(self) -> bool:
+        """Whether the policy loss reweights or masks tokens by their mismatch (TIS or a mask): the step then needs
+        the sampler's log-probs and carries importance weights; without either the loss is untouched bit for bit."""
+        return self.tis != "off" or not isinstance(self.is_mask, NoMismatchMask)
         require(self.overlong_buffer >= 1, "overlong_buffer", f"got {self.overlong_buffer}; must be >= 1")
 
 

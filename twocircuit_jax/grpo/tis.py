@@ -9,6 +9,17 @@ policy. TIS re-weights each token's policy loss by w = min(exp(ℓ_old − ℓ_s
 Metrics: `tis/weight_mean`, `tis/weight_max`, `tis/weight_min`, `tis/clip_frac` (share whose raw weight exceeded C)
 and `tis/ess` = (Σw)²/(N·Σw²) of the weights in use (design §5: always log ESS). They are taken over response
 tokens in `token` mode and over sequences with at least one response token in `sequence` mode.
+
+Masks (`grpo.is_mask`, `correction_weights`) drop what the mismatch makes untrustworthy, by ρ_t = exp(ℓ_old − ℓ_s):
+- `geometric`: a sequence whose geometric-mean ratio exp(mean_t log ρ_t) leaves [low, high] gets weight 0 on every
+  token; the rest keep their TIS weight (or 1). A per-sequence test that does not grow with the length, unlike the
+  product of ratios that `sequence` TIS caps.
+- `icepop`: a token whose ρ_t leaves [low, high] gets weight 0; a kept token gets ρ_t itself (IcePop's masked IS).
+A dropped token stays in the loss's normaliser (token or sequence count): the mask removes its gradient without
+rescaling the others, so the loss of a batch with nothing masked is the unmasked loss exactly. Metrics:
+`tis/mask_token_frac`, `tis/mask_seq_frac` (sequences with every response token dropped), and the counts
+`mismatch/masked_tokens`, `mismatch/masked_seqs`; with a mask, the `tis/weight_*` and `tis/ess` stats are taken over
+response tokens of the final weights.
 """
 
 from __future__ import annotations
@@ -17,6 +28,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+
+from twocircuit_jax.config.sections import GeometricMask, IcePopMask, NoMismatchMask
 
 TIS_MODES = ("off", "token", "sequence")
 
@@ -80,4 +93,41 @@ def tis_weights(old_logp, sampler_logp, mask, mode: str = "off", cap: float = 2.
         metrics["tis/clip_frac"] = jnp.sum(over & seq_valid) / jnp.maximum(jnp.sum(seq_valid), 1)
         w = jnp.broadcast_to(w_seq[:, None], delta.shape)
     metrics["tis/clip_frac"] = metrics["tis/clip_frac"].astype(jnp.float32)
+    return jax.lax.stop_gradient(w), metrics
+
+
+def correction_weights(old_logp, sampler_logp, mask, grpo_cfg):
+    """old_logp, sampler_logp, mask [B, T] -> (w [B, T] float32 stop-gradient, or None; metrics): the importance
+    weights the policy loss multiplies by, from `grpo.tis` and `grpo.is_mask` together. None (and no metrics) when
+    neither is on, so that the loss is untouched."""
+    if not grpo_cfg.corrects:
+        return None, {}
+    m = grpo_cfg.is_mask
+    if isinstance(m, NoMismatchMask):
+        return tis_weights(old_logp, sampler_logp, mask, grpo_cfg.tis, grpo_cfg.tis_cap)
+    w, metrics = tis_weights(old_logp, sampler_logp, mask, grpo_cfg.tis, grpo_cfg.tis_cap)
+    valid = mask > 0
+    delta = jax.lax.stop_gradient(
+        jnp.where(valid, old_logp.astype(jnp.float32) - sampler_logp.astype(jnp.float32), 0.0)
+    )
+    lo, hi = math.log(m.low), math.log(m.high)
+    if isinstance(m, GeometricMask):
+        n_tok = jnp.maximum(jnp.sum(valid, axis=-1), 1)
+        geo = jnp.sum(delta, axis=-1) / n_tok  # [B]: log of the geometric-mean ratio
+        keep = jnp.broadcast_to(((geo >= lo) & (geo <= hi))[:, None], delta.shape)
+    elif isinstance(m, IcePopMask):
+        keep = (delta >= lo) & (delta <= hi)
+        w = jnp.exp(jnp.clip(delta, lo, hi))  # ρ_t inside the band; the clip only keeps exp finite outside it
+    else:
+        raise ValueError(f"unknown grpo.is_mask section {type(m).__name__}")
+    dropped = valid & ~keep
+    w = jnp.where(valid & keep, w, jnp.where(valid, 0.0, 1.0))
+    seq_valid = jnp.any(valid, axis=-1)
+    seq_dropped = seq_valid & ~jnp.any(valid & keep, axis=-1)
+    n_tok, n_seq = jnp.sum(dropped).astype(jnp.float32), jnp.sum(seq_dropped).astype(jnp.float32)
+    metrics.update(_stats(w, valid))
+    metrics["tis/mask_token_frac"] = n_tok / jnp.maximum(jnp.sum(valid), 1)
+    metrics["tis/mask_seq_frac"] = n_seq / jnp.maximum(jnp.sum(seq_valid), 1)
+    metrics["mismatch/masked_tokens"] = n_tok
+    metrics["mismatch/masked_seqs"] = n_seq
     return jax.lax.stop_gradient(w), metrics

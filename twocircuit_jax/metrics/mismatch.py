@@ -89,7 +89,7 @@ def mismatch_metrics(
         log_w = lo - ls
     else:
         w = jnp.broadcast_to(jnp.asarray(weights, jnp.float32), m.shape)
-        log_w = jnp.log(jnp.where(m > 0, w, 1.0))
+        log_w = jnp.log(jnp.where(m > 0, jnp.maximum(w, 1e-30), 1.0))  # a masked token's weight is 0
     suffixes, masks = [""], [m]
     if truncated is not None:
         t = jnp.asarray(truncated, jnp.float32)[:, None]

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from twocircuit_jax.grpo.loss import kl_penalty
-from twocircuit_jax.grpo.tis import tis_weights
+from twocircuit_jax.grpo.tis import correction_weights
 from twocircuit_jax.names import path_str
 from twocircuit_jax.parallel import mesh as pmesh, micro_batch as accumulate, pipeline as pipe
 
@@ -188,9 +188,9 @@ def make_fidelity_fn(
         if "ref_logp" in batch:
             dense_batch["ref_logp"] = dense_logp(ref_params, batch)
         if "is_weight" in batch:
-            dense_batch["is_weight"] = tis_weights(
-                lp, batch["sampler_logp"], batch["response_mask"], grpo_cfg.tis, grpo_cfg.tis_cap
-            )[0]
+            dense_batch["is_weight"] = correction_weights(lp, batch["sampler_logp"], batch["response_mask"], grpo_cfg)[
+                0
+            ]
         g_dense = dense_grad(params, dense_batch, cs)[1]
         out = grad_cosines(g_post, g_dense)
         # Without the anchor nothing rewrites G and the two are equal; logged anyway so runs compare key for key.

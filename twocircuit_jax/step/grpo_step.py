@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from twocircuit_jax.grpo.loss import grpo_loss
-from twocircuit_jax.grpo.tis import tis_weights
+from twocircuit_jax.grpo.tis import correction_weights
 from twocircuit_jax.metrics.gauges import entropy_summary
 from twocircuit_jax.metrics.mismatch import mismatch_metrics
 from twocircuit_jax.names import DENSE, OLD, REF, TRAIN  # noqa: F401  (DENSE, REF: read from here by step/programs.py)
@@ -147,9 +147,8 @@ def make_diagnostics_fn(grpo_cfg):
 
     def diagnostics(old_logp, sampler_logp, response_mask, full_mask, truncated, entropy):
         out, w = {}, None
-        if grpo_cfg.tis != "off":
-            w, tis_m = tis_weights(old_logp, sampler_logp, response_mask, grpo_cfg.tis, grpo_cfg.tis_cap)
-            out.update(tis_m)
+        w, corr = correction_weights(old_logp, sampler_logp, response_mask, grpo_cfg)
+        out.update(corr)
         out.update(mismatch_metrics(old_logp, sampler_logp, full_mask, truncated, weights=w))
         out.update(entropy_summary(entropy, full_mask))
         return w, out

@@ -11,7 +11,7 @@
 Mitigations (pure functions of the run config; each applied one stays for the rest of the run and is re-applied on
 resume from the checkpoint's meta):
   anchor_cadence  anchor.cadence halved (more dense fires)      kl        grpo.kl_coef x guard.kl_factor
-  tis             grpo.tis token (truncated importance sampling)  swap      anchor.swap.cadence = anchor.cadence
+  tis             grpo.tis token (unless icepop weights already)  swap      anchor.swap.cadence = anchor.cadence
   headroom        the generation cap x guard.headroom
 
 The guard's host state (`state_dict`) rides in the checkpoint meta; every action is also one line of
@@ -27,6 +27,7 @@ import os
 import sys
 
 from twocircuit_jax.config.base import ConfigError
+from twocircuit_jax.config.sections import IcePopMask
 
 WARN, STOP, ROLLBACK = 1, 2, 3
 ACTION_CODES = {"warn": WARN, "stop": STOP, "rollback": ROLLBACK}
@@ -48,6 +49,8 @@ def mitigate(cfg, name: str):
         return rep(cfg, grpo=rep(cfg.grpo, kl_coef=new)), f"grpo.kl_coef {k:g} -> {new:g}"
     if name == "tis":
         old = cfg.grpo.tis
+        if isinstance(cfg.grpo.is_mask, IcePopMask):  # its kept tokens carry ρ already; token TIS would square it
+            return cfg, "grpo.tis stays off: grpo.is_mask icepop weights every kept token by its ratio"
         return rep(cfg, grpo=rep(cfg.grpo, tis="token" if old == "off" else old)), f"grpo.tis {old} -> token"
     if name == "swap":
         old = cfg.anchor.swap.cadence
