@@ -313,3 +313,25 @@ def test_unfinished_runs_are_left_out_and_named_unless_asked_for(tmp_path, capsy
     ladder = ["compare", "--ladder", "1,2", f"{sweep}:dense", f"{sweep}:comp", f"{sweep}:dense", f"{sweep}:guarded"]
     assert main(ladder) == 0
     assert "Left out of comp, unfinished: seed_3 (step 15 of 30)." in capsys.readouterr().out
+
+
+def test_select_marks_the_candidate_with_the_highest_mean_auc(tmp_path, capsys):
+    """Three candidates over 2 seeds: the best by mean AUC is marked even where another ends higher on one seed;
+    a run still going is left out and named; --select with --ladder is refused."""
+    sweep = tmp_path / "grid"
+    _arm(sweep, "lr1", [0.40, 0.42])  # AUC of each run: final - 0.05
+    _arm(sweep, "lr2", [0.50, 0.46])
+    _arm(sweep, "lr4", [0.30, 0.55])
+    _write_run(sweep / "lr4" / "seed_2", 2, 0.9, upto=2)
+    specs = [f"{sweep}:lr1", f"{sweep}:lr2", f"{sweep}:lr4"]
+    from twocircuit_jax.metrics.compare import select
+
+    rows = select([parse_group(s) for s in specs])
+    assert [r["best"] for r in rows] == [False, True, False]
+    assert rows[1]["auc_accuracy"] == pytest.approx(0.43) and rows[2]["auc_accuracy"] == pytest.approx(0.375)
+    assert rows[2]["seeds"] == [0, 1]
+    assert main(["compare", "--select", *specs]) == 0
+    out = capsys.readouterr().out
+    assert "Best by mean AUC accuracy: lr2." in out and "| lr2 | 0,1 | 0.4300 |" in out and "seed_2 (step 2" in out
+    assert main(["compare", "--select", "--ladder", "1,2", *specs[:2]]) == 2
+    assert "--select" in capsys.readouterr().err

@@ -145,6 +145,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--ladder-name", default="ladder value", help="the ladder's knob, for the table and figure")
     c.add_argument(
+        "--select",
+        action="store_true",
+        help="groups are the candidates of one choice (e.g. one arm at several learning rates): each one's seed "
+        "means, the best by mean AUC accuracy marked",
+    )
+    c.add_argument(
         "--include-unfinished",
         action="store_true",
         help="count runs short of their train.steps as they are (default: left out, and named under the table)",
@@ -275,7 +281,15 @@ def _dispatch(args) -> int:
         )
         return 0
     if args.cmd == "compare":
-        if args.ladder:
+        if args.select and args.ladder:
+            from twocircuit_jax.config.base import ConfigError
+
+            raise ConfigError("--select", "choose one of --select and --ladder")
+        if args.select:
+            from twocircuit_jax.metrics.compare import run_select
+
+            text = run_select(args.groups, args.out, args.last_k, args.include_unfinished)
+        elif args.ladder:
             from twocircuit_jax.metrics.ladder import run_ladder
 
             text = run_ladder(

@@ -303,6 +303,48 @@ def run_compare(
     return text
 
 
+SELECT_KEYS = ("auc_accuracy", "final_accuracy", "last_k_accuracy", "gain_over_base")
+
+
+def select(groups: list[Group], last_k: int = 3) -> list[dict]:
+    """The candidates of one choice (an arm at several learning rates, say), one row each: its seeds and their
+    mean of each of SELECT_KEYS. The best is the highest mean AUC accuracy (the curve's average height: a run
+    that learns early and holds counts above one that ends level with it after a dip); ties go to the first."""
+    rows = []
+    for g in groups:
+        row = {"label": g.label, "seeds": sorted(g.seeds())}
+        for key in SELECT_KEYS:
+            vals = list(_by_seed(g, key, last_k).values())
+            row[key] = float(np.mean(vals)) if vals else None
+        rows.append(row)
+    scored = [r for r in rows if r["auc_accuracy"] is not None]
+    best = max(scored, key=lambda r: r["auc_accuracy"]) if scored else None
+    for r in rows:
+        r["best"] = r is best
+    return rows
+
+
+def select_markdown(rows: list[dict], last_k: int) -> str:
+    fmt = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
+    lines = [
+        f"| candidate | seeds | mean AUC accuracy | mean final accuracy | mean last-{last_k} accuracy | mean gain over "
+        "the base | best |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cells = [r["label"], ",".join(map(str, r["seeds"])), *(fmt(r[k]) for k in SELECT_KEYS), "**best**" * r["best"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    best = next((r["label"] for r in rows if r["best"]), None)
+    return "\n".join(lines) + f"\n\nBest by mean AUC accuracy: {best}.\n"
+
+
+def run_select(specs: list[str], out: str = "", last_k: int = 3, include_unfinished: bool = False) -> str:
+    """`compare --select`: the candidates' table, returned and written to `out`."""
+    check_options(last_k, 10_000)
+    groups = parse_groups(specs, include_unfinished)
+    return save_table(select_markdown(select(groups, last_k), last_k) + left_out_note(groups), out)
+
+
 def save_table(text: str, out: str) -> str:
     """The table, also written to `out` when given."""
     if out:
