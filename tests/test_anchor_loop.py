@@ -1,6 +1,7 @@
 """The anchor circuit through `twocircuit train`: fire markers and counters in metrics.jsonl, merger corrections,
 delayed pairing after warm-up, swaps that keep the optimizer shardings and never recompile the train step."""
 
+import dataclasses
 import json
 
 import jax
@@ -67,11 +68,11 @@ def test_fire_markers_counters_merger_and_swaps(anchor_run):
 
 def test_swap_in_loop_keeps_shardings_and_step_compiles_once(anchor_run):
     _, tr = anchor_run
-    assert tr.anchor.swaps == 5
-    assert tr.train_step._cache_size() == 1
-    assert tr.anchor._fire_jit._cache_size() == 1 and tr.anchor._swap_jit._cache_size() == 1
+    assert tr.built.anchor.swaps == 5
+    assert tr.built.programs.train_step._cache_size() == 1
+    assert tr.built.anchor._fire_jit._cache_size() == 1 and tr.built.anchor._swap_jit._cache_size() == 1
     got = jax.tree.leaves(jax.tree.map(lambda x: x.sharding, tr.state.opt_state))
-    want = jax.tree.leaves(tr.state_sh.opt_state)
+    want = jax.tree.leaves(tr.built.state_sh.opt_state)
     assert len(got) == len(want) and all(g == w for g, w in zip(got, want))
 
 
@@ -93,15 +94,15 @@ def test_dense_reference_only_for_the_rows_the_anchor_keeps(tmp_path):
     )
     cfg = load_config(data=data)
     with loop.GRPOTrainer(cfg, str(tmp_path / "run"), show_progress=False) as tr:
-        assert tr.codec.applies(REF)
-        calls, real, seen = [], tr.logp_anchor_ref, {}
+        assert tr.built.codec.applies(REF)
+        calls, real, seen = [], tr.built.programs.logp_anchor_ref, {}
 
         def spy(params, rows, cs):
-            calls.append((int(tr.state.tick) + 1, params is tr.ref_params, int(rows["tokens"].shape[0])))
+            calls.append((int(tr.state.tick) + 1, params is tr.built.ref_params, int(rows["tokens"].shape[0])))
             seen["rows"] = rows
             return real(params, rows, cs)
 
-        tr.logp_anchor_ref = spy
+        tr.built = dataclasses.replace(tr.built, programs=tr.built.programs._replace(logp_anchor_ref=spy))
         rows = []
         for _ in range(3):
             rows.append(tr.step())
@@ -109,13 +110,15 @@ def test_dense_reference_only_for_the_rows_the_anchor_keeps(tmp_path):
         assert calls == [(2, True, 8), (6, True, 8)]
         assert [r["anchor/fire"] for r in rows] == [0, 1, 0]
         assert all(np.isfinite(r["anchor/kl_loss"]) for r in rows if r["anchor/fire"])
-        assert tr.train_step._cache_size() == 1
-        [(tick, _, kept)] = tr.anchor.buffer._batches
+        assert tr.built.programs.train_step._cache_size() == 1
+        [(tick, _, kept)] = tr.built.anchor.buffer._batches
         assert tick == 6
         cs, last = tr.cs, seen["rows"]  # tick 6's rows as the loop handed them over (with their sample ids)
         np.testing.assert_array_equal(np.asarray(last["tokens"]), np.asarray(kept["tokens"]))
-        dense = dispatch.jit(make_logp_fn(tr.model_cfg, None, DENSE))(tr.ref_params, last, cs)[0]
-        codec_view = dispatch.jit(make_logp_fn(tr.model_cfg, tr.codec, REF))(tr.ref_params, last, cs)[0]
+        dense = dispatch.jit(make_logp_fn(tr.built.model_cfg, None, DENSE))(tr.built.ref_params, last, cs)[0]
+        codec_view = dispatch.jit(make_logp_fn(tr.built.model_cfg, tr.built.codec, REF))(tr.built.ref_params, last, cs)[
+            0
+        ]
         mask = np.asarray(kept["response_mask"]) > 0
         np.testing.assert_allclose(np.asarray(kept["ref_logp_dense"])[mask], np.asarray(dense)[mask], rtol=1e-5)
         assert np.abs(np.asarray(codec_view) - np.asarray(dense))[mask].max() > 0.1  # the views differ here

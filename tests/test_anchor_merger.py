@@ -180,24 +180,3 @@ def test_each_merger_keeps_only_its_own_state():
         assert list(st.m) == ["layers/down_proj/kernel", "layers/q_proj/kernel"]
     with pytest.raises(TypeError, match="expected SignedGateState"):
         merge(init_merger(p, _cfg()), _params(1), _cfg(merger="signed_gate"), True)
-
-
-def test_legacy_state_maps_to_each_mergers_own():
-    """A checkpoint written before the per-merger states holds one LegacyMergerState; `legacy_like` is its restore
-    target and `from_legacy` keeps the fields the merger reads, values unchanged."""
-    from twocircuit_jax.anchor import merger as mg
-
-    p = _params(0)
-    for mode in ("signed_ema", "signed_gate", "blend", "delayed_ef"):
-        cfg = _cfg(merger=mode)
-        st = _fire(cfg, init_merger(p, cfg), _params(2))
-        like = mg.legacy_like(st)
-        assert like._fields == ("m", "delta", "fired", "omega", "age", "cold_m_fallbacks")
-        assert (like.delta != {}) == (mode == "delayed_ef")  # old states held δ for delayed_ef only
-        old = like._replace(omega=jnp.float32(0.125) if mode == "signed_gate" else jnp.float32(0.0))
-        back = mg.from_legacy(old, type(st))
-        assert type(back) is type(st) and jax.tree.structure(back) == jax.tree.structure(st)
-        assert all(np.array_equal(np.asarray(back.m[k]), np.asarray(st.m[k])) for k in st.m)
-        assert int(back.fired) == 1
-        if mode == "signed_gate":
-            assert float(back.omega) == 0.125

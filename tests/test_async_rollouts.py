@@ -16,7 +16,7 @@ from tiny_run import tiny_config, with_device_count
 
 from twocircuit_jax.config import ConfigError, load_config
 from twocircuit_jax.train.loop import GRPOTrainer
-from twocircuit_jax.train.trainer_checkpoints import AHEAD_BLOB
+from twocircuit_jax.train.run_checkpoints import AHEAD_BLOB
 
 pytestmark = pytest.mark.slow
 
@@ -41,8 +41,8 @@ def _same(a, b):
 
 
 def _logp(tr, params, col):
-    dev = tr._shard_batch({k: col.batch[k] for k in ("tokens", "attention_mask", "sample_id")})
-    lp = np.asarray(tr.logp_dense(jax.tree.map(jnp.asarray, params), dev, tr.cs)[0])
+    dev = tr.built.shard({k: col.batch[k] for k in ("tokens", "attention_mask", "sample_id")})
+    lp = np.asarray(tr.built.programs.logp_dense(jax.tree.map(jnp.asarray, params), dev, tr.cs)[0])
     return np.max(np.abs(lp - col.batch["sampler_logp"]) * col.batch["response_mask"])
 
 
@@ -52,14 +52,14 @@ def inline_run(tmp_path_factory):
     the start of step gs; the weights of every version and each step's sampler-vs-trainer gaps."""
     run = str(tmp_path_factory.mktemp("async") / "a")
     tr = GRPOTrainer(load_config(data=CFG), run, show_progress=False)
-    assert tr.ahead is not None and not tr.ahead.threaded
+    assert tr.built.ahead is not None and not tr.built.ahead.threaded
     params, gaps = {0: jax.tree.map(np.asarray, tr.state.params)}, {}
     with tr:
         for gs in range(1, 5):
             tr.step()
             params[gs] = jax.tree.map(np.asarray, tr.state.params)
             if gs < 4:  # step gs+1's rollouts are finished (joined before version gs was published)
-                step, col = tr.ahead.held()
+                step, col = tr.built.ahead.held()
                 assert step == gs + 1
                 gaps[gs + 1] = {v: _logp(tr, params[v], col) for v in (gs - 1, gs)}
     return run, gaps
@@ -105,7 +105,7 @@ from twocircuit_jax.config import load_config
 from twocircuit_jax.train import built_run, loop
 cfg = load_config(data=json.loads(sys.argv[1]))
 tr = loop.GRPOTrainer(cfg, sys.argv[2], show_progress=False)
-assert tr.ahead.threaded, "one device: the embedded sampler generates in the background"
+assert tr.built.ahead.threaded, "one device: the embedded sampler generates in the background"
 tr.run()
 real = built_run.RolloutAhead  # the run's assembly makes it (train/built_run.py)
 built_run.RolloutAhead = lambda threaded: real(threaded=False)

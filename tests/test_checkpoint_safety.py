@@ -1,6 +1,7 @@
 """Checkpoints hold data only: the host-side parts round-trip bit for bit without pickle, and a planted pickle (the
 old format's file, or one in the new file's place) is refused with the file named and never executed."""
 
+import json
 import os
 import pickle
 
@@ -12,7 +13,7 @@ from tiny_run import tiny_config
 
 from twocircuit_jax.cli import main
 from twocircuit_jax.train import safe_blob
-from twocircuit_jax.train.trainer_checkpoints import AHEAD_BLOB, ANCHOR_BLOB
+from twocircuit_jax.train.run_checkpoints import AHEAD_BLOB, ANCHOR_BLOB
 
 
 class _Boom:
@@ -108,3 +109,26 @@ def test_resume_refuses_a_planted_pickle_and_runs_nothing(tmp_path, capsys):
         assert name in err and "not a data-only checkpoint part" in err
         assert not marker.exists()
         (blobs / name).write_bytes(good)
+
+    # 3. a checkpoint of another state layout, or one whose merger state is not this merger's: one line saying
+    # what to do instead, exit 2, and the checkpoint left as it was
+    meta_path = run / "checkpoints" / "step_00000002" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["merger_state"] is not None  # the anchor's merger keeps a state: the check below can fail
+    for change, words in (
+        ({"state_layout": 1}, ("state layout 1", "reads layout 2 only", "start a new run")),
+        ({"state_layout": 99}, ("state layout 99", "reads layout 2 only")),
+        ({"merger_state": "LegacyMergerState"}, ("merger state is LegacyMergerState", "start a new run")),
+    ):
+        meta_path.write_text(json.dumps({**meta, **change}))
+        assert main(argv + ["--resume"]) == 2
+        err = capsys.readouterr().err
+        assert all(w in err for w in words), err
+        assert len(err.strip().splitlines()) == 1, err
+    stripped = dict(meta)
+    del stripped["merger_state"]
+    meta_path.write_text(json.dumps(stripped))
+    assert main(argv + ["--resume"]) == 2
+    assert "before the per-merger states" in capsys.readouterr().err
+    meta_path.write_text(json.dumps(meta))
+    assert main(argv + ["--resume"]) == 0  # the checkpoint itself is untouched: the run resumes from it

@@ -347,17 +347,23 @@ def test_train_loop_hierarchical_powersgd_with_anchor(tmp_path):
         assert main(args) == 0
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][1:]
     t = seen["t"]
-    assert t.codec.grad_codec.hierarchical and t.codec.grad_axes == ("data",) and t.codec.grad_replicas == 2
+    assert (
+        t.built.codec.grad_codec.hierarchical
+        and t.built.codec.grad_axes == ("data",)
+        and t.built.codec.grad_replicas == 2
+    )
     assert all(np.isfinite(r["loss"]) for r in rows) and rows[-1]["powersgd/compressed"] == 1.0
     assert rows[-1]["merger/applied"] == 1.0
-    c = t.codec  # per tick: PowerSGD's bytes of one data replica + the dense boundary activations of one batch shard
+    c = (
+        t.built.codec
+    )  # per tick: PowerSGD's bytes of one data replica + the dense boundary activations of one batch shard
     grad = fbytes.powersgd_bytes(t.state.params, c.fcfg.grad_codec)["comm/bytes_compressed"]
     tokens = c.tokens_per_tick // 8
     act = fbytes.activation_bytes(c.fcfg.codec, tokens=tokens, hidden=c.model_cfg.hidden_size, boundaries=c.boundaries)
     assert rows[-1]["comm/bytes_compressed"] == pytest.approx((grad + act["comm/bytes_compressed"]) * c.ticks_per_step)
     params = t.state.params
     assert _check_split(params, jax.tree.map(lambda x: x.sharding, params), 4) == 8
-    for tree in (t.state.opt_state, t.cs.merger.m, t.cs.moments.m, t.cs.moments.v, t.ref_params):
+    for tree in (t.state.opt_state, t.cs.merger.m, t.cs.moments.m, t.cs.moments.v, t.built.ref_params):
         assert _check_split(tree, jax.tree.map(lambda x: x.sharding, tree), 4) >= 8
     e = t.cs.grad.e
     assert _check_split(e, jax.tree.map(lambda x: x.sharding, e), 4, lead=2) == 7

@@ -100,12 +100,14 @@ def test_guard_actions_and_mitigations_survive_resume(runs, base):
     before = open(f"{d}/guard.jsonl").read()
     t = GRPOTrainer(_cfg(base, True, steps=STEPS + 2), d, resume=True, show_progress=False)
     try:
-        assert t.cfg.grpo.kl_coef == pytest.approx(0.01) and t.cfg.grpo.tis == "token"  # re-applied from the meta
-        assert t.guard.rollbacks == 2 and t.guard.applied == ["kl", "tis"]
+        assert (
+            t.built.cfg.grpo.kl_coef == pytest.approx(0.01) and t.built.cfg.grpo.tis == "token"
+        )  # re-applied from the meta
+        assert t.built.guard.rollbacks == 2 and t.built.guard.applied == ["kl", "tis"]
         assert open(f"{d}/guard.jsonl").read() == before
-        assert t.user_cfg.grpo.kl_coef == pytest.approx(0.001)  # the config as given is what config.yaml keeps
+        assert t.built.user_cfg.grpo.kl_coef == pytest.approx(0.001)  # the config as given is what config.yaml keeps
     finally:
-        t.sampler.close()
+        t.built.sampler.close()
         t.logger.close()
 
 

@@ -87,7 +87,7 @@ def _assert_rows_match(one, many):
 @pytest.mark.slow
 def test_two_processes_equal_one(tmp_path):
     """Also a preemption of one process of the two: SIGTERM to process 1 alone after step 1. The processes agree on
-    the stop at that step boundary (one all-gather a step, train/trainer_checkpoints.py): both write their shards
+    the stop at that step boundary (one all-gather a step, train/faults.py StopSignals.agreed): both write their shards
     of one step-1 checkpoint and exit 0. Had process 0 gone on alone, its next collective would wait for a process
     that has left (an error or a hang), and a checkpoint written by one process alone would not load."""
     cfg = tmp_path / "cfg.yaml"

@@ -105,11 +105,10 @@ CFG = tiny_config(
 )
 
 
-def _run(path, fused, monkeypatch, fast=None):
-    monkeypatch.setattr(loop.GRPOTrainer, "FUSE_OLD_PASS", fused)
-    data = {**CFG, "fast": {**CFG["fast"], **(fast or {})}}
+def _run(path, fused, fast=None):
+    data = {**CFG, "fast": {**CFG["fast"], **(fast or {})}, "train": {**CFG["train"], "fused_old_pass": fused}}
     with loop.GRPOTrainer(load_config(data=data), path, show_progress=False) as tr:
-        assert tr.old_from_train is fused
+        assert tr.built.programs.fused_old_pass is fused
         tr.step(), tr.step()
         params = jax.tree.map(np.asarray, tr.state.params)
     return [json.loads(line) for line in open(os.path.join(path, "metrics.jsonl"))], params
@@ -124,13 +123,13 @@ FAST = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("codec", list(FAST))
-def test_loop_skips_the_old_pass_and_reports_the_same(tmp_path, monkeypatch, codec):
+def test_loop_skips_the_old_pass_and_reports_the_same(tmp_path, codec):
     """Dense; under the PRF mask, whose ℓ_old view is the train view (the same mask bits); and under PowerSGD,
     whose loss runs per data replica (8 here): the diagnostics gather their inputs, so a max, a correlation and
     the TIS weights are the global ones, not means over replicas."""
     fast = FAST[codec]
-    fused, p_fused = _run(str(tmp_path / "fused"), True, monkeypatch, fast)
-    apart, p_apart = _run(str(tmp_path / "apart"), False, monkeypatch, fast)
+    fused, p_fused = _run(str(tmp_path / "fused"), True, fast)
+    apart, p_apart = _run(str(tmp_path / "apart"), False, fast)
     for f, a in zip(fused, apart, strict=True):
         assert "time/logprob_s" not in f and a["time/logprob_s"] > 0  # KL 0: no log-prob pass at all
         prefixes = ("mismatch/", "tis/", "policy/", "ppo/", "grad/", "reward/", "codec/old_logprob/")
@@ -150,7 +149,7 @@ def test_a_second_epoch_keeps_the_separate_old_pass(tmp_path):
     """With ppo_epochs 2 the second tick's ℓ_old is the first tick's weights, not its own forward: no fusion."""
     data = {**CFG, "train": {**CFG["train"], "ppo_epochs": 2}}
     with loop.GRPOTrainer(load_config(data=data), str(tmp_path / "r"), show_progress=False) as tr:
-        assert not tr.old_from_train
+        assert not tr.built.programs.fused_old_pass
         m = tr.step()
     assert m["time/logprob_s"] > 0 and m["tick"] == 2
     assert m["ppo/clip_frac"] >= 0 and "mismatch/kl_k3" in m
@@ -158,7 +157,7 @@ def test_a_second_epoch_keeps_the_separate_old_pass(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("codec", [{"type": "lowrank", "rank": 3}])  # the PRF mask's fused pass: the test above
-def test_the_anchor_keeps_the_fused_pass_and_the_same_run(tmp_path, monkeypatch, codec):
+def test_the_anchor_keeps_the_fused_pass_and_the_same_run(tmp_path, codec):
     """The two-circuit run (anchor firing every other tick with the optimizer-state swap, KL on so the fire reads
     the dense reference ℓ_ref^dense; under lowrank the anchor owns the basis, and a fire's sketch, absorbed before
     the tick, must not change the tick's view): with the old pass fused into the tick nothing changes, neither the
@@ -172,14 +171,15 @@ def test_the_anchor_keeps_the_fused_pass_and_the_same_run(tmp_path, monkeypatch,
     }
     runs = {}
     for fused in (True, False):
-        monkeypatch.setattr(loop.GRPOTrainer, "FUSE_OLD_PASS", fused)
         path = str(tmp_path / str(fused))
-        with loop.GRPOTrainer(load_config(data=data), path, show_progress=False) as tr:
-            assert tr.old_from_train is fused and tr.anchor is not None
-            assert tr.anchor.owns_q is (codec["type"] == "lowrank")
+        run = {**data, "train": {**data["train"], "fused_old_pass": fused}}
+        with loop.GRPOTrainer(load_config(data=run), path, show_progress=False) as tr:
+            b = tr.built
+            assert b.programs.fused_old_pass is fused and b.anchor is not None
+            assert b.anchor.owns_q is (codec["type"] == "lowrank")
             for _ in range(4):
                 tr.step()
-            old_programs = tr.logp_old._cache_size()
+            old_programs = b.programs.logp_old._cache_size()
             params = jax.tree.map(np.asarray, tr.state.params)
         runs[fused] = [json.loads(line) for line in open(os.path.join(path, "metrics.jsonl"))], params, old_programs
     (fused, p_fused, n_fused), (apart, p_apart, n_apart) = runs[True], runs[False]

@@ -58,7 +58,7 @@ def test_staged_loop_compiles_each_pass_once(straight):
     # comm/hlo/*: the train step's traffic from its compiled program, per data replica per step. The boundary
     # carries r = 3 fp32 coefficients per token of a replica's microbatch, forward and back, at each of the
     # M + S - 1 = 3 ticks (bubble ticks send too), for each of the step's mini-batches.
-    cfg = trainer.cfg
+    cfg = trainer.built.cfg
     mb_rows = cfg.train.mini_batch * cfg.sampler.n // 2 // 4  # M = 2 microbatches over 4 data replicas
     tokens = mb_rows * (cfg.train.max_prompt_len + cfg.sampler.sampling.max_new_tokens)
     want = 3 * tokens * 3 * 4 * cfg.ticks_per_step
@@ -88,7 +88,7 @@ def test_staged_resume_is_exact(straight, tmp_path):
 def test_export_gathers_the_stage_split_parameters(straight, tmp_path):
     trainer, _ = straight
     params = trainer.state.params
-    version = export_weights(params, trainer.model_cfg, str(tmp_path / "export"), 1)
+    version = export_weights(params, trainer.built.model_cfg, str(tmp_path / "export"), 1)
     _, loaded = load_export(version)
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
         assert a.shape == b.shape

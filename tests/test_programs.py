@@ -7,6 +7,7 @@ programs with the same abstract arguments, and each program lowered on its argum
 text (hashed): dense with separate ℓ_old and ℓ_ref passes; the PRF mask with PowerSGD; the anchor with a low-rank
 basis it owns, the probe, and its dense reference pass; the fused ℓ_old path under PowerSGD."""
 
+import dataclasses
 import hashlib
 
 import jax
@@ -102,13 +103,14 @@ def test_the_trainer_runs_the_programs_built_from_shapes(tmp_path, case):
     data = tiny_config(train=train, eval={"at_start": False, "at_end": False}, **sections)
     cfg = load_config(data=data)
     with loop.GRPOTrainer(cfg, str(tmp_path / "run"), show_progress=False) as tr:
-        assert tr.model_cfg == cfg.model  # the shapes side builds cfg.model
-        observed = {n: _Observed(getattr(tr, n)) for n in NAMES if getattr(tr, n) is not None}
-        for n, o in observed.items():
-            setattr(tr, n, o)
-        if tr.anchor is not None:
-            observed["anchor_fire"] = _Observed(tr.anchor._fire_jit)
-            tr.anchor._fire_jit = observed["anchor_fire"]
+        assert tr.built.model_cfg == cfg.model  # the shapes side builds cfg.model
+        programs = tr.built.programs
+        observed = {n: _Observed(getattr(programs, n)) for n in NAMES if getattr(programs, n) is not None}
+        # every later call reads its programs from the built run: the spies go into a new one
+        tr.built = dataclasses.replace(tr.built, programs=programs._replace(**observed))
+        if tr.built.anchor is not None:
+            observed["anchor_fire"] = _Observed(tr.built.anchor._fire_jit)
+            tr.built.anchor._fire_jit = observed["anchor_fire"]
         tr.step()
         ran = {n: o.calls[0] for n, o in observed.items() if o.calls}
         jax.clear_caches()  # a cached lowering keeps the spelling of the shardings of the call that made it
@@ -131,15 +133,15 @@ def _variant(case, cfg, tr):
     from twocircuit_jax.step.grpo_step import make_grpo_loss
     from twocircuit_jax.step.train_step import build_train_step
 
-    loss = tr.programs.loss_fn
+    loss = tr.built.programs.loss_fn
     if case == "fused_powersgd":
-        loss = make_grpo_loss(tr.model_cfg, cfg.grpo, 4, None, None, diagnose=True)
+        loss = make_grpo_loss(tr.built.model_cfg, cfg.grpo, 4, None, None, diagnose=True)
     return build_train_step(
         loss,
-        tr.optimizer,
-        tr.state_sh,
-        tr.mesh,
-        circuit_sharding=tr.cs_sh,
-        grad_fn=tr.codec.grad_fn(tr.state_sh.params),
-        absorb_aux=tr.codec.absorb_aux,
+        tr.built.optimizer,
+        tr.built.state_sh,
+        tr.built.mesh,
+        circuit_sharding=tr.built.cs_sh,
+        grad_fn=tr.built.codec.grad_fn(tr.built.state_sh.params),
+        absorb_aux=tr.built.codec.absorb_aux,
     )

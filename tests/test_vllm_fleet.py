@@ -81,7 +81,7 @@ def two_engines(tmp_path_factory):
     from twocircuit_jax.sampler.fleet import VLLMFleet
 
     tr = _trainer(tmp_path / "run", engines=2)
-    fleet = tr.sampler
+    fleet = tr.built.sampler
     assert isinstance(fleet, VLLMFleet) and len(fleet.engines) == 2
     leaders = [e.proc.pid for e in fleet.engines]
     rows, killed, after = [], [], {}
@@ -193,11 +193,11 @@ def test_endpoint_engine_started_by_serve_sampler(tmp_path, two_engines):
         )
         with tr:
             rows = [tr.step() for _ in range(STEPS)]
-            m = tr.sampler.metrics()
+            m = tr.built.sampler.metrics()
         assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
         assert [r["sampler/weight_version"] for r in rows] == list(range(STEPS))
         # every rollout row (and the held-out evaluations' at the start and the end)
-        assert m["sampler/engine_0/rows"] == STEPS * tr.cfg.train.train_batch * tr.cfg.sampler.n + 2 * 4
+        assert m["sampler/engine_0/rows"] == STEPS * tr.built.cfg.train.train_batch * tr.built.cfg.sampler.n + 2 * 4
         assert m["sampler/engine_0/version"] == STEPS
         one = [r["reward/mean"] for r in rows]
         two = [r["reward/mean"] for r in two_engines["rows"]]

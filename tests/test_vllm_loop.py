@@ -43,19 +43,19 @@ def test_vllm_async_rollouts_come_from_the_previous_version(tmp_path):
         "grpo": {"tis": "token"},
     }
     tr = GRPOTrainer(load_config(data=data), str(tmp_path / "run"), show_progress=False)
-    assert tr.ahead.threaded
+    assert tr.built.ahead.threaded
     params, rows = {0: jax.tree.map(np.asarray, tr.state.params)}, []
     with tr:
         for gs in (1, 2, 3):
             rows.append(tr.step())
             params[gs] = jax.tree.map(np.asarray, tr.state.params)
             if gs < 3:
-                step, col = tr.ahead.held()
+                step, col = tr.built.ahead.held()
                 assert step == gs + 1 and col.weight_version == gs - 1
-                dev = tr._shard_batch({k: col.batch[k] for k in ("tokens", "attention_mask", "sample_id")})
+                dev = tr.built.shard({k: col.batch[k] for k in ("tokens", "attention_mask", "sample_id")})
                 gap = {}
                 for v in (gs - 1, gs):
-                    lp = np.asarray(tr.logp_dense(jax.tree.map(jnp.asarray, params[v]), dev, tr.cs)[0])
+                    lp = np.asarray(tr.built.programs.logp_dense(jax.tree.map(jnp.asarray, params[v]), dev, tr.cs)[0])
                     gap[v] = np.max(np.abs(lp - col.batch["sampler_logp"]) * col.batch["response_mask"])
                 assert gap[gs - 1] < 1e-4 and gap[gs] > 10 * gap[gs - 1], gap
     assert [r["sampler/weight_version"] for r in rows] == [0, 0, 1]

@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     out = {"broadcast": broadcast_checks() if a.broadcast_check else None, "rows": []}
     tr = GRPOTrainer(load_config(a.config), a.out, resume=a.resume, show_progress=False)
     with tr:
-        last = tr.cfg.train.steps if not a.steps else min(tr.cfg.train.steps, tr.gs + a.steps)
+        last = tr.built.cfg.train.steps if not a.steps else min(tr.built.cfg.train.steps, tr.gs + a.steps)
         while tr.gs < last:
             out["rows"].append(tr.step())
         # a held-out evaluation: the sampler's plain generate (no step-ahead thread), broadcast from process 0

@@ -11,7 +11,7 @@ Device state lives in the circuit state the loop threads through (step/circuit_s
 one fixed sharding so the step compiles once) and `cs.moments` (swap only; sharded like the parameters). This
 object keeps configuration, host counters and the host replay buffers, all in `state_dict()`. Resume: the
 trainer puts the counters in the checkpoint's meta and the retained batches, host snapshots and projection window
-beside it as plain data (train/trainer_checkpoints.py; stored without pickle, train/safe_blob.py), so a resumed run
+beside it as plain data (train/run_checkpoints.py; stored without pickle, train/safe_blob.py), so a resumed run
 fires on the same pairs as an uninterrupted one.
 """
 

@@ -97,37 +97,6 @@ STATES = {
 }
 
 
-class LegacyMergerState(NamedTuple):
-    """The one state of every merger that checkpoints written before the per-merger states hold (restore target
-    only; `from_legacy` maps it to the merger's own state)."""
-
-    m: Dict[str, jax.Array]
-    delta: Dict[str, jax.Array]  # {} unless delayed_ef
-    fired: jax.Array
-    omega: jax.Array
-    age: jax.Array
-    cold_m_fallbacks: jax.Array
-
-
-def legacy_like(state):
-    """The LegacyMergerState an old checkpoint holds for a merger whose current state is `state` (arrays or
-    shapes): δ only for delayed_ef, ω always (a scalar)."""
-    scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=getattr(state.fired, "sharding", None))
-    return LegacyMergerState(
-        m=state.m,
-        delta=getattr(state, "delta", {}),
-        fired=state.fired,
-        omega=getattr(state, "omega", scalar),
-        age=state.age,
-        cold_m_fallbacks=state.cold_m_fallbacks,
-    )
-
-
-def from_legacy(old: LegacyMergerState, state_type):
-    """The fields of `state_type` picked out of a restored LegacyMergerState (the rest were unused by its merger)."""
-    return state_type(**{k: getattr(old, k) for k in state_type._fields})
-
-
 def merger_type(cfg) -> str:
     """The merger's `type:` name of a merger section (config/anchor.py)."""
     from twocircuit_jax.config.anchor import MergerConfig

@@ -673,6 +673,14 @@ class TrainConfig:
             "data-parallel size; not with mesh.stage > 1; 0 = the whole mini-batch at once"
         ),
     )
+    fused_old_pass: bool = field(
+        default=True,
+        metadata=doc(
+            "a step of one tick takes ℓ_old from the tick's own forward (one forward fewer; step/programs.py "
+            "fuses_old_pass says where it applies); false = a separate ℓ_old pass, the reference path (the same "
+            "metrics to float round-off)"
+        ),
+    )
     async_rollouts: int = field(
         default=0,
         metadata=doc(

@@ -86,7 +86,7 @@ def _train_batch(cfg, programs, B: int) -> dict:
     truncation flags the loss's diagnostics read, else ℓ_old and the TIS weights from the separate passes."""
     b = _packed(cfg, B)
     lp = b["sampler_logp"]
-    if programs.old_from_train:
+    if programs.fused_old_pass:
         b["full_mask"], b["truncated"] = lp, jax.ShapeDtypeStruct((B,), jnp.bool_)
     else:
         b["old_logp"] = lp
@@ -149,7 +149,7 @@ def abstract_programs(cfg, devices, *, lowering_platform: str | None = None) -> 
     out = {"train_step": Program(p.train_step, (a.state, cs, a.batch))}
     lp = a.step_rows["tokens"]
     full = jax.ShapeDtypeStruct(lp.shape, jnp.float32, sharding=lp.sharding)  # a [B, T] fp32 over the step's rows
-    if not p.old_from_train:
+    if not p.fused_old_pass:
         out["logp_old"] = Program(p.logp_old, (params, a.step_rows, cs))
         trunc = jax.ShapeDtypeStruct(lp.shape[:1], jnp.bool_, sharding=a.step_rows["sample_id"].sharding)
         out["diagnostics"] = Program(p.diagnostics, (full, full, full, full, trunc, full))

@@ -78,10 +78,11 @@ def fuses_old_pass(cfg, codec, pipeline) -> bool:
     ℓ_old takes the codec's view: the train view is the same (the codec keys on the step and the rows, not on the
     path). Under a gradient codec the loss runs per data replica: the diagnostics gather their inputs over the batch
     axes (grpo_step.make_grpo_loss, rows_over). With the anchor too: a fire reads neither ℓ_old nor the live weights
-    and writes no weight, so the tick's forward sees what a pass would."""
+    and writes no weight, so the tick's forward sees what a pass would. Off with `train.fused_old_pass: false`."""
     one_view = codec is None or not codec.has_activation_codec or codec.applies(OLD)
     return (
-        cfg.ticks_per_step == 1
+        cfg.train.fused_old_pass
+        and cfg.ticks_per_step == 1
         and cfg.train.ppo_epochs == 1
         and one_view
         and pipeline is None
@@ -99,7 +100,7 @@ def anchor_ref_own_pass(cfg, codec) -> bool:
 
 
 class Programs(NamedTuple):
-    old_from_train: bool  # the train step's forward is the old-log-prob pass (fuses_old_pass)
+    fused_old_pass: bool  # the train step's forward is the old-log-prob pass (fuses_old_pass)
     loss_fn: Any  # the GRPO loss the train step differentiates
     train_step: Any  # (state, cs, mini-batch) -> (state, cs, metrics), state and cs donated
     diagnostics: Any  # (ℓ_old, ℓ_sampler, response mask, full mask, truncated, entropy) -> (TIS weights, metrics)
@@ -112,16 +113,15 @@ class Programs(NamedTuple):
     anchor_fire: Any  # the anchor's fire (anchor/circuit.py jits it), or None without the anchor
 
 
-def build_programs(cfg, model_cfg, mesh, optimizer, state_sh, circuits: Circuits, *, fuse_old: bool = True):
-    """Every program of a run; nothing is compiled until first called (or lowered). `fuse_old`: allow the fused
-    ℓ_old path where it applies (GRPOTrainer.FUSE_OLD_PASS)."""
+def build_programs(cfg, model_cfg, mesh, optimizer, state_sh, circuits: Circuits):
+    """Every program of a run; nothing is compiled until first called (or lowered)."""
     pl, fc, anchor = circuits.pipeline, circuits.codec, circuits.anchor
     act = fc if (fc and fc.has_activation_codec) else None
     max_new = cfg.sampler.sampling.max_new_tokens
-    old_from_train = fuse_old and fuses_old_pass(cfg, fc, pl)
+    fused_old_pass = fuses_old_pass(cfg, fc, pl)
     rows_over = fc.grad_axes if (fc and fc.grad_codec is not None) else None  # the gradient codec's manual axes
     mb = accumulate.check(cfg, pmesh.dp_size(mesh))  # train.micro_batch (ConfigError), 0 = one pass
-    loss_fn = make_grpo_loss(model_cfg, cfg.grpo, max_new, act, pl, diagnose=old_from_train, rows_over=rows_over)
+    loss_fn = make_grpo_loss(model_cfg, cfg.grpo, max_new, act, pl, diagnose=fused_old_pass, rows_over=rows_over)
     grad_fn = fc.grad_fn(state_sh.params, micro_batch=mb) if fc else None
     grad_transform = anchor.grad_transform if anchor else None
     fidelity = None
@@ -153,7 +153,7 @@ def build_programs(cfg, model_cfg, mesh, optimizer, state_sh, circuits: Circuits
     )
     rows = dict(micro_batch=mb, mesh=mesh)  # the forward-only passes hold one micro-batch's activations too
     return Programs(
-        old_from_train=old_from_train,
+        fused_old_pass=fused_old_pass,
         loss_fn=loss_fn,
         train_step=train_step,
         diagnostics=dispatch.jit(make_diagnostics_fn(cfg.grpo)),

@@ -68,7 +68,7 @@ class BuiltRun:
     codec: Any  # fast.circuit.FastCircuit, or None when both codecs are off
     anchor: Any  # anchor.circuit.AnchorCircuit, or None
     cs_sh: Any  # CircuitState of shardings (one fixed tree: the step compiles once)
-    programs: Programs  # every jitted program; `programs.old_from_train` says where ℓ_old comes from
+    programs: Programs  # every jitted program; `programs.fused_old_pass` says where ℓ_old comes from
     sampler: Any = None  # the rollout engine (start_sampler)
     evaluator: Any = None  # held-out evaluation with the sampler (start_sampler)
 
@@ -116,10 +116,9 @@ def _resume_step(ckpt) -> int | None:
     return None
 
 
-def assemble(cfg, task, run_dir: str, *, resume: bool, allow_config_change: bool, fuse_old: bool):
+def assemble(cfg, task, run_dir: str, *, resume: bool, allow_config_change: bool):
     """(BuiltRun without its sampler, train state, circuit state of tick 1) of config `cfg` (a RunConfig) in
-    `run_dir`. `task`: one built from Python objects (train/trainer_inputs.py), else None. `fuse_old`: allow the
-    fused ℓ_old path where it applies (GRPOTrainer.FUSE_OLD_PASS)."""
+    `run_dir`. `task`: one built from Python objects (train/trainer_inputs.py), else None."""
     ckpt = CheckpointManager(os.path.join(run_dir, "checkpoints"), keep_last=2)
     user_cfg = cfg  # as given; the guard's mitigations in force are applied on top (and saved in the meta)
     if resume:  # before any work: a config that changes the training is refused (exit 2) unless allowed
@@ -159,7 +158,7 @@ def assemble(cfg, task, run_dir: str, *, resume: bool, allow_config_change: bool
     state = to_global(state, state_sh)
     # Frozen reference policy: a copy (the train state's buffers are donated every tick), in the compute dtype.
     ref_params = reference_copy(to_global(params, state_sh.params), model_cfg.compute_dtype)
-    parts, cs = _circuits(cfg, model_cfg, mesh, optimizer, state_sh, state.params, fuse_old)
+    parts, cs = _circuits(cfg, model_cfg, mesh, optimizer, state_sh, state.params)
     ahead = None
     if t.async_rollouts:
         # The embedded sampler's programs may not run beside the trainer's on a multi-device XLA:CPU mesh.
@@ -198,22 +197,22 @@ def _check_async_many_processes(cfg) -> None:
         )
 
 
-def _circuits(cfg, model_cfg, mesh, optimizer, state_sh, params, fuse_old: bool):
+def _circuits(cfg, model_cfg, mesh, optimizer, state_sh, params):
     """({pipeline, codec, anchor, cs_sh, programs} of `cfg`, fresh circuit state): the fast circuit and the anchor
     when the config turns them on (None = absent, not merely idle), every circuit-state field existing from tick 1
     so the step compiles once, and every program built on them (step/programs.py)."""
     c = build_circuits(cfg, model_cfg, mesh, params)
-    programs = build_programs(cfg, model_cfg, mesh, optimizer, state_sh, c, fuse_old=fuse_old)
+    programs = build_programs(cfg, model_cfg, mesh, optimizer, state_sh, c)
     return dict(pipeline=c.pipeline, codec=c.codec, anchor=c.anchor, cs_sh=c.cs_sh, programs=programs), c.cs
 
 
-def rebuilt(built: BuiltRun, cfg, params, fuse_old: bool):
+def rebuilt(built: BuiltRun, cfg, params):
     """(built run, fresh circuit state) under a guard mitigation's config: new circuits (fresh host state, which the
     rollback's checkpoint then restores) and programs; the collector samples to the new cap. The sampler stays: a
     new cap needs `start_sampler` too."""
     sampling = rollout_sampling(cfg)
     built.collector.set_config(cfg, sampling)
-    parts, cs = _circuits(cfg, built.model_cfg, built.mesh, built.optimizer, built.state_sh, params, fuse_old)
+    parts, cs = _circuits(cfg, built.model_cfg, built.mesh, built.optimizer, built.state_sh, params)
     return dataclasses.replace(built, cfg=cfg, rollout_sampling=sampling, **parts), cs
 
 
@@ -228,24 +227,3 @@ def start_sampler(built: BuiltRun, params, version: int) -> BuiltRun:
         sampler.close()
         raise
     return dataclasses.replace(built, sampler=sampler, evaluator=evaluator)
-
-
-def exposes_parts(cls):
-    """Class decorator: the built run's parts read as the instance's own (`trainer.cfg` is `trainer.built.cfg`),
-    read-only: a different run is a new BuiltRun. The programs (`trainer.train_step`, ...) may be swapped for
-    instrumentation (a test's spy): assigning one puts it in a new BuiltRun, which every later call reads."""
-
-    def part(name):
-        return property(lambda self: getattr(self.built, name), doc=f"`built.{name}` (train/built_run.py)")
-
-    def program(name):
-        def swap(self, fn):
-            self.built = dataclasses.replace(self.built, programs=self.built.programs._replace(**{name: fn}))
-
-        return property(lambda self: getattr(self.built.programs, name), swap, doc=f"`built.programs.{name}`")
-
-    for name in (*(f.name for f in dataclasses.fields(BuiltRun)), "max_new"):
-        setattr(cls, name, part(name))
-    for name in Programs._fields:
-        setattr(cls, name, program(name))
-    return cls

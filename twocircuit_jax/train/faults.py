@@ -219,3 +219,17 @@ class StopSignals:
         for s, h in self._old.items():
             signal.signal(s, h)
         self._old = {}
+
+    def agreed(self) -> bool:
+        """Whether a stop signal arrived here or at another process of the run: several processes agree first (one
+        tiny all-gather a step, multi-process runs only), so a checkpoint is written by all of them or by none."""
+        import jax
+
+        asked = self.requested is not None
+        if jax.process_count() > 1:
+            import numpy as np
+            from jax.experimental import multihost_utils
+
+            if bool(np.any(multihost_utils.process_allgather(np.int32(asked)))) and not asked:
+                self.requested, asked = "a signal to another process", True
+        return asked

@@ -20,16 +20,14 @@ from twocircuit_jax.metrics.gauges import length_slope, length_stats, to_floats
 from twocircuit_jax.metrics.logger import MetricsLogger
 from twocircuit_jax.parallel.distributed import is_primary
 from twocircuit_jax.step.circuit_state import place, set_clock
-from twocircuit_jax.train import built_run, faults, step_phases as ph
+from twocircuit_jax.train import built_run, faults, run_checkpoints, step_phases as ph
 from twocircuit_jax.train.built_run import step_seed
 from twocircuit_jax.train.guard import mitigate
 from twocircuit_jax.train.timing import PhaseTimer
-from twocircuit_jax.train.trainer_checkpoints import TrainerCheckpoints
 from twocircuit_jax.train.trainer_inputs import as_config, python_task
 
 
-@built_run.exposes_parts
-class GRPOTrainer(TrainerCheckpoints):
+class GRPOTrainer:
     """GRPO on a task from the config, or on one's own reward functions and rows:
 
         trainer = GRPOTrainer(cfg, "runs/x", reward_fns=[f, g], train_dataset=rows, eval_dataset=held_out)
@@ -38,10 +36,9 @@ class GRPOTrainer(TrainerCheckpoints):
     `cfg` is a RunConfig, a dict of sections or a YAML path; `run_dir` defaults to runs/<cfg.name>. Reward
     functions are callables `(prompts, completions, **fields) -> list[float]` (tasks/python_task.py), weighted by
     `reward_weights`; datasets are iterables of dicts (a `datasets.Dataset` too) with the prompt field
-    (`task.prompt_key`, default "prompt") and the fields the functions read. The built run's parts read as the
-    trainer's own (`trainer.cfg`, `.codec`, `.train_step`: built_run.exposes_parts)."""
-
-    FUSE_OLD_PASS = True  # one tick per step: ℓ_old from the train forward, no separate pass (False: always separate)
+    (`task.prompt_key`, default "prompt") and the fields the functions read. What the run is built of (config,
+    mesh, circuits, programs, sampler, checkpoints) is `trainer.built` (train/built_run.py); the trainer owns what
+    changes as it trains: `state`, `cs`, `gs`, `history`."""
 
     def __init__(
         self,
@@ -71,34 +68,32 @@ class GRPOTrainer(TrainerCheckpoints):
 
     def _construct(self, cfg, task, run_dir, resume, show_progress, allow_config_change):
         self.built, self.state, self.cs = built_run.assemble(
-            cfg, task, run_dir, resume=resume, allow_config_change=allow_config_change, fuse_old=self.FUSE_OLD_PASS
+            cfg, task, run_dir, resume=resume, allow_config_change=allow_config_change
         )
         self.history, self.comm_hlo = {"length/mean": [], "best": None}, None  # comm_hlo: staged runs' collectives
-        self.start_step, resume_row, ahead_blob = self._restore() if resume else (0, None, None)
+        self.start_step, resume_row, ahead_blob = 0, None, None
+        if resume:
+            got, resume_row, ahead_blob = run_checkpoints.restore_latest(self.built, self.state, self.cs)
+            self.start_step, self.state, self.cs, self.history = got.step, got.state, got.cs, got.history
         # Everything a step reads is set here, so `step()` works without `run()`: the last step done, the weight
         # version the sampler holds, whether the start-of-run evaluation has run, the guard's stop.
         self.gs = self.state_version = self.start_step
         self.began, self.stopped, self.closed = self.start_step > 0, None, False
         self.timer = PhaseTimer()
         self.summary = {"base_accuracy": None, "final_accuracy": None}
-        self.built = built_run.start_sampler(self.built, self.state.params, self.start_step)
-        if self.ahead is not None and ahead_blob is not None:
-            self.ahead.load_state_dict(ahead_blob)
+        self.built = b = built_run.start_sampler(self.built, self.state.params, self.start_step)
+        if b.ahead is not None and ahead_blob is not None:
+            b.ahead.load_state_dict(ahead_blob)
         # Run-level files come from process 0 alone; the others run the same steps and write only their shards of
         # each checkpoint (train/checkpoint.py).
         self.logger = None
         if is_primary():
-            save_config(self.user_cfg, os.path.join(run_dir, "config.yaml"))
+            save_config(b.user_cfg, os.path.join(run_dir, "config.yaml"))
             first = self.start_step if resume else None
-            self.logger = MetricsLogger(
-                run_dir, self.cfg.train.steps, show_progress=show_progress, resume_from_step=first
-            )
+            self.logger = MetricsLogger(run_dir, b.cfg.train.steps, show_progress=show_progress, resume_from_step=first)
             if resume_row is not None and self.logger.last_step < self.start_step:
                 # The checkpoint was committed and the process died before its step's line was written.
                 self.logger.log(self.start_step, resume_row)
-
-    def _shard_batch(self, batch):
-        return self.built.shard(batch)
 
     # --- one GRPO step ----------------------------------------------------------------------------------------
     def grpo_step(self, gs: int) -> dict:
@@ -138,7 +133,8 @@ class GRPOTrainer(TrainerCheckpoints):
     # --- the run ----------------------------------------------------------------------------------------------
     def evaluate(self, gs) -> dict:
         """Held-out evaluation with the sampler's current weights (no logging)."""
-        return self.evaluator.run(self.sampler, seed=step_seed(self.cfg.train.seed, gs, salt=99))
+        b = self.built
+        return b.evaluator.run(b.sampler, seed=step_seed(b.cfg.train.seed, gs, salt=99))
 
     def _evaluate_timed(self, gs) -> dict:
         with self.timer("eval"):
@@ -150,12 +146,12 @@ class GRPOTrainer(TrainerCheckpoints):
         if self.began:
             return {}
         self.began = True
-        if not self.cfg.eval.at_start:
+        if not self.built.cfg.eval.at_start:
             return {}
         ev = self._evaluate_timed(0)
         metrics = {"step": 0, "tick": 0, **ev, **self.timer.take()}
         self.summary["base_accuracy"] = ev.get("eval/accuracy")
-        if self.guard and ev:  # a rollback always has somewhere to go
+        if self.built.guard and ev:  # a rollback always has somewhere to go
             with self.timer("checkpoint"):
                 self._maybe_save_best(0, ev)
             metrics.update(self.timer.take())
@@ -167,7 +163,7 @@ class GRPOTrainer(TrainerCheckpoints):
         """Run the next GRPO step (`self.gs + 1`) with what the run does around it: the evaluation when due, the
         health gauges, the collapse guard, the metrics line, checkpoints. Returns the step's metrics (as logged).
         `run()` is a loop over it; calling it directly needs nothing else first."""
-        t = self.cfg.train
+        t = self.built.cfg.train
         if self.closed:
             raise RuntimeError("this GRPOTrainer is closed (run() closes it at the end); make a new one")
         if self.stopped is not None:
@@ -177,17 +173,17 @@ class GRPOTrainer(TrainerCheckpoints):
         self.begin()
         gs = self.gs + 1
         metrics = {"step": gs, **self.grpo_step(gs)}
-        self.gs = gs
-        if self.anchor:
-            metrics.update(self.anchor.step_metrics(self.cs))
-        if self.built.eval_due(gs):
+        self.gs, b = gs, self.built
+        if b.anchor:
+            metrics.update(b.anchor.step_metrics(self.cs))
+        if b.eval_due(gs):
             metrics.update(self._evaluate_timed(gs))
         err = metrics.pop("reward/first_score_error", None)
         if err:
             print(f"warning: step {gs}: a scorer raised ({err}); that sample got reward 0", file=sys.stderr)
         metrics = to_floats(metrics)  # empty splits (NaN) are left out: keys present when they apply
         metrics["step"], metrics["tick"] = gs, int(metrics["tick"])
-        metrics.update(self.health.update(gs, metrics))
+        metrics.update(b.health.update(gs, metrics))
         with self.timer("checkpoint"):
             self._maybe_save_best(gs, metrics)  # before the guard: a rollback must not become the best
         act = self._guard_step(gs, metrics)
@@ -214,19 +210,19 @@ class GRPOTrainer(TrainerCheckpoints):
         accuracy, the steps, `stopped_by_guard` when the guard ended the run."""
         # SIGTERM / SIGINT: a checkpoint at the next step boundary, then return; or, past train.preempt_grace_s, exit
         # 143 without one (faults.StopSignals)
-        signals = faults.StopSignals(self.cfg.train.preempt_grace_s, lambda: self.ckpt.latest())
+        signals = faults.StopSignals(self.built.cfg.train.preempt_grace_s, lambda: self.built.ckpt.latest())
         try:
             self.begin()
-            while self.gs < self.cfg.train.steps and self.stopped is None:
+            while self.gs < self.built.cfg.train.steps and self.stopped is None:
                 self.step()
-                if self._stop_requested(signals):
+                if signals.agreed():
                     self._preempt(signals.requested)
                     signals.disarm()
                     break
         finally:
             signals.restore()
             self.close()
-        return {**self.summary, "steps": self.cfg.train.steps}
+        return {**self.summary, "steps": self.built.cfg.train.steps}
 
     def close(self) -> None:
         """Stop the sampler and close the metrics files, then release the run folder. Safe to call twice, and on a
@@ -254,44 +250,77 @@ class GRPOTrainer(TrainerCheckpoints):
     def __exit__(self, *exc):
         self.close()
 
+    # --- checkpoints (train/run_checkpoints.py) ---------------------------------------------------------------
+    def _maybe_save_best(self, gs, metrics):
+        score = metrics.get("eval/accuracy")
+        if score is not None and (self.history.get("best") is None or score > self.history["best"]):
+            self.history["best"] = score
+            run_checkpoints.save_best(self.built, gs, self.state, self.cs, self.history, score)
+
+    def _maybe_checkpoint(self, gs, metrics=None, force: bool = False):
+        """Periodic checkpoint, and the final one when `train.final_checkpoint`; `force` after a guard action, so a
+        resume starts from what the guard left."""
+        t = self.built.cfg.train
+        final = gs == t.steps and t.final_checkpoint
+        if force or (t.checkpoint_every and gs % t.checkpoint_every == 0) or final:
+            run_checkpoints.save(self.built, gs, self.state, self.cs, self.history, metrics)
+
+    def _preempt(self, signame: str) -> None:
+        """A stop signal at step `self.gs`'s boundary: checkpoint that step (unless it has just been written), say
+        where and how to go on. The step's metrics line is already written; the run then returns as a finished one
+        would (exit 0)."""
+        b, gs = self.built, self.gs
+        if b.ckpt.latest() != gs:
+            run_checkpoints.save(b, gs, self.state, self.cs, self.history)
+        self.summary["preempted_at"] = gs
+        if is_primary():
+            print(
+                f"twocircuit: stopped by {signame} after step {gs}: checkpoint {b.ckpt.root}/step_{gs:08d}; "
+                f"continue with: twocircuit train --config CONFIG --out {b.run_dir} --resume",
+                flush=True,
+            )
+
     # --- the collapse guard -----------------------------------------------------------------------------------
     def _guard_step(self, gs, metrics):
         """Ask the guard (when on) and carry out its action; adds `guard/*` to `metrics`. Returns the action."""
-        if not self.guard:
+        b = self.built
+        if not b.guard:
             return None
-        alarming = self.health.alarming(metrics)
-        act = self.guard.decide(gs, metrics, alarming)
+        alarming = b.health.alarming(metrics)
+        act = b.guard.decide(gs, metrics, alarming)
         if act is None:
             return None
         if act in ("warn", "stop"):
-            metrics.update(self.guard.record(gs, act, alarming))
+            metrics.update(b.guard.record(gs, act, alarming))
             return act
-        if self.ckpt.best_score() is None:  # e.g. the guard was switched on at a resume: nowhere to roll back to
-            metrics.update(self.guard.record(gs, "stop", alarming, reason="no best checkpoint to roll back to"))
+        if b.ckpt.best_score() is None:  # e.g. the guard was switched on at a resume: nowhere to roll back to
+            metrics.update(b.guard.record(gs, "stop", alarming, reason="no best checkpoint to roll back to"))
             return "stop"
-        best = self.ckpt.read_meta("best")["step"]
-        name = self.guard.next_mitigation() if act == "rollback" else None
+        best = b.ckpt.read_meta("best")["step"]
+        name = b.guard.next_mitigation() if act == "rollback" else None
         change = self._rollback(gs, name)
-        metrics.update(self.guard.record(gs, act, alarming, rollback_to=best, mitigation=name, change=change))
+        metrics.update(b.guard.record(gs, act, alarming, rollback_to=best, mitigation=name, change=change))
         return act
 
     def _rollback(self, gs, mitigation):
         """Restore the best checkpoint and go on from step gs + 1, under the mitigated config when one is given
         (circuits and programs rebuilt first, so the checkpoint loads into the new structures)."""
         change, old_cap = None, self.built.max_new
-        if self.ahead is not None:  # generated from weights the rollback discards
-            self.ahead.drop()
+        if self.built.ahead is not None:  # generated from weights the rollback discards
+            self.built.ahead.drop()
         if mitigation is not None:
-            cfg, change = mitigate(self.cfg, mitigation)
+            cfg, change = mitigate(self.built.cfg, mitigation)
             cfg.check()
-            self.built, self.cs = built_run.rebuilt(self.built, cfg, self.state.params, self.FUSE_OLD_PASS)
+            self.built, self.cs = built_run.rebuilt(self.built, cfg, self.state.params)
             self.comm_hlo = None
-        self._load("best")
+        got = run_checkpoints.load(self.built, "best", self.state, self.cs)
+        self.state, self.cs, self.history = got.state, got.cs, got.history
         if self.built.max_new != old_cap:  # the sampler and the evaluator generate to the new cap
-            self.sampler.close()
+            self.built.sampler.close()
             self.built = built_run.start_sampler(self.built, self.state.params, self.start_step)
-        self.cs = place(self.cs, self.cs_sh)
-        self.sampler.update_weights(self.state.params, gs)
+        b = self.built
+        self.cs = place(self.cs, b.cs_sh)
+        b.sampler.update_weights(self.state.params, gs)
         self.state_version = gs
-        self.health.reset_trends()
+        b.health.reset_trends()
         return change

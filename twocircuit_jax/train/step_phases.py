@@ -118,10 +118,10 @@ def bootstrap(b: BuiltRun, params, cs, gs, dev) -> tuple:
 
 
 def old_logprobs(b: BuiltRun, params, cs, gs, dev, full_mask, truncated, row_turn, timer) -> dict:
-    """ℓ_old (and ℓ_ref with a KL term) for the step, from where `programs.old_from_train` says (decided once, in
+    """ℓ_old (and ℓ_ref with a KL term) for the step, from where `programs.fused_old_pass` says (decided once, in
     step/programs.py `fuses_old_pass`): the tick's own forward, which then also gives the TIS weights and the
     diagnostics from the full mask and the flags it finds in `dev`; or separate passes now (`old_pass`)."""
-    if not b.programs.old_from_train:
+    if not b.programs.fused_old_pass:
         return old_pass(b, params, cs, gs, dev, full_mask, truncated, row_turn, timer)
     dev["full_mask"], dev["truncated"] = full_mask, truncated
     if b.cfg.grpo.kl_coef > 0:
@@ -249,7 +249,7 @@ def end_step(b: BuiltRun, cs, gs, tick_metrics) -> tuple:
     if not b.codec:
         return cs, {}
     metrics = {}
-    if b.programs.old_from_train:
+    if b.programs.fused_old_pass:
         b.codec.count_forward(OLD)
         views = ("codec/mask_ratio", "codec/recon_rel_err")  # what summarize_aux reports of an old pass
         metrics.update({f"codec/{OLD}/{k[len('codec/') :]}": tick_metrics[k] for k in views if k in tick_metrics})
