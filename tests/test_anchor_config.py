@@ -1,5 +1,5 @@
 """The anchor's typed config (config/anchor.py): each merger type parses from its own section, and the flat keys of
-earlier configs move to their sections with a ConfigWarning (a checkpoint's saved config compares equal after it)."""
+earlier configs are refused with the key that holds each now."""
 
 import warnings
 
@@ -14,8 +14,6 @@ from twocircuit_jax.config.anchor import (
     SignedEmaMerger,
     SignedGateMerger,
 )
-from twocircuit_jax.config.base import ConfigWarning
-from twocircuit_jax.train.resume_config import config_changes
 
 # The anchor section as the code before the typed sections saved it (to_dict of a run of configs/two_circuit.yaml,
 # the `config` a checkpoint's meta holds): every key flat, the three single-valued ones included.
@@ -96,101 +94,29 @@ def test_merger_errors_name_the_field():
     assert a.merger == BlendMerger()
 
 
-def test_old_flat_keys_move_to_their_sections_with_a_warning():
-    with pytest.warns(ConfigWarning) as rec:
-        old = _anchor(OLD_SAVED)
-    text = "\n".join(str(w.message) for w in rec)
-    for moved in ("anchor.merger is an old flat key: moved to anchor.merger.type", "moved to anchor.merger.decay",
-                  "anchor.swap_alpha is an old flat key: moved to anchor.swap.alpha",
-                  "moved to anchor.projection.enabled", "anchor.replay_paired_batch: removed key",
-                  "anchor.ef_lambda: ignored; merger signed_gate has no such field"):  # fmt: skip
-        assert moved in text, moved
-    new = _quiet(
-        {
-            "enabled": True,
-            "cadence": 4,
-            "delay": 4,
-            "merger": {"type": "signed_gate", "beta_anc": 0.5},
-            "projection": {"window": 2, "min_snapshots": 2},
-        }
-    )
-    assert old == new
-    # Each flat key lands in its field (non-default values, so a key dropped on the way would show).
-    with pytest.warns(ConfigWarning):
-        a = _anchor(
-            {
-                "merger": "delayed_ef",
-                "ef_lambda": 0.5,
-                "ef_decay": 0.9,
-                "beta_anc": 0.25,
-                "merger_cadence": 2,
-                "cadence": 4,
-                "gate_decay": 0.5,
-                "strength": 0.5,
-                "window": 3,
-                "window_mode": "growing_fixed_base",
-                "max_snapshots": 5,
-                "swap_cadence": 8,
-                "swap_beta1": 0.7,
-                "swap_beta2": 0.9,
-                "swap_scale_match": False,
-                "swap_mode": "zero",
-                "enabled": True,
-            }  # fmt: skip
-        )
-    assert a.merger == DelayedEfMerger(beta_anc=0.25, cadence=2, weight=0.5, decay=0.9)  # gate_decay not taken
-    p, s = a.projection, a.swap
-    assert (p.enabled, p.strength, p.window, p.window_mode, p.max_snapshots) == (True, 0.5, 3, "growing_fixed_base", 5)
-    assert (s.cadence, s.beta1, s.beta2, s.scale_match, s.mode) == (8, 0.7, 0.9, False, "zero")
-    with pytest.warns(ConfigWarning) as rec:
-        assert _anchor({"merger": "blend", "blend_eta": 0.3}).merger == BlendMerger(eta=0.3)
-    assert "anchor.blend_eta is an old flat key: moved to anchor.merger.eta" in [str(w.message) for w in rec]
-
-
-def test_a_flat_set_wins_over_the_section():
-    with pytest.warns(ConfigWarning):
-        a = _anchor({"enabled": True, "merger": {"alpha": 0.5}, "swap": {"cadence": 2}}, ["anchor.alpha=0.75"])
-    assert a.merger.alpha == 0.75 and a.swap.cadence == 2
-    with pytest.warns(ConfigWarning):
-        a = _anchor({"projection": {"window": 3}}, ["anchor.projection=false"])
-    assert not a.projection.enabled
-
-
-def test_removed_single_valued_keys():
-    for key, value in (("replay_paired_batch", False), ("batch_scope", "rollout_batch"), ("warmup_mode", "q_only")):
-        with pytest.raises(ConfigError, match=rf"anchor.{key}: got {value!r}; removed key, only"):
-            _anchor({key: value})
-
-
-def test_a_sectioned_child_beats_its_flat_base(tmp_path):
-    """`base:` composition: a base file still flat, a child with sections: the child's values win."""
-    (tmp_path / "base.yaml").write_text(yaml.safe_dump({"anchor": {"merger": "blend", "blend_eta": 0.3, "window": 2}}))
-    (tmp_path / "child.yaml").write_text(
-        yaml.safe_dump({"base": "base.yaml", "anchor": {"merger": {"eta": 0.6}, "projection": {"window": 3}}})
-    )
-    with pytest.warns(ConfigWarning):
-        a = load_config(str(tmp_path / "child.yaml")).anchor
-    assert a.merger == BlendMerger(eta=0.6) and a.projection.window == 3
-
-
-def test_an_old_checkpoint_config_compares_equal_after_migration():
-    """train/resume_config.py: the flat anchor of an old checkpoint's config and the same run in sections differ in
-    no key, and the comparison prints no migration warnings (they were the old run's to give)."""
-    new = to_dict(
-        load_config(
-            data={
-                "anchor": {
-                    "enabled": True,
-                    "cadence": 4,
-                    "delay": 4,
-                    "merger": {"type": "signed_gate"},
-                    "projection": {"window": 2},
-                }
-            }
-        )
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert config_changes({"anchor": OLD_SAVED}, new) == []
-        changed = dict(OLD_SAVED, gate_decay=0.5)
-        assert [c[:3] for c in config_changes({"anchor": changed}, new)] == [("anchor.merger.decay", 0.5, 0.75)]
+def test_flat_keys_of_older_configs_are_refused_with_the_key_to_write():
+    """Every flat key of the anchor as the code before the typed sections saved it (OLD_SAVED) is refused, naming
+    the key that holds it now; the removed single-valued keys are refused as removed."""
+    now = {"enabled", "cadence", "delay", "target_scope", "owns_q", "merger", "projection"}
+    moved = {
+        "beta_anc": "merger.beta_anc", "alpha": "merger.alpha", "merger_cadence": "merger.cadence",
+        "gate_decay": "merger.decay", "ef_lambda": "merger.weight", "ef_decay": "merger.decay",
+        "blend_eta": "merger.eta", "strength": "projection.strength", "window": "projection.window",
+        "min_snapshots": "projection.min_snapshots", "window_mode": "projection.window_mode",
+        "max_snapshots": "projection.max_snapshots", "swap_cadence": "swap.cadence", "swap_alpha": "swap.alpha",
+        "swap_beta1": "swap.beta1", "swap_beta2": "swap.beta2", "swap_scale_match": "swap.scale_match",
+        "swap_mode": "swap.mode",
+    }  # fmt: skip
+    removed = {"replay_paired_batch", "batch_scope", "warmup_mode"}
+    assert set(OLD_SAVED) == now | set(moved) | removed  # the table covers the old layout's every key
+    for key, value in OLD_SAVED.items():
+        if key in now:
+            continue
+        with pytest.raises(ConfigError) as e:
+            _anchor({"enabled": True, key: value})
+        assert e.value.path == f"anchor.{key}", str(e.value)
+        want = f"write anchor.{moved[key]} instead" if key in moved else "a removed key"
+        assert want in e.value.message, str(e.value)
+    assert _quiet({"merger": "blend"}).merger == BlendMerger()  # a merger's name alone: that type, its defaults
+    with pytest.raises(ConfigError, match="anchor.projection"):
+        _anchor({"projection": True})  # the old boolean: the section is a mapping now (projection.enabled)

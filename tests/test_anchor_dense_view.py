@@ -34,7 +34,7 @@ def fired():
             "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 64, "eval_size": 8},
             "sampler": {"n": 4, "sampling": {"max_new_tokens": NEW}},
             "grpo": {"kl_coef": 0.01, "tis": "token", "tis_cap": 2.0},
-            "fast": {"codec": "prf_mask", "pp_size": 2, "p": 0.9},
+            "fast": {"codec": {"type": "prf_mask", "p": 0.9}, "pp_size": 2},
             "anchor": {"enabled": True, "cadence": 2, "delay": 2, "projection": {"enabled": False, "window": 2}},
             "train": {"steps": 2, "train_batch": 4, "mini_batch": 2, "eval_every": 0, "max_prompt_len": T - NEW},
         }

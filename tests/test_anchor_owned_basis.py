@@ -13,7 +13,7 @@ from twocircuit_jax.config import load_config
 
 CFG = tiny_config(
     optim={"lr": 3e-3},  # tiny's 2 layers, pp_size 2: one low-rank boundary, as 4 layers gave (more only compile)
-    fast={"codec": "lowrank", "rank": 3},
+    fast={"codec": {"type": "lowrank", "rank": 3}},
     anchor={"enabled": True, "cadence": 4, "delay": 4, "projection": {"window": 2}},
     train={"steps": 5},
 )

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow  # end-to-end runs: `make test-fast` skips them, `
 
 CFG = tiny_config(
     optim={"lr": 3e-3},  # tiny's 2 layers, pp_size 2: one low-rank boundary, as 4 layers gave (more only compile)
-    fast={"codec": "lowrank", "rank": 3},
+    fast={"codec": {"type": "lowrank", "rank": 3}},
     grpo={"format_penalty": -1.0},  # reward variance on a random model, so the updates are not all zero
     # delay < cadence: the batch a fire needs was retained before the interruption, so it must be checkpointed
     # signed_gate (the shipped recipe's merger): its state has the most to carry (ω beside M), and both tests then

@@ -2,7 +2,6 @@
 config section each) are chosen by `fast.codec.type` / `fast.grad_codec.type`, parsed with their own fields, and run
 a train step; the flat shorthand keys land in the sections."""
 
-import warnings
 from dataclasses import dataclass
 
 import jax
@@ -14,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from tiny_run import NARROW_MODEL, circuit_state, narrow_batch
 
 from twocircuit_jax.config import load_config
-from twocircuit_jax.config.base import ConfigError, ConfigWarning, require
+from twocircuit_jax.config.base import ConfigError, require
 from twocircuit_jax.config.sections import ActivationCodecConfig, GradCodecConfig
 from twocircuit_jax.fast.circuit import FastCircuit
 from twocircuit_jax.fast.codecs import (
@@ -103,22 +102,19 @@ def test_a_registered_codec_parses_and_runs_a_step():
     assert all(np.ndim(v) == 0 for v in m.values())  # metrics leave the step as scalars only
 
 
-def test_flat_shorthand_lands_in_the_sections():
-    flat = _cfg(codec="prf_mask", p=0.5, seed=3, grad_codec="powersgd", grad_rank=2, start_after=0)
-    nested = _cfg(
-        codec={"type": "prf_mask", "p": 0.5, "seed": 3},
-        grad_codec={"type": "powersgd", "rank": 2, "start_after": 0, "seed": 3},
-    )
-    assert flat == nested
-    # a flat key (a --set) wins over the section's own value
-    assert _cfg(codec={"type": "prf_mask", "p": 0.9}, p=0.5).fast.codec.p == 0.5
-    # a flat key no chosen codec has: dropped with a warning naming it (it was inert in the flat form too)
-    with pytest.warns(ConfigWarning, match=r"fast\.rank: ignored"):
-        cfg = _cfg(codec="prf_mask", rank=3)
-    assert not hasattr(cfg.fast.codec, "rank")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        _cfg(codec={"type": "lowrank", "rank": 3})  # the section form warns about nothing
+def test_flat_keys_of_older_configs_are_refused_with_the_key_to_write():
+    # a section's name alone is that type with its defaults
+    assert _cfg(codec="prf_mask") == _cfg(codec={"type": "prf_mask"})
+    for flat, path, new in (
+        ({"codec": "prf_mask", "p": 0.5}, "fast.p", "fast.codec.p"),
+        ({"grad_codec": "powersgd", "grad_rank": 2}, "fast.grad_rank", "fast.grad_codec.rank"),
+        ({"grad_codec": "powersgd", "start_after": 0}, "fast.start_after", "fast.grad_codec.start_after"),
+    ):
+        with pytest.raises(ConfigError) as e:
+            _cfg(**flat)
+        assert e.value.path == path and f"write {new} instead" in e.value.message, str(e.value)
+    with pytest.raises(ConfigError, match="allowed keys here"):
+        _cfg(codec="prf_mask", colour=3)  # a key no older config had is plainly unknown
 
 
 def test_a_base_config_section_of_another_type_is_replaced(tmp_path):
@@ -133,15 +129,14 @@ def test_a_base_config_section_of_another_type_is_replaced(tmp_path):
 def test_a_codec_that_is_neither_a_name_nor_a_section_is_an_error():
     with pytest.raises(ConfigError) as e:
         _cfg(codec=5)
-    assert e.value.path == "fast.codec" and "expected a codec name" in e.value.message
+    assert e.value.path == "fast.codec" and "expected a type name" in e.value.message
 
 
-def test_layers_and_overrides_mix_the_flat_and_section_forms(tmp_path):
-    (tmp_path / "flat.yaml").write_text("fast: {codec: lowrank, rank: 3, pp_size: 4}\n")
-    (tmp_path / "child.yaml").write_text("base: flat.yaml\nfast: {codec: {rank: 8}}\n")
-    (tmp_path / "flat_child.yaml").write_text("base: flat.yaml\nfast: {rank: 5}\n")
-    assert load_config(str(tmp_path / "child.yaml")).fast.codec.rank == 8  # the later file wins
-    assert load_config(str(tmp_path / "flat_child.yaml")).fast.codec.rank == 5
+def test_layers_and_overrides_of_the_sections(tmp_path):
+    (tmp_path / "short.yaml").write_text("fast: {codec: lowrank, pp_size: 4}\n")  # a type by its name alone
+    (tmp_path / "child.yaml").write_text("base: short.yaml\nfast: {codec: {rank: 8}}\n")
+    assert load_config(str(tmp_path / "child.yaml")).fast.codec.rank == 8  # the later file's knob, the base's type
+    assert load_config(str(tmp_path / "short.yaml"), ["fast.codec.rank=5"]).fast.codec.rank == 5
     # --set of another type replaces the section: the old type's fields would not fit
     (tmp_path / "mask.yaml").write_text("fast: {codec: {type: prf_mask, p: 0.5}, pp_size: 4}\n")
     cfg = load_config(str(tmp_path / "mask.yaml"), ["fast.codec.type=lowrank", "fast.codec.rank=3"])

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_run import FOUR_BLOCK_MODEL
+from tiny_run import FOUR_BLOCK_MODEL, fast_section
 
 from twocircuit_jax.boundaries import boundary_layers
 from twocircuit_jax.config.base import ConfigError
@@ -24,10 +24,13 @@ TINY = {
 
 
 def cfg_with(**fast):
-    if fast.get("codec") == "lowrank":
-        fast.setdefault("rank", 3)  # below the 32-wide model's hidden size
-    data = dict(TINY, fast=dict(TINY["fast"], **fast))
-    return load_config(data=data)
+    """TINY with a fast section: the keyword form of tiny_run.fast_section (prf_mask by default; lowrank's rank 3 is
+    below the 32-wide model's hidden size), or the sections themselves (`codec={...}`)."""
+    if isinstance(fast.get("codec", ""), dict) or isinstance(fast.get("grad_codec", ""), dict):
+        section = {"pp_size": 4, **fast}
+    else:
+        section = fast_section(**{"codec": "prf_mask", "pp_size": 4, **fast})
+    return load_config(data=dict(TINY, fast=section))
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +56,7 @@ def test_boundaries():
     [
         ({"p": 1.0}, "fast.codec.p"),
         ({"p": -0.1}, "fast.codec.p"),
+        ({"codec": {"type": "prf_mask"}, "p": 0.5}, "fast.p"),  # a flat key of older configs: refused
         ({"codec": {"type": "prf_mask", "p": 1.0}}, "fast.codec.p"),
         ({"codec": "lowrank", "rank": 32}, "fast.codec.rank"),
         ({"codec": {"type": "lowrank", "rank": 3, "p": 0.5}}, "fast.codec.p"),
@@ -66,15 +70,14 @@ def test_bad_config_names_field(override, field):
     with pytest.raises(ConfigError) as e:
         cfg_with(**override)
     assert e.value.path == field, str(e.value)
+    if field == "fast.p":
+        assert "write fast.codec.p instead" in e.value.message
 
 
 def test_kernel_on_cpu_without_interpret_is_an_error(mesh):
     with pytest.raises(ConfigError) as e:
         circuit(mesh, use_kernel=True)
     assert e.value.path == "fast.codec.use_kernel" and "no silent fallback" in str(e.value)
-    with pytest.raises(ConfigError, match="no chosen codec has a Pallas kernel") as e:  # the flat shorthand
-        circuit(mesh, codec="sr_quant", use_kernel=True, kernel_interpret=True)
-    assert e.value.path == "fast.use_kernel"
     with pytest.raises(ConfigError, match="unknown key") as e:  # the section itself: sr_quant has no such knob
         circuit(mesh, codec={"type": "sr_quant", "use_kernel": True})
     assert e.value.path == "fast.codec.use_kernel"

@@ -17,7 +17,7 @@ CFG = tiny_config(
     name="fast_e2e",
     model={"num_layers": 4},
     task={"train_size": 32},
-    fast={"pp_size": 4, "codec": "prf_mask", "p": 0.95},
+    fast={"pp_size": 4, "codec": {"type": "prf_mask", "p": 0.95}},
     train={"steps": 1, "train_batch": 2, "checkpoint_every": 0},
 )
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from tiny_run import NARROW_MODEL, circuit_state, narrow_batch
+from tiny_run import NARROW_MODEL, circuit_state, fast_section, narrow_batch
 
 from twocircuit_jax.config import load_config
 from twocircuit_jax.config.base import ConfigError
@@ -27,16 +27,13 @@ SGD = optax.sgd(0.5)
 
 
 def run_cfg(mesh: dict, layers: int = 4, microbatches: int = 0, **fast):
-    fast = dict(fast)
-    if fast.get("codec") == "lowrank":
-        fast.setdefault("rank", 3)
     return load_config(
         data={
             "model": {**NARROW_MODEL, "num_layers": layers},
             "mesh": mesh,
             "grpo": {"kl_coef": 0.0},
             "sampler": {"n": 4},
-            "fast": {"pp_size": 4, **fast},
+            "fast": fast_section(**{"pp_size": 4, **fast}),
             "anchor": {"enabled": False},
             "train": {"train_batch": 4, "mini_batch": 4, "max_prompt_len": 6, "microbatches": microbatches},
         }

@@ -24,7 +24,13 @@ def _run(folder, *, codec="none", anchor=False, final_acc=0.5, p=0.9, rank=8, bi
         "name": folder.name,
         "model": {"hidden_size": hidden},
         "anchor": {"enabled": anchor},
-        "fast": {"codec": codec, "p": p, "rank": rank, "quant_bits": bits, "grad_codec": "none"},
+        "fast": {
+            "codec": {
+                "type": codec,
+                **{"prf_mask": {"p": p}, "lowrank": {"rank": rank}, "sr_quant": {"quant_bits": bits}}.get(codec, {}),
+            },
+            "grad_codec": {"type": "none"},
+        },
     }
     (folder / "config.yaml").write_text(yaml.safe_dump(cfg))
     rows = []

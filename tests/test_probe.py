@@ -17,7 +17,7 @@ CFG = {
     "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 32, "eval_size": 8},
     "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
     "grpo": {"kl_coef": 0.0},
-    "fast": {"codec": "prf_mask", "p": 0.75, "pp_size": 2},
+    "fast": {"codec": {"type": "prf_mask", "p": 0.75}, "pp_size": 2},
     "train": {
         "steps": 3,
         "train_batch": 4,

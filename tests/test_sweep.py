@@ -97,13 +97,11 @@ SWEEPS = sorted(
 
 
 def _covered(key: str, listed) -> bool:
-    """A resolved key an arm's listed keys account for: itself, a key inside a listed section (`fast.codec` covers
+    """A resolved key an arm's listed keys account for: itself, or a key inside a listed section (`fast.codec` covers
     `fast.codec.type` and the rest of a switched section; `grpo.is_mask.type` covers the switched section's other
-    keys), or a flat codec shorthand (`fast.p` is `fast.codec.p`)."""
+    keys)."""
     for k in listed:
         if key == k or key.startswith(k + ".") or (k.endswith(".type") and key.startswith(k[: -len("type")])):
-            return True
-        if k.startswith("fast.") and key in (f"fast.codec.{k[5:]}", f"fast.grad_codec.{k[5:]}"):
             return True
     return False
 

@@ -71,23 +71,38 @@ def circuit_state(circuit=None, params=None, step: int = 1, first_minibatch: boo
     return distinct_buffers(set_clock(cs, first_minibatch=first_minibatch))
 
 
-def narrow_run_config(kl_coef: float = 0.0, anchor=None, num_layers: int = 4, **fast):
+GRAD_KEYS = ("grad_rank", "start_after", "error_feedback", "compress_embeddings", "min_compression_rate")
+FAST_KEYS = ("codec_old_logprob", "codec_reference", "kernel_interpret")  # FastConfig's own, beside pp_size
+
+
+def fast_section(codec: str = "none", grad_codec: str = "none", pp_size: int | None = None, **knobs) -> dict:
+    """A `fast:` section from the tests' keyword form: `fast_section("prf_mask", p=0.5)`, `fast_section(
+    grad_codec="powersgd", grad_rank=2, start_after=0)`. PowerSGD's knobs (GRAD_KEYS; `grad_rank` is its `rank`)
+    go to `grad_codec`, every other knob to `codec`. Lowrank gets rank 3 and PowerSGD rank 2 unless given."""
+    own = {k: knobs.pop(k) for k in FAST_KEYS if k in knobs}
+    act = {"type": codec, **{k: v for k, v in knobs.items() if k not in GRAD_KEYS}}
+    grad = {"type": grad_codec, **{k: v for k, v in knobs.items() if k in GRAD_KEYS}}
+    if "grad_rank" in grad:
+        grad["rank"] = grad.pop("grad_rank")
+    if codec == "lowrank":
+        act.setdefault("rank", 3)
+    if grad_codec == "powersgd":
+        grad.setdefault("rank", 2)
+    out = {"codec": act, "grad_codec": grad, **own}
+    return out if pp_size is None else {**out, "pp_size": pp_size}
+
+
+def narrow_run_config(kl_coef: float = 0.0, anchor=None, num_layers: int = 4, pp_size: int = 4, **fast):
     """The fast-circuit invariant and fidelity tests' run: the narrow model, pp_size 4 (boundaries 0, 1, 2), one
-    16-row mini-batch of 12 tokens (6 response). `fast` keys use the flat shorthand; lowrank gets rank 3 and
-    PowerSGD rank 2 unless given."""
+    16-row mini-batch of 12 tokens (6 response). `fast`: the keyword form of `fast_section`."""
     from twocircuit_jax.config import load_config
 
-    fast = dict(fast)
-    if fast.get("codec") == "lowrank":
-        fast.setdefault("rank", 3)
-    if fast.get("grad_codec") == "powersgd":
-        fast.setdefault("grad_rank", 2)
     return load_config(
         data={
             "model": {**NARROW_MODEL, "num_layers": num_layers},
             "grpo": {"kl_coef": kl_coef},
             "sampler": {"n": 4},
-            "fast": {"pp_size": 4, **fast},
+            "fast": fast_section(pp_size=pp_size, **fast),
             "anchor": anchor or {"enabled": False},
             "train": {"train_batch": 4, "mini_batch": 4, "max_prompt_len": 6},
         }

@@ -1,17 +1,16 @@
 """The anchor circuit's config (design §4): the top-level cadence and delay, and one section per part, the merger
 typed by `type:` like the fast circuit's codecs (config/base.py `register`), the projection and the swap.
 
-Earlier configs wrote every anchor knob flat (`merger: signed_gate`, `gate_decay: 0.75`, `swap_cadence: 4`, ...);
-`AnchorConfig.upgrade` still reads them and moves each into its section with a ConfigWarning naming the new key.
+A flat knob of earlier configs (`gate_decay: 0.75`, `swap_cadence: 4`, ...) is refused with the key to write instead
+(`AnchorConfig.moved`).
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
-from twocircuit_jax.config.base import ConfigError, ConfigWarning, doc, register, registered, require, type_name
+from twocircuit_jax.config.base import doc, register, require, type_name
 
 
 # ------------------------------------------------------------------------------------------------------- merger
@@ -145,76 +144,6 @@ class SwapConfig:
         require(0 <= self.beta2 < 1, "beta2", f"got {self.beta2}; allowed [0, 1)")
 
 
-# ------------------------------------------------------------------------------------------ flat keys of old configs
-# Flat key -> (section, key there). Merger keys go to the chosen merger type when it has the key.
-_MERGER_KEYS = {
-    "beta_anc": "beta_anc",
-    "merger_cadence": "cadence",
-    "alpha": "alpha",
-    "gate_decay": "decay",  # signed_gate's
-    "blend_eta": "eta",
-    "ef_lambda": "weight",
-    "ef_decay": "decay",  # delayed_ef's
-}
-_MERGER_OWNER = {"gate_decay": "signed_gate", "ef_decay": "delayed_ef"}  # flat keys one merger type alone had
-_PROJECTION_KEYS = ("strength", "window", "min_snapshots", "window_mode", "max_snapshots")
-_SWAP_KEYS = {f"swap_{k}": k for k in ("cadence", "alpha", "beta1", "beta2", "scale_match", "mode")}
-# Removed keys that accepted one value only (every other was refused): that value is dropped with a warning.
-_SINGLE_VALUED = {"replay_paired_batch": True, "batch_scope": "ppo_minibatch", "warmup_mode": "stale_correct"}
-
-
-def _moved(path: str, old: str, new: str):
-    warnings.warn(f"{path}.{old} is an old flat key: moved to {path}.{new}", ConfigWarning, stacklevel=4)
-
-
-def upgrade_anchor(data: dict, path: str = "anchor") -> dict:
-    """Move the flat keys of earlier configs into the sections (see the module docstring). A flat key wins over the
-    section's own (it is usually a `--set`). A flat merger key the chosen merger lacks is dropped with a warning
-    (it was inert in the flat form too); a removed single-valued key is dropped, with a ConfigError for any other
-    value (refused before as well)."""
-    data = dict(data)
-    for k, only in _SINGLE_VALUED.items():
-        if k in data:
-            v = data.pop(k)
-            require(v == only, f"{path}.{k}", f"got {v!r}; removed key, only {only!r} was ever implemented")
-            warnings.warn(f"{path}.{k}: removed key (its only value {only!r} is how the anchor runs)", ConfigWarning)
-    m = data.get("merger")
-    if m is not None and not isinstance(m, (str, dict)):
-        raise ConfigError(f"{path}.merger", f"got {m!r}; expected a merger name or a section with a type: key")
-    merger = {"type": m} if isinstance(m, str) else dict(m or {})
-    if isinstance(m, str):
-        _moved(path, "merger", "merger.type")
-    merger.setdefault("type", MergerConfig.default_type)
-    cls = registered(MergerConfig).get(merger["type"])
-    names = set(cls.__dataclass_fields__) if cls else set()
-    for old, new in _MERGER_KEYS.items():
-        if old not in data:
-            continue
-        v = data.pop(old)
-        owner = _MERGER_OWNER.get(old, merger["type"])
-        if new in names and owner == merger["type"]:
-            merger[new] = v
-            _moved(path, old, f"merger.{new}")
-        else:
-            warnings.warn(f"{path}.{old}: ignored; merger {merger['type']} has no such field", ConfigWarning)
-    if m is not None or len(merger) > 1:
-        data["merger"] = merger
-    proj = data.get("projection")
-    if isinstance(proj, bool):
-        data["projection"] = proj = {"enabled": proj}
-        _moved(path, "projection", "projection.enabled")
-    for k in _PROJECTION_KEYS:
-        if k in data:
-            data["projection"] = proj = dict(proj or {}, **{k: data.pop(k)})
-            _moved(path, k, f"projection.{k}")
-    swap = data.get("swap")
-    for old, new in _SWAP_KEYS.items():
-        if old in data:
-            data["swap"] = swap = dict(swap or {}, **{new: data.pop(old)})
-            _moved(path, old, f"swap.{new}")
-    return data
-
-
 # ------------------------------------------------------------------------------------------------------- anchor
 @dataclass(frozen=True)
 class AnchorConfig:
@@ -247,7 +176,20 @@ class AnchorConfig:
         """Ticks between merger applications (1 without a merger: nothing is due)."""
         return getattr(self.merger, "cadence", 1)
 
-    upgrade = staticmethod(upgrade_anchor)
+    # Flat keys of earlier configs, refused with the key to write instead (config/base.py from_dict); None: a key
+    # that is gone (its one accepted value is how the anchor runs).
+    moved: ClassVar[dict] = {
+        "beta_anc": "merger.beta_anc",
+        "merger_cadence": "merger.cadence",
+        "alpha": "merger.alpha",
+        "gate_decay": "merger.decay",
+        "blend_eta": "merger.eta",
+        "ef_lambda": "merger.weight",
+        "ef_decay": "merger.decay",
+        **{k: f"projection.{k}" for k in ("strength", "window", "min_snapshots", "window_mode", "max_snapshots")},
+        **{f"swap_{k}": f"swap.{k}" for k in ("cadence", "alpha", "beta1", "beta2", "scale_match", "mode")},
+        **{k: None for k in ("replay_paired_batch", "batch_scope", "warmup_mode")},
+    }
 
     def check(self):
         require(self.cadence >= 1, "cadence", f"got {self.cadence}; must be >= 1")

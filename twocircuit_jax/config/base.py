@@ -144,12 +144,12 @@ def from_dict(cls, data, path: str = ""):
         data = {}
     if dataclasses.is_dataclass(data):
         return data
+    if isinstance(data, str) and cls in _REGISTRY:  # a polymorphic section by its name alone: `codec: none`
+        data = {"type": data}
     if not isinstance(data, dict):
-        raise ConfigError(path, f"got {data!r}; expected a mapping")
+        kind = "a type name or a section with a type: key" if cls in _REGISTRY else "a mapping"
+        raise ConfigError(path, f"got {data!r}; expected {kind}")
     data = dict(data)
-    upgrade = getattr(cls, "upgrade", None)  # a section may rewrite older spellings of itself first
-    if upgrade is not None:
-        data = upgrade(data, path)
     if cls in _REGISTRY:
         choices = _REGISTRY[cls]
         name = data.pop("type", getattr(cls, "default_type", None))
@@ -163,6 +163,15 @@ def from_dict(cls, data, path: str = ""):
     unknown = sorted(set(data) - set(fields))
     if unknown:
         p = f"{path}.{unknown[0]}" if path else unknown[0]
+        moved = getattr(cls, "moved", {})  # keys of older configs: say where each lives now
+        if unknown[0] in moved:
+            new = moved[unknown[0]]
+            raise ConfigError(
+                p,
+                f"a key of older configs; write {path}.{new} instead"
+                if new
+                else "a removed key (only one value was ever implemented, and it is how the run works now); delete it",
+            )
         raise ConfigError(p, f"unknown key; allowed keys here: {', '.join(sorted(fields))}")
     kwargs = {}
     for name, value in data.items():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -145,6 +144,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             nxt = node.get(p)
             if nxt is None:
                 nxt = node[p] = {}
+            if isinstance(nxt, str):  # a section named by its type alone (`codec: lowrank`) takes a knob
+                nxt = node[p] = {"type": nxt}
             if not isinstance(nxt, dict):
                 raise ConfigError(".".join(path), f"{p} is not a section")
             node = nxt
@@ -170,30 +171,8 @@ def _read_yaml(path: str) -> dict:
     base = data.pop("base", None)
     if base:
         parent = _read_yaml(os.path.join(os.path.dirname(path), base))
-        data = _merge(parent, _sections_in_context(parent, data))
+        data = _merge(parent, data)
     return data
-
-
-def _sections_in_context(parent: dict, child: dict) -> dict:
-    """Before a child file is merged over its base: when the child writes `fast` codec sections (or `anchor` merger,
-    projection or swap sections) and the base still uses the flat shorthand, the base is put in section form first,
-    so the child's values win (a flat `rank: 3` in the base must not beat the child's `codec: {rank: 8}`). A flat
-    child merges as flat keys did before: the later file's flat keys win when the merged config is parsed. Mutates `parent`; returns the child."""
-    cf, pf = child.get("fast"), parent.get("fast")
-    if isinstance(cf, dict) and isinstance(pf, dict):
-        if any(isinstance(cf.get(k), dict) for k in ("codec", "grad_codec")) and set(pf) - _FAST_OWN:
-            parent["fast"] = FastConfig.upgrade(pf)
-    ca, pa = child.get("anchor"), parent.get("anchor")  # the same for the anchor's merger, projection and swap
-    if isinstance(ca, dict) and isinstance(pa, dict):
-        flat = set(pa) - _ANCHOR_OWN or not all(isinstance(pa.get(k, {}), dict) for k in _ANCHOR_SECTIONS)
-        if any(isinstance(ca.get(k), dict) for k in _ANCHOR_SECTIONS) and flat:
-            parent["anchor"] = AnchorConfig.upgrade(pa)
-    return child
-
-
-_FAST_OWN = {f.name for f in dataclasses.fields(FastConfig)}
-_ANCHOR_SECTIONS = ("merger", "projection", "swap")
-_ANCHOR_OWN = {f.name for f in dataclasses.fields(AnchorConfig)}
 
 
 def _merge(a: dict, b: dict) -> dict:
@@ -202,6 +181,8 @@ def _merge(a: dict, b: dict) -> dict:
     out = dict(a)
     for k, v in b.items():
         old = out.get(k)
+        if isinstance(old, str) and isinstance(v, dict) and "type" not in v:  # `codec: lowrank` under its knobs
+            old = {"type": old}
         same_type = not (isinstance(old, dict) and isinstance(v, dict) and "type" in v and v["type"] != old.get("type"))
         out[k] = _merge(old, v) if isinstance(v, dict) and isinstance(old, dict) and k != "options" and same_type else v
     return out

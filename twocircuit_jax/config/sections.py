@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
-import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Optional
 
 from twocircuit_jax.config.anchor import AnchorConfig  # noqa: F401  (a section of RunConfig; its own module)
-from twocircuit_jax.config.base import ConfigError, ConfigWarning, doc, register, registered, require, type_name
+from twocircuit_jax.config.base import doc, register, require, type_name
 
 
 @dataclass(frozen=True)
@@ -529,8 +527,19 @@ class NoGradCodec(GradCodecConfig):
 @dataclass(frozen=True)
 class FastConfig:
     """The fast circuit (design §3). `codec: {type: none}` with `grad_codec: {type: none}` is the dense trainer, bit
-    for bit. Each codec's knobs live in its own section; the flat keys of earlier configs (`codec: prf_mask`,
-    `p: 0.9`, `grad_rank: 4`, ...) are still read and moved into the section they belong to (see `upgrade`)."""
+    for bit. Each codec's knobs live in its own section (`codec: {type: prf_mask, p: 0.9}`; a section's name alone,
+    `codec: none`, is that type with its defaults). A flat key of earlier configs (`fast.p`, `fast.grad_rank`) is
+    refused, naming the key to write instead (`moved`)."""
+
+    moved: ClassVar[dict] = {
+        **{k: f"codec.{k}" for k in ("p", "exact_k", "rescale_mode", "antithetic", "p_by_boundary", "prf_impl")},
+        **{k: f"codec.{k}" for k in ("rank", "update_cadence", "sync_basis", "bootstrap", "quant_bits")},
+        **{k: f"codec.{k}" for k in ("quant_block", "rounding", "subset_k", "seed", "use_kernel", "warm_start")},
+        "reortho_eps": "codec.reortho_eps",
+        "grad_rank": "grad_codec.rank",
+        **{k: f"grad_codec.{k}" for k in ("min_compression_rate", "start_after", "error_feedback")},
+        "compress_embeddings": "grad_codec.compress_embeddings",
+    }
 
     codec: ActivationCodecConfig = field(default_factory=NoActivationCodec)
     grad_codec: GradCodecConfig = field(default_factory=NoGradCodec)
@@ -552,56 +561,6 @@ class FastConfig:
     @property
     def grad_codec_type(self) -> str:
         return type_name(GradCodecConfig, self.grad_codec)
-
-    @staticmethod
-    def upgrade(data: dict, path: str = "fast") -> dict:
-        """Move flat codec keys into the codec sections: `codec: lowrank` → `codec: {type: lowrank}`, `rank: 8` →
-        `codec.rank`, `grad_rank: 4` → `grad_codec.rank`; `seed`, `use_kernel`, `warm_start` and `reortho_eps` go to
-        every section that has them. A flat key wins over the section's own (it is usually a `--set`). A flat key
-        no chosen codec has is dropped with a ConfigWarning naming it (it was inert in the flat form too)."""
-        data = dict(data)
-        sections = {}
-        for key, base in (("codec", ActivationCodecConfig), ("grad_codec", GradCodecConfig)):
-            v = data.get(key)
-            if v is not None and not isinstance(v, (str, dict)):
-                raise ConfigError(f"{path}.{key}", f"got {v!r}; expected a codec name or a section with a type: key")
-            sec = {"type": v} if isinstance(v, str) else dict(v or {})
-            sec.setdefault("type", base.default_type)
-            sections[key] = (sec, base)
-        own = {f.name for f in dataclasses.fields(FastConfig)}
-        known = {
-            f.name
-            for b in (ActivationCodecConfig, GradCodecConfig)
-            for c in registered(b).values()
-            for f in dataclasses.fields(c)
-        } | {"grad_rank"}
-        for k in [k for k in data if k not in own and k in known]:
-            v, placed = data.pop(k), False
-            for key, (sec, base) in sections.items():
-                cls = registered(base).get(sec["type"])
-                names = {f.name for f in dataclasses.fields(cls)} if cls else set()
-                target = {"grad_rank": "rank" if key == "grad_codec" else None}.get(k, k)
-                if k == "rank" and key == "grad_codec":
-                    target = None  # flat `rank` was the activation projector's; PowerSGD's was `grad_rank`
-                if target in names:
-                    sec[target] = v
-                    placed = True
-            if not placed and k == "use_kernel" and v:
-                raise ConfigError(
-                    f"{path}.use_kernel",
-                    f"no chosen codec has a Pallas kernel (codec: {sections['codec'][0]['type']}, grad_codec: "
-                    f"{sections['grad_codec'][0]['type']}); there is no silent fallback",
-                )
-            if not placed:
-                warnings.warn(
-                    f"{path}.{k}: ignored; no chosen codec has it (codec: {sections['codec'][0]['type']}, "
-                    f"grad_codec: {sections['grad_codec'][0]['type']})",
-                    ConfigWarning,
-                    stacklevel=2,
-                )
-        for key, (sec, _) in sections.items():
-            data[key] = sec
-        return data
 
     def check(self):
         require(self.pp_size >= 1, "pp_size", f"got {self.pp_size}; must be >= 1")

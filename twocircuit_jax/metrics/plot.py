@@ -14,13 +14,12 @@ import json
 import math
 import os
 import re
-import warnings
 from dataclasses import dataclass, field
 
 import yaml
 
-from twocircuit_jax.config.base import ConfigError, ConfigWarning, registered
-from twocircuit_jax.config.sections import ActivationCodecConfig, FastConfig
+from twocircuit_jax.config.base import ConfigError, registered
+from twocircuit_jax.config.sections import ActivationCodecConfig
 from twocircuit_jax.metrics import stats
 from twocircuit_jax.metrics.plot_collapse import (
     collapse_anatomy,
@@ -71,16 +70,15 @@ class Run:
 
     def __post_init__(self) -> None:
         sec = lambda k: self.config.get(k) if isinstance(self.config.get(k), dict) else {}  # noqa: E731
-        with warnings.catch_warnings():  # a run folder's own config: its inert flat keys (older runs) are no news
-            warnings.simplefilter("ignore", ConfigWarning)
-            fast = FastConfig.upgrade(sec("fast"))  # older runs saved flat keys: the same sections either way
-        codec = fast["codec"]
+        fast = sec("fast")
+        section = lambda v: {"type": v} if isinstance(v, str) else dict(v or {})  # noqa: E731
+        codec = {"type": "none", **section(fast.get("codec"))}
         self.codec: str = str(codec["type"])
         self.anchor: bool = bool(sec("anchor").get("enabled", False))
         self.hidden: int | None = sec("model").get("hidden_size")
         key, short = strength_key(self.codec)
         self.strength: float | None = codec.get(key) if key else None
-        grad = fast["grad_codec"]["type"]
+        grad = section(fast.get("grad_codec")).get("type", "none")
         # e.g. "lowrank r=8"; a gradient codec is appended ("+powersgd"): a different compression, a different row
         self.codec_label = (
             self.codec
