@@ -81,7 +81,6 @@ WEIGHTS = {
     "test_user_code_timeouts.py": (35, 12),
     "test_device_check.py": (20, 20),
     "test_codec_registry.py": (19, 5),
-    "test_resume_layout1.py": (18, 18),
     "test_anchor_circuit.py": (17, 17),
     "test_host_state.py": (20, 20),
     "test_anchor_owned_basis.py": (8, 0),

@@ -99,11 +99,11 @@ def test_best_kept_only_on_strictly_better_score(tmp_path):
     assert not cm.save_best(6, s2, {"step": 6}, float("nan"))
     for s in (4, 5, 6):
         cm.save(s, s2, {})  # retention never touches best
-    got, meta = cm.restore_best(s1)
+    got, meta = cm.restore("best", s1)
     assert meta == {"step": 3} and cm.best_score() == 0.4
     assert np.asarray(got["params"]["w"]).tobytes() == np.asarray(s1["params"]["w"]).tobytes()
     assert cm.save_best(7, s2, {"step": 7}, 0.5)
-    got, meta = cm.restore_best(s1)
+    got, meta = cm.restore("best", s1)
     assert meta == {"step": 7}
     assert np.asarray(got["params"]["w"]).tobytes() == np.asarray(s2["params"]["w"]).tobytes()
     assert json.loads((tmp_path / "best" / "COMMITTED").read_text()) == {"step": 7, "score": 0.5}

@@ -38,18 +38,18 @@ def test_round_trip_bit_exact(tmp_path, dtype):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), b.view(np.uint8), err_msg=str(p))
 
 
-def test_latest_version_and_pruning(tmp_path):
+def test_versions_and_pruning(tmp_path):
     root = str(tmp_path)
-    assert ex.latest_version(root) is None
-    assert ex.latest_version(os.path.join(root, "nope")) is None
+    assert ex.list_versions(root) == []
+    assert ex.list_versions(os.path.join(root, "nope")) == []
     params = _params()
     for v in (0, 1, 2, 5):
         ex.export_weights(params, CFG, root, v, keep=2)
     assert ex.list_versions(root) == [2, 5]
-    assert ex.latest_version(root) == 5
+    assert ex.list_versions(root)[-1] == 5
     # A half-written folder (temporary name) is never a version.
     os.makedirs(os.path.join(root, ".tmp-v00000009-12345"))
-    assert ex.latest_version(root) == 5
+    assert ex.list_versions(root)[-1] == 5
 
 
 def test_export_is_atomic_on_failure(tmp_path):
@@ -58,7 +58,7 @@ def test_export_is_atomic_on_failure(tmp_path):
     with pytest.raises(Exception):
         ex.export_weights(bad, CFG, str(tmp_path), 4)
     assert os.listdir(str(tmp_path)) == []
-    assert ex.latest_version(str(tmp_path)) is None
+    assert ex.list_versions(str(tmp_path)) == []
 
 
 def test_reexport_replaces_version(tmp_path):

@@ -25,7 +25,7 @@ from twocircuit_jax.envs.episodes import episode_metrics, run_episodes
 from twocircuit_jax.envs.guess import GuessGame
 from twocircuit_jax.envs.rows import row_advantages
 from twocircuit_jax.tasks.base import Problem, ScoreResult
-from twocircuit_jax.tasks.bounded import ERROR, OK, TIMEOUT, CallTimeout, Worker, bounded_map, close_all
+from twocircuit_jax.tasks.bounded import ERROR, OK, TIMEOUT, CallTimeout, Worker, close_all, worker_for
 from twocircuit_jax.tasks.python_task import PythonTask, reward_fns
 from twocircuit_jax.tasks.rewards import score_batch
 
@@ -40,21 +40,22 @@ def _hang_on(x, bad):
     return x * 2
 
 
-def test_bounded_map_stops_a_hung_call_and_goes_on_from_a_thread():
+def _call(fn, x):
+    return fn(x)
+
+
+def test_a_mapping_worker_stops_a_hung_call_and_goes_on_from_a_thread():
     """From a background thread (where async rollouts collect) as well as the main one: a hung call is stopped
     after the bound and the next calls run in a fresh worker."""
-    got = {}
+    got, fn = {}, lambda x: _hang_on(x, "b")
     t0 = time.perf_counter()
-    th = threading.Thread(
-        target=lambda: got.update(r=bounded_map(lambda x: _hang_on(x, "b"), ["a", "b", "raise", "c"], 1.0))
-    )
+    th = threading.Thread(target=lambda: got.update(r=worker_for(fn, "map", _call).map(["a", "b", "raise", "c"], 1.0)))
     th.start()
     th.join(60)
     assert not th.is_alive() and time.perf_counter() - t0 < 30
     kinds = [k for k, _ in got["r"]]
     assert kinds == [OK, TIMEOUT, ERROR, OK] and got["r"][0][1] == "aa" and got["r"][3][1] == "cc"
     assert isinstance(got["r"][2][1], KeyError)
-    assert bounded_map(lambda x: x + 1, [1, 2], 0) == [(OK, 2), (OK, 3)]  # 0: no bound, run here
 
 
 class _Task:

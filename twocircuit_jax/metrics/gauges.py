@@ -9,16 +9,8 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-
-
-def token_entropy(logits) -> jnp.ndarray:
-    """Entropy of softmax(logits) over the last axis: [B, T, V] -> [B, T], computed in float32."""
-    logp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
-    # exp(logp) * logp is 0 * -inf = NaN where a logit is -inf (masked vocab); those terms are 0.
-    return -jnp.sum(jnp.where(jnp.isfinite(logp), jnp.exp(logp) * logp, 0.0), axis=-1)
 
 
 def entropy_summary(entropy, mask, prefix: str = "policy/") -> dict:

@@ -53,12 +53,6 @@ def list_versions(export_root: str) -> list[int]:
     return sorted(int(m.group(1)) for m in map(_NAME.match, os.listdir(export_root)) if m)
 
 
-def latest_version(export_root: str):
-    """Newest complete version, or None when there is none."""
-    v = list_versions(export_root)
-    return v[-1] if v else None
-
-
 def export_weights(
     params, config, export_root: str, version: int, keep: int = 3, meta: dict | None = None, *, alone: bool = False
 ) -> str:

@@ -72,15 +72,6 @@ def _packed(cfg, B: int) -> dict:
     }
 
 
-def batch_shapes(cfg) -> dict:
-    """A mini-batch after separate ℓ_old and ℓ_ref passes (the keys a fire's batch is taken from)."""
-    b = _packed(cfg, _rows(cfg)[1])
-    b["old_logp"] = b["sampler_logp"]
-    if cfg.grpo.kl_coef > 0:
-        b["ref_logp"] = b["sampler_logp"]
-    return b
-
-
 def _train_batch(cfg, programs, B: int) -> dict:
     """The mini-batch the loop hands the train step (loop.grpo_step): with the fused ℓ_old path the full mask and the
     truncation flags the loss's diagnostics read, else ℓ_old and the TIS weights from the separate passes."""

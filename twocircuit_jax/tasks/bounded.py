@@ -365,22 +365,3 @@ def refresh(owner) -> None:
             del _OWNED[k]
     for _, w in gone:
         w.close()
-
-
-def _apply(fn, item):
-    return fn(item)
-
-
-def bounded_map(fn: Callable, items: Sequence, timeout_s: float) -> list[tuple[str, object]]:
-    """[(OK, fn(item)) | (ERROR, exception) | (TIMEOUT, CallTimeout)] per item, in order, in `fn`'s worker (one per
-    function object: pass the same function to reuse it). `timeout_s` <= 0 runs the calls here."""
-    items = list(items)
-    if timeout_s > 0:
-        return worker_for(fn, "map", _apply).map(items, timeout_s)
-    out = []
-    for item in items:
-        try:
-            out.append((OK, fn(item)))
-        except Exception as e:  # noqa: BLE001
-            out.append((ERROR, e))
-    return out

@@ -194,9 +194,6 @@ class CheckpointManager:
         self._sync("ckpt_set_aside")
         return aside
 
-    def restore_best(self, target_like):
-        return self.restore(_BEST, target_like)
-
     # ----- internals -----
     def _write(self, state, meta, marker: dict, name: str, blobs: dict | None = None) -> Path:
         # Deterministic name so every process agrees on it; `_clean()` ran just before, so it does not exist.
