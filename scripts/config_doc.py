@@ -22,7 +22,7 @@ def fields() -> list[tuple[str, str, object, str]]:
     """(dotted key, field name, default, meaning) for every leaf field, polymorphic sections once per `type:`."""
     sys.path.insert(0, ROOT)
     import twocircuit_jax  # noqa: F401  (registers the codecs' sections)
-    from twocircuit_jax.config.base import _REGISTRY, type_name
+    from twocircuit_jax.config.base import polymorphic_bases, registered, type_name
     from twocircuit_jax.config.run import RunConfig
 
     out = []
@@ -36,15 +36,15 @@ def fields() -> list[tuple[str, str, object, str]]:
             else:
                 default = None
             if dataclasses.is_dataclass(default):
-                base = next((b for b in _REGISTRY if isinstance(default, b)), None)
+                base = next((b for b in polymorphic_bases() if isinstance(default, b)), None)
                 if base is None:
                     walk(type(default), f"{prefix}{f.name}.")
                     continue
                 # the package's own types only: a test module may register a type of its own in the same process
-                names = sorted(n for n, c in _REGISTRY[base].items() if c.__module__.startswith("twocircuit_jax."))
+                names = sorted(n for n, c in registered(base).items() if c.__module__.startswith("twocircuit_jax."))
                 out.append((f"{prefix}{f.name}.type", "type", type_name(base, default), "one of " + ", ".join(names)))
                 for name in names:
-                    walk(_REGISTRY[base][name], f"{prefix}{f.name}[{name}].")
+                    walk(registered(base)[name], f"{prefix}{f.name}[{name}].")
                 continue
             out.append((prefix + f.name, f.name, default, f.metadata.get("doc", "")))
 

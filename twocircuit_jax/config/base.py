@@ -49,6 +49,11 @@ def registered(base: type) -> dict[str, type]:
     return dict(_REGISTRY.get(base, {}))
 
 
+def polymorphic_bases() -> list[type]:
+    """Every base class with registered subtypes (the sections chosen by `type:`)."""
+    return list(_REGISTRY)
+
+
 def type_name(base: type, obj) -> str:
     """The `type:` name `obj` (an instance of a subclass of polymorphic `base`) was registered under."""
     for name, cls in _REGISTRY.get(base, {}).items():

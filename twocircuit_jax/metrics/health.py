@@ -117,7 +117,7 @@ class HealthMonitor:
         b = self.base[name]
         return float(np.mean(b)) if b else None
 
-    def _recent(self, name, n) -> Optional[float]:
+    def recent(self, name, n) -> Optional[float]:
         h = self.hist[name]
         return float(np.mean(h[-n:])) if h else None
 
@@ -128,7 +128,7 @@ class HealthMonitor:
         out, states = {}, {}
 
         # entropy: the recent mean against the baseline (or the dense arm at this step)
-        ent = self._recent("entropy", c.smooth)
+        ent = self.recent("entropy", c.smooth)
         ref = None
         if self.dense_entropy:
             ref = (
@@ -150,22 +150,22 @@ class HealthMonitor:
                 _level(slope, c.length_slope_warn, c.length_slope_alarm) if len(self.hist["share"]) >= c.window else OK,
             )
         if self.hist["trunc"]:
-            tr = self._recent("trunc", 2)
+            tr = self.recent("trunc", 2)
             out["health/truncated_frac"] = tr
             states["truncation"] = _level(tr, c.truncated_warn, c.truncated_alarm)
 
         # mismatch escalation: against the run's own early level, once that level is known
         ms = []
         if len(self.base["gap"]) >= c.baseline_steps and self.hist["gap"]:
-            r = (self._recent("gap", c.smooth) + c.gap_floor) / (self._baseline("gap") + c.gap_floor)
+            r = (self.recent("gap", c.smooth) + c.gap_floor) / (self._baseline("gap") + c.gap_floor)
             out["health/gap_ratio"] = r
             ms.append(_level(r, c.gap_ratio_warn, c.gap_ratio_alarm))
         if len(self.base["kl"]) >= c.baseline_steps and self.hist["kl"]:
-            r = (max(self._recent("kl", c.smooth), 0.0) + c.kl_floor) / (max(self._baseline("kl"), 0.0) + c.kl_floor)
+            r = (max(self.recent("kl", c.smooth), 0.0) + c.kl_floor) / (max(self._baseline("kl"), 0.0) + c.kl_floor)
             out["health/rollout_kl_ratio"] = r
             ms.append(_level(r, c.kl_ratio_warn, c.kl_ratio_alarm))
         if len(self.base["corr"]) >= c.baseline_steps and self.hist["corr"]:
-            d = self._baseline("corr") - self._recent("corr", c.smooth)
+            d = self._baseline("corr") - self.recent("corr", c.smooth)
             out["health/corr_drop"] = d
             ms.append(_level(d, c.corr_drop_warn, c.corr_drop_alarm))
         if ms:
@@ -181,7 +181,7 @@ class HealthMonitor:
 
         # reward: the moving mean's drop from its best
         if len(self.hist["reward"]) >= c.smooth:
-            cur = self._recent("reward", c.smooth)
+            cur = self.recent("reward", c.smooth)
             self.best_reward = cur if self.best_reward is None else max(self.best_reward, cur)
             if self.best_reward >= c.reward_floor:
                 drop = 1.0 - cur / self.best_reward
@@ -222,7 +222,7 @@ def replay(rows: list[dict], cfg, dense_entropy: Optional[dict] = None) -> dict:
             for name, level in (("warn", WARN), ("alarm", ALARM)):
                 if s is not None and s >= level and first[g][name] is None:
                     first[g][name] = step
-        cur = mon._recent("reward", cfg.smooth) if len(mon.hist["reward"]) >= cfg.smooth else None
+        cur = mon.recent("reward", cfg.smooth) if len(mon.hist["reward"]) >= cfg.smooth else None
         if cur is not None:
             best = cur if best is None else max(best, cur)
             if half is None and best >= cfg.reward_floor and cur <= best / 2:

@@ -24,7 +24,7 @@ _PROJ = {  # our name -> (HF module path, transpose)
     "up_proj": "mlp.up_proj",
     "down_proj": "mlp.down_proj",
 }
-_NORMS = {
+HF_NORMS = {
     "input_norm": "input_layernorm",
     "post_norm": "post_attention_layernorm",
     "q_norm": "self_attn.q_norm",
@@ -117,13 +117,13 @@ def to_hf_state_dict(cfg: ModelConfig, params, only=None, contiguous: bool = Tru
                 out[pre + hf + ".weight"] = T(np.asarray(lay[ours]["kernel"][i]))
             if "bias" in lay[ours] and want(pre + hf + ".bias"):
                 out[pre + hf + ".bias"] = np.asarray(lay[ours]["bias"][i])
-        for ours, hf in _NORMS.items():
+        for ours, hf in HF_NORMS.items():
             if ours in lay and want(pre + hf + ".weight"):
                 out[pre + hf + ".weight"] = np.asarray(lay[ours][i])
     return out
 
 
-_TOP = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+HF_TOP = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
 
 
 def hf_names_touched(changed: dict, shapes: dict) -> set:
@@ -132,8 +132,8 @@ def hf_names_touched(changed: dict, shapes: dict) -> set:
     touches layer i's tensor only where a position falls in block i."""
     out = set()
     for leaf, idx in changed.items():
-        if leaf in _TOP:
-            out.add(_TOP[leaf])
+        if leaf in HF_TOP:
+            out.add(HF_TOP[leaf])
             continue
         parts = leaf.split("/")  # layers/<proj>/<kernel|bias> or layers/<norm>
         if parts[0] != "layers" or len(parts) not in (2, 3):
@@ -144,7 +144,7 @@ def hf_names_touched(changed: dict, shapes: dict) -> set:
         if len(parts) == 3:
             hf = _PROJ[parts[1]] + (".weight" if parts[2] == "kernel" else ".bias")
         else:
-            hf = _NORMS[parts[1]] + ".weight"
+            hf = HF_NORMS[parts[1]] + ".weight"
         out.update(f"model.layers.{i}.{hf}" for i in layers)
     return out
 
@@ -163,7 +163,7 @@ def from_hf_state_dict(cfg: ModelConfig, tensors: dict, source: str = "checkpoin
         layers[ours] = {"kernel": jnp.stack([jnp.asarray(get(f"model.layers.{i}.{hf}.weight")).T for i in range(L)])}
         if ours in ("q_proj", "k_proj", "v_proj") and cfg.qkv_bias:
             layers[ours]["bias"] = jnp.stack([jnp.asarray(get(f"model.layers.{i}.{hf}.bias")) for i in range(L)])
-    for ours, hf in _NORMS.items():
+    for ours, hf in HF_NORMS.items():
         if ours in ("q_norm", "k_norm") and not cfg.qk_norm:
             continue
         layers[ours] = jnp.stack([jnp.asarray(get(f"model.layers.{i}.{hf}.weight")) for i in range(L)])

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from twocircuit_jax.model.hf_io import _NORMS, _TOP
+from twocircuit_jax.model.hf_io import HF_NORMS, HF_TOP
 
 _MODULE = {  # our projection -> vLLM module under model.layers.{i}
     "q_proj": "self_attn.qkv_proj",
@@ -58,11 +58,11 @@ def targets(cfg, leaf: str, shape: tuple, idx: np.ndarray) -> list[Target]:
     big = max(int(np.prod(shape, dtype=np.int64)), int(np.prod(engine_shape(cfg, leaf, shape), dtype=np.int64)))
     it = np.int32 if big < 2**31 else np.int64
     if leaf in ("embed", "final_norm"):  # same layout on both sides
-        return [Target(_TOP[leaf], idx.astype(it), 0, idx.size)]
+        return [Target(HF_TOP[leaf], idx.astype(it), 0, idx.size)]
     if leaf == "lm_head":  # ours [H, V] -> vLLM [V, H]
         h, v = shape
         i, o = np.divmod(idx.astype(it), it(v))
-        return [Target(_TOP[leaf], o * it(h) + i, 0, idx.size)]
+        return [Target(HF_TOP[leaf], o * it(h) + i, 0, idx.size)]
     parts = leaf.split("/")
     if parts[0] != "layers" or len(parts) not in (2, 3) or (len(parts) == 3 and parts[1] not in _MODULE):
         raise ValueError(f"no vLLM parameter for {leaf!r}")
@@ -76,7 +76,7 @@ def targets(cfg, leaf: str, shape: tuple, idx: np.ndarray) -> list[Target]:
         r = idx[lo:hi].astype(it) - it(layer * per)
         pre = f"model.layers.{layer}."
         if len(parts) == 2:  # a per-layer norm vector
-            out.append(Target(pre + _NORMS[parts[1]] + ".weight", r, lo, hi))
+            out.append(Target(pre + HF_NORMS[parts[1]] + ".weight", r, lo, hi))
             continue
         module, off = _MODULE[parts[1]], _row_offset(cfg, parts[1])
         if parts[2] == "bias":

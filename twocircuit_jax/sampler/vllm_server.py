@@ -369,7 +369,7 @@ class Engine:
             from twocircuit_jax.sampler.weight_sync import DeltaError
 
             raise DeltaError(f"{path}: a delta, but this sampler has no base version (it serves its start-up weights)")
-        from twocircuit_jax.sampler.weight_sync import _POOL
+        from twocircuit_jax.sampler.weight_sync import HOST_POOL
 
         changes = self.store.read_delta(path, meta)
         # each changed word's engine position, leaf by leaf over the pool (numpy's index arithmetic releases the
@@ -382,7 +382,7 @@ class Engine:
         mapped = dict(
             zip(
                 engine_leaves,
-                _POOL.map(
+                HOST_POOL.map(
                     lambda k: engine_layout.targets(cfg, self.store.names[k], self.store.shapes[k], changes[k][0]),
                     engine_leaves,
                 ),

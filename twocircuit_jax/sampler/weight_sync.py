@@ -46,7 +46,7 @@ _CHUNK = 1 << 20  # elements per numpy pass: temporaries stay a few MiB, which m
 # 0.76-0.96 s at 2^22; with torch's cast, another: 1.6 s at 2^16 (per-range overhead), 0.57 s at 2^18, 0.39 s at
 # 2^20, and 2^21, 2^22 within noise of 2^20)
 _LOCAL = threading.local()
-_POOL = cf.ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)))  # numpy's loops release the GIL
+HOST_POOL = cf.ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)))  # numpy's loops release the GIL
 _K1, _K2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xD1B54A32D192ED03)
 _M64 = (1 << 64) - 1
 
@@ -98,7 +98,7 @@ def leaf_hash(w: np.ndarray) -> int:
         e = min(s + _CHUNK, w.size)
         return _dot(np.arange(s, e, dtype=np.uint64), w[s:e].astype(np.uint64))
 
-    return sum(_POOL.map(part, range(0, w.size, _CHUNK)), 0) & _M64
+    return sum(HOST_POOL.map(part, range(0, w.size, _CHUNK)), 0) & _M64
 
 
 def _torch_ready() -> None:
@@ -170,7 +170,7 @@ def diff_parts(olds: list, news: list, hashes: list, twin: tuple = ()) -> tuple[
     k_twin = twin[0] if twin else -1
     jobs = [
         [
-            _POOL.submit(
+            HOST_POOL.submit(
                 _diff_range, o.reshape(-1), n.reshape(-1), s, min(s + _CHUNK, o.size), o.shape if k == k_twin else ()
             )
             for s in range(0, o.size, _CHUNK)
@@ -228,7 +228,7 @@ def _cast_copy(src: np.ndarray, dt) -> np.ndarray:
     """A new contiguous array of `src` in dtype `dt`, cast in _CHUNK ranges over the thread pool."""
     out = np.empty(src.shape, dt)
     f, g = out.reshape(-1), src.reshape(-1)
-    list(_POOL.map(lambda s: _cast_into(f[s : s + _CHUNK], g[s : s + _CHUNK]), range(0, f.size, _CHUNK)))
+    list(HOST_POOL.map(lambda s: _cast_into(f[s : s + _CHUNK], g[s : s + _CHUNK]), range(0, f.size, _CHUNK)))
     return out
 
 
@@ -451,7 +451,7 @@ class WeightStore:
             o = swap(t, p, v)
             return o, _change(i, o, v)
 
-        done = list(_POOL.map(one, ranges))
+        done = list(HOST_POOL.map(one, ranges))
         new = list(self.hashes)
         for (k, *_), (_, d) in zip(ranges, done):
             new[k] = (new[k] + d) & _M64
