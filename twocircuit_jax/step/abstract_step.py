@@ -17,6 +17,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from twocircuit_jax.step.step_batch import StepBatch
+
 
 class AbstractStep(NamedTuple):
     jitted: Any  # the jitted train step (dispatch.Jitted); `.wrapped` is the plain jax.jit object for jax.export
@@ -58,8 +60,8 @@ def _rows(cfg) -> tuple[int, int]:
 
 
 def _packed(cfg, B: int) -> dict:
-    """The collector's row fields for B rows (train/rollout.py pack_rows), less the loss mask and `truncated` that
-    the loop takes out, with the advantages."""
+    """StepBatch.rows (step/step_batch.py) for B rows: the collector's row fields (train/rollout.py pack_rows) less
+    the loss mask and `truncated` that the loop takes out, with the advantages."""
     T = cfg.train.max_prompt_len + cfg.sampler.sampling.max_new_tokens
     f = jax.ShapeDtypeStruct
     return {
@@ -72,21 +74,18 @@ def _packed(cfg, B: int) -> dict:
     }
 
 
-def _train_batch(cfg, programs, B: int) -> dict:
-    """The mini-batch the loop hands the train step (loop.grpo_step): with the fused ℓ_old path the full mask and the
-    truncation flags the loss's diagnostics read, else ℓ_old and the TIS weights from the separate passes."""
-    b = _packed(cfg, B)
-    lp = b["sampler_logp"]
-    if programs.fused_old_pass:
-        b["full_mask"], b["truncated"] = lp, jax.ShapeDtypeStruct((B,), jnp.bool_)
-    else:
-        b["old_logp"] = lp
-        w, _ = jax.eval_shape(programs.diagnostics, lp, lp, lp, lp, jax.ShapeDtypeStruct((B,), jnp.bool_), lp)
-        if w is not None:
-            b["is_weight"] = w
+def _step_batch(cfg, programs, B: int) -> StepBatch:
+    """The StepBatch of B rows as the loop has it when the ticks start (train/step_phases.py): ℓ_ref with a KL term,
+    and, without the fused ℓ_old path, ℓ_old and the weights of the separate pass."""
+    rows = _packed(cfg, B)
+    lp = rows["sampler_logp"]
+    sb = StepBatch(rows, lp, jax.ShapeDtypeStruct((B,), jnp.bool_))
+    if not programs.fused_old_pass:
+        w, _ = jax.eval_shape(programs.diagnostics, lp, lp, lp, lp, sb.truncated, lp)
+        sb = sb._replace(old_logp=lp, is_weight=w)
     if cfg.grpo.kl_coef > 0:
-        b["ref_logp"] = lp
-    return b
+        sb = sb._replace(ref_logp=lp)
+    return sb
 
 
 def _seq_len(cfg) -> int:
@@ -118,8 +117,8 @@ def abstract_assembly(cfg, devices, *, lowering_platform: str | None = None) -> 
     circuits = circuits._replace(cs=_with(circuits.cs, circuits.cs_sh))
     programs = build_programs(cfg, model_cfg, mesh, opt, state_sh, circuits)
     step_rows, mini_rows = _rows(cfg)
-    batch = _train_batch(cfg, programs, mini_rows)
-    passes = {k: v for k, v in _packed(cfg, step_rows).items() if k in ("tokens", "attention_mask", "sample_id")}
+    batch = _step_batch(cfg, programs, mini_rows).train_inputs(programs.fused_old_pass)
+    passes = StepBatch(_packed(cfg, step_rows), None, None).pass_rows()
     place = lambda b: _with(b, pmesh.batch_shardings(b, mesh))  # noqa: E731
     return Assembly(mesh, state, state_sh, circuits, programs, place(batch), place(passes))
 

@@ -99,6 +99,23 @@ def anchor_ref_own_pass(cfg, codec) -> bool:
     return cfg.grpo.kl_coef > 0 and codec is not None and codec.applies(REF)
 
 
+class StagedComm:
+    """A staged run's train-step collectives by part (fast/hlo_bytes.py `step_comm`: boundary messages, stage exit,
+    gradient reduction), read once a run from the compiled program before its first call and logged every step as
+    `comm/hlo/*`. Lives with the programs: a rebuilt run (a guard mitigation) has new programs and reads it again."""
+
+    def __init__(self, replicas: int, ticks: int):
+        self.replicas, self.ticks = replicas, ticks  # data replicas; ticks a step (mini-batches x epochs)
+        self.parts: dict | None = None
+
+    def measure(self, train_step, args) -> None:
+        """Read the collectives from the compiled train step for `args` (state, circuit state, mini-batch), once."""
+        if self.parts is None:
+            from twocircuit_jax.fast.hlo_bytes import step_comm
+
+            self.parts = step_comm(train_step, args, self.replicas, self.ticks)
+
+
 class Programs(NamedTuple):
     fused_old_pass: bool  # the train step's forward is the old-log-prob pass (fuses_old_pass)
     loss_fn: Any  # the GRPO loss the train step differentiates
@@ -111,6 +128,7 @@ class Programs(NamedTuple):
     probe_sums: Any  # the dense probe's token means (metrics/probe.py), one program
     fidelity: Any  # (params, ref params, mini-batch, cs) -> fidelity/* scalars, or None without the probe
     anchor_fire: Any  # the anchor's fire (anchor/circuit.py jits it), or None without the anchor
+    staged_comm: Any  # StagedComm of a staged run (mesh.stage > 1), else None
 
 
 def build_programs(cfg, model_cfg, mesh, optimizer, state_sh, circuits: Circuits):
@@ -164,6 +182,7 @@ def build_programs(cfg, model_cfg, mesh, optimizer, state_sh, circuits: Circuits
         probe_sums=dispatch.jit(dense_probe_sums, static_argnames="estimator"),
         fidelity=fidelity,
         anchor_fire=anchor.fire_program if anchor else None,
+        staged_comm=StagedComm(pmesh.dp_size(mesh), cfg.ticks_per_step * cfg.train.ppo_epochs) if pl else None,
     )
 
 

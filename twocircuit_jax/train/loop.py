@@ -70,7 +70,7 @@ class GRPOTrainer:
         self.built, self.state, self.cs = built_run.assemble(
             cfg, task, run_dir, resume=resume, allow_config_change=allow_config_change
         )
-        self.history, self.comm_hlo = {"length/mean": [], "best": None}, None  # comm_hlo: staged runs' collectives
+        self.history = {"length/mean": [], "best": None}
         self.start_step, resume_row, ahead_blob = 0, None, None
         if resume:
             got, resume_row, ahead_blob = run_checkpoints.restore_latest(self.built, self.state, self.cs)
@@ -101,18 +101,15 @@ class GRPOTrainer:
         t_start = time.perf_counter()
         col, metrics = ph.rollouts(b, gs, timer)
         staleness = ph.check_staleness(b, col, self.state_version)
-        dev, full_mask, truncated = ph.device_batch(b, col)
+        sb = ph.device_batch(b, col)
         self.cs = place(set_clock(self.cs, step=gs), b.cs_sh)  # one input signature for every jitted pass
-        self.cs, bm = ph.bootstrap(b, self.state.params, self.cs, gs, dev)
+        self.cs, bm = ph.bootstrap(b, self.state.params, self.cs, gs, sb)
         metrics.update(bm)
-        metrics.update(
-            ph.old_logprobs(b, self.state.params, self.cs, gs, dev, full_mask, truncated, col.row_turn, timer)
-        )
+        sb, om = ph.old_logprobs(b, self.state.params, self.cs, gs, sb, col.row_turn, timer)
+        metrics.update(om)
         accum: dict = {}  # the ticks' metrics; the trainer's state is current after each tick
-        for first, mb in ph.minibatches(b, dev):
-            self.state, self.cs, self.comm_hlo = ph.tick(
-                b, self.state, self.cs, gs, mb, first, accum, timer, self.comm_hlo
-            )
+        for first, mb in ph.minibatches(b, sb):
+            self.state, self.cs = ph.tick(b, self.state, self.cs, gs, mb, first, accum, timer)
         tm = ph.ticks_metrics(b, accum, self.state)
         metrics.update(tm)
         self.cs, cm = ph.end_step(b, self.cs, gs, tm)
@@ -127,7 +124,7 @@ class GRPOTrainer:
         self.history["length/mean"].append(metrics["length/mean"])
         metrics["length/slope"] = length_slope(self.history["length/mean"])
         metrics["time/step_s"] = time.perf_counter() - t_start
-        metrics.update(ph.sampler_gauges(b, col, staleness, self.comm_hlo))
+        metrics.update(ph.sampler_gauges(b, col, staleness))
         return metrics
 
     # --- the run ----------------------------------------------------------------------------------------------
@@ -312,7 +309,6 @@ class GRPOTrainer:
             cfg, change = mitigate(self.built.cfg, mitigation)
             cfg.check()
             self.built, self.cs = built_run.rebuilt(self.built, cfg, self.state.params)
-            self.comm_hlo = None
         got = run_checkpoints.load(self.built, "best", self.state, self.cs)
         self.state, self.cs, self.history = got.state, got.cs, got.history
         if self.built.max_new != old_cap:  # the sampler and the evaluator generate to the new cap

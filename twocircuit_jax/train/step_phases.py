@@ -14,14 +14,13 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from twocircuit_jax.fast.hlo_bytes import step_comm
 from twocircuit_jax.metrics.mismatch import mismatch_by_turn
 from twocircuit_jax.metrics.probe import dense_probe_metrics
-from twocircuit_jax.parallel import mesh as pmesh
 from twocircuit_jax.parallel.host import to_host
 from twocircuit_jax.step.circuit_state import place, set_clock
 from twocircuit_jax.step.grpo_step import OLD
 from twocircuit_jax.step.programs import anchor_ref_own_pass
+from twocircuit_jax.step.step_batch import StepBatch
 from twocircuit_jax.step.train_step import learning_rate
 from twocircuit_jax.tasks import bounded
 from twocircuit_jax.train import rollout as ro
@@ -96,79 +95,85 @@ def check_staleness(b: BuiltRun, col, version: int) -> int:
     return staleness
 
 
-def device_batch(b: BuiltRun, col):
-    """(rows on the mesh, full response mask, truncation flags) of the collected batch: the loss reads the response
-    mask with the collector's loss mask applied (it may exclude some rows); the diagnostics see every sampled
-    token. The flags are a global array: one program on every process."""
+def device_batch(b: BuiltRun, col) -> StepBatch:
+    """The collected batch on the mesh (step/step_batch.py): the loss reads the response mask with the collector's
+    loss mask applied (it may exclude some rows); the diagnostics see every sampled token. The flags are a global
+    array: one program on every process."""
     batch = dict(col.batch)
     loss_mask = batch.pop("loss_mask")
     full_mask = b.shard(batch["response_mask"])
     batch["response_mask"] = batch["response_mask"] * loss_mask[:, None]
     truncated = batch.pop("truncated")
-    return b.shard(batch), full_mask, b.shard(truncated)
+    return StepBatch(b.shard(batch), full_mask, b.shard(truncated))
 
 
-def bootstrap(b: BuiltRun, params, cs, gs, dev) -> tuple:
+def bootstrap(b: BuiltRun, params, cs, gs, sb: StepBatch) -> tuple:
     """(circuit state, metrics): the codec's state from the first step's rows before its first tick (the low-rank
     basis from one dense sketch), at step 1 of a fresh run only: a resumed one restores it with the circuit state."""
     if not (b.codec and gs == 1):
         return cs, {}
-    codec_state, bm = b.codec.bootstrap(cs.codec, params, dev)
+    codec_state, bm = b.codec.bootstrap(cs.codec, params, sb.rows)
     return place(cs._replace(codec=codec_state), b.cs_sh), bm  # placed like every later step's
 
 
-def old_logprobs(b: BuiltRun, params, cs, gs, dev, full_mask, truncated, row_turn, timer) -> dict:
-    """ℓ_old (and ℓ_ref with a KL term) for the step, from where `programs.fused_old_pass` says (decided once, in
-    step/programs.py `fuses_old_pass`): the tick's own forward, which then also gives the TIS weights and the
-    diagnostics from the full mask and the flags it finds in `dev`; or separate passes now (`old_pass`)."""
+def old_logprobs(b: BuiltRun, params, cs, gs, sb: StepBatch, row_turn, timer) -> tuple[StepBatch, dict]:
+    """(step batch with ℓ_ref and, unless the train forward gives it, ℓ_old and the weights; metrics). Where ℓ_old
+    comes from is `programs.fused_old_pass` (decided once, step/programs.py `fuses_old_pass`): the tick's own
+    forward, which then also gives the weights and the diagnostics from the batch's full mask and flags; or
+    separate passes now (`old_pass`)."""
     if not b.programs.fused_old_pass:
-        return old_pass(b, params, cs, gs, dev, full_mask, truncated, row_turn, timer)
-    dev["full_mask"], dev["truncated"] = full_mask, truncated
+        return old_pass(b, params, cs, gs, sb, row_turn, timer)
     if b.cfg.grpo.kl_coef > 0:
         with timer("logprob"):
-            ref_pass(b, dev, cs)
-            jax.block_until_ready(dev["ref_logp"])
-    return {}
+            sb = ref_pass(b, sb, cs)
+            jax.block_until_ready(sb.ref_logp)
+    return sb, {}
 
 
-def ref_pass(b: BuiltRun, dev: dict, cs) -> None:
-    """ℓ_ref into `dev` (kl_coef > 0). The anchor's dense view of it is `anchor_rows`'."""
-    dev["ref_logp"] = b.programs.logp_ref(b.ref_params, logp_rows(dev), cs)[0]
+def ref_pass(b: BuiltRun, sb: StepBatch, cs) -> StepBatch:
+    """The batch with ℓ_ref (kl_coef > 0). The anchor's dense view of it is `anchor_rows`'."""
+    return sb._replace(ref_logp=b.programs.logp_ref(b.ref_params, sb.pass_rows(), cs)[0])
 
 
-def old_pass(b: BuiltRun, params, cs, gs, dev, full_mask, truncated, row_turn, timer) -> dict:
-    """ℓ_old (and ℓ_ref) into `dev` from their own forwards, the TIS weights, the step's diagnostics (and the dense
-    probe when due). Returns their metrics."""
-    p = b.programs
+def old_pass(b: BuiltRun, params, cs, gs, sb: StepBatch, row_turn, timer) -> tuple[StepBatch, dict]:
+    """ℓ_old (and ℓ_ref) from their own forwards, the weights, the step's diagnostics (and the dense probe when
+    due): (the batch with them, their metrics)."""
+    p, rows = b.programs, sb.rows
     with timer("logprob"):
-        old_logp, ent, old_aux = p.logp_old(params, logp_rows(dev), cs)
-        dev["old_logp"] = old_logp
+        old_logp, ent, old_aux = p.logp_old(params, sb.pass_rows(), cs)
+        sb = sb._replace(old_logp=old_logp)
         if b.cfg.grpo.kl_coef > 0:
-            ref_pass(b, dev, cs)
-        jax.block_until_ready((old_logp, dev.get("ref_logp")))
-    w, metrics = p.diagnostics(old_logp, dev["sampler_logp"], dev["response_mask"], full_mask, truncated, ent)
-    if w is not None:
-        dev["is_weight"] = w
+            sb = ref_pass(b, sb, cs)
+        jax.block_until_ready((old_logp, sb.ref_logp))
+    w, metrics = p.diagnostics(old_logp, rows["sampler_logp"], rows["response_mask"], sb.full_mask, sb.truncated, ent)
+    sb = sb._replace(is_weight=w)
     if row_turn is not None:  # multi-turn: the gap per interaction index
-        metrics.update(mismatch_by_turn(old_logp, dev["sampler_logp"], full_mask, row_turn))
+        metrics.update(mismatch_by_turn(old_logp, rows["sampler_logp"], sb.full_mask, row_turn))
     if b.codec:
         metrics.update(b.codec.summarize_aux(old_aux, tag=OLD))
     if b.probe_due(gs):
         with timer("logprob"):
-            metrics.update(to_host(dense_probe(b, params, cs, dev, full_mask, old_logp)))
-    return metrics
+            metrics.update(to_host(dense_probe(b, params, cs, sb)))
+    return sb, metrics
 
 
-def dense_probe(b: BuiltRun, params, cs, dev, mask, old_logp) -> dict:
+def dense_probe(b: BuiltRun, params, cs, sb: StepBatch) -> dict:
     """design §6 probe: reference KL with codecs off everywhere (`kl/ref_dense`) against the codec view at the
     same point (`kl/ref_codec`), their ratio `kl/gain`, and the dense trainer's own gap to the sampler.
     Cost: two or three extra forwards, no backward."""
-    p, rows = b.programs, logp_rows(dev)
+    p, rows = b.programs, sb.pass_rows()
     lp = p.logp_dense(params, rows, cs)[0]
     lr_dense = p.logp_dense(b.ref_params, rows, cs)[0]
-    ref_codec = dev["ref_logp"] if "ref_logp" in dev else p.logp_ref(b.ref_params, rows, cs)[0]
+    ref_codec = sb.ref_logp if sb.ref_logp is not None else p.logp_ref(b.ref_params, rows, cs)[0]
     return dense_probe_metrics(
-        lp, lr_dense, old_logp, ref_codec, dev["sampler_logp"], mask, b.cfg.grpo.kl_estimator, p.probe_sums
+        lp,
+        lr_dense,
+        sb.old_logp,
+        ref_codec,
+        sb.rows["sampler_logp"],
+        sb.full_mask,
+        b.cfg.grpo.kl_estimator,
+        p.probe_sums,
     )
 
 
@@ -184,19 +189,19 @@ def anchor_rows(b: BuiltRun, tau, mb, cs):
     return {**mb, "ref_logp_dense": b.programs.logp_anchor_ref(b.ref_params, logp_rows(mb), cs)[0]}
 
 
-def minibatches(b: BuiltRun, dev: dict):
-    """(first, mini-batch on the mesh) for each tick of the step: `train.ppo_epochs` passes over its mini-batches;
-    `first`: the step's first tick."""
+def minibatches(b: BuiltRun, sb: StepBatch):
+    """(first, mini-batch on the mesh) for each tick of the step: `train.ppo_epochs` passes over its mini-batches
+    (row blocks of the train step's inputs, each put on the mesh's batch sharding); `first`: the step's first tick."""
+    inputs = sb.train_inputs(b.programs.fused_old_pass)
     for epoch in range(b.cfg.train.ppo_epochs):
-        for j, mb in enumerate(ro.split_minibatches(dev, b.cfg.ticks_per_step)):
+        for j, mb in enumerate(ro.split_minibatches(inputs, b.cfg.ticks_per_step)):
             yield j == 0 and epoch == 0, b.shard(mb)
 
 
-def tick(b: BuiltRun, state, cs, gs, mb, first, accum: dict, timer, comm_hlo):
+def tick(b: BuiltRun, state, cs, gs, mb, first, accum: dict, timer):
     """One optimizer tick of step gs on mini-batch `mb`, the anchor before and after it. Returns (train state,
-    circuit state, comm_hlo), both states new (the old ones are donated); its metrics go into `accum`. `comm_hlo`
-    (staged runs) is the train step's collectives by part, read from its compiled program before its first call
-    when not known yet."""
+    circuit state), both new (the old ones are donated); its metrics go into `accum`. A staged run reads its train
+    step's collectives from the compiled program before the first call (`programs.staged_comm`)."""
     p = b.programs
     tau = int(state.tick) + 1
     # ℓ_old from the train forward; placed, so the anchor's ℓ_ref^dense pass sees the circuit state as every other
@@ -209,16 +214,16 @@ def tick(b: BuiltRun, state, cs, gs, mb, first, accum: dict, timer, comm_hlo):
             cs, am, sketch = b.anchor.before_tick(tau, gs, first, amb, state, cs, basis)
             if sketch is not None:  # the anchor's dense sketch refreshes the basis (staged)
                 cs = cs._replace(codec=b.codec.absorb_sketch(cs.codec, sketch))
+            # Both states are donated to the train step: `place` commits every leaf the anchor wrote to its
+            # sharding, no buffer twice.
+            cs = place(cs, b.cs_sh)
             jax.block_until_ready(cs)
         merge(accum, to_host(am))
     with timer("update"):
-        # Both states are donated: `place` commits every leaf to its sharding, no buffer twice.
-        cs = place(cs, b.cs_sh)
         if p.fidelity is not None and b.probe_due(gs) and first:  # before the tick: the weights and M it will use
             merge(accum, to_host(p.fidelity(state.params, b.ref_params, mb, cs)))
-        if b.pipeline is not None and comm_hlo is None:  # once a run, before the first call
-            ticks = b.cfg.ticks_per_step * b.cfg.train.ppo_epochs
-            comm_hlo = step_comm(p.train_step, (state, cs, mb), pmesh.dp_size(b.mesh), ticks)
+        if p.staged_comm is not None:  # once a run, before the first call
+            p.staged_comm.measure(p.train_step, (state, cs, mb))
         state, cs, m = p.train_step(state, cs, mb)
         m = to_host(dict(m))  # host sync, once per tick
     if b.codec:
@@ -229,7 +234,7 @@ def tick(b: BuiltRun, state, cs, gs, mb, first, accum: dict, timer, comm_hlo):
             jax.block_until_ready(state)
         m.update(to_host(sm))
     merge(accum, m)
-    return state, cs, comm_hlo
+    return state, cs
 
 
 def ticks_metrics(b: BuiltRun, accum: dict, state) -> dict:
@@ -258,12 +263,12 @@ def end_step(b: BuiltRun, cs, gs, tick_metrics) -> tuple:
     return cs._replace(codec=codec_state), metrics
 
 
-def sampler_gauges(b: BuiltRun, col, staleness: int, comm_hlo) -> dict:
+def sampler_gauges(b: BuiltRun, col, staleness: int) -> dict:
     """The step's engine and pipeline gauges: bubble and collectives (staged), tokens/s, the sampler's own."""
     m = {}
     if b.pipeline is not None:
         m["pipeline/bubble_fraction"] = b.pipeline.bubble
-        m.update(comm_hlo or {})
+        m.update(b.programs.staged_comm.parts or {})
     m["time/tokens_per_s"] = sum(col.lengths) / max(col.gen_s, 1e-9)
     m["sampler/restarts"] = 0
     if hasattr(b.sampler, "metrics"):  # vLLM: restarts, refused deltas, bytes of the newest weight sync
