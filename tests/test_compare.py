@@ -11,7 +11,7 @@ from twocircuit_jax.cli import main
 from twocircuit_jax.metrics import stats
 from twocircuit_jax.metrics.compare import compare, parse_group, profiles, run_scalars
 from twocircuit_jax.metrics.logger import MetricsLogger
-from twocircuit_jax.metrics.plot import expand_runs, load_run
+from twocircuit_jax.metrics.runs import expand_runs, load_run
 
 # --- stats: known values ---------------------------------------------------------------------------------------
 

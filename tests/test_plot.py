@@ -9,8 +9,9 @@ import pytest
 import yaml
 
 from twocircuit_jax.cli import main
-from twocircuit_jax.metrics.plot import Run, expand_runs, map_cells
+from twocircuit_jax.metrics.plot import map_cells
 from twocircuit_jax.metrics.plot_collapse import guard_actions, guard_note, mark_guards, swap_steps
+from twocircuit_jax.metrics.runs import Run, expand_runs
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -318,7 +318,8 @@ def _dispatch(args) -> int:
         targets.prepare_cpu(targets.parse(args.topology))
         return run_plan(load_config(args.config, args.set), args.topology, args.json, sampler_chip=args.sampler_chip)
     if args.cmd == "plot":
-        from twocircuit_jax.metrics.plot import expand_runs, plot_runs
+        from twocircuit_jax.metrics.plot import plot_runs
+        from twocircuit_jax.metrics.runs import expand_runs
 
         runs = expand_runs(args.runs)  # every input checked before --out is created
         print(json.dumps({"runs": [r.name for r in runs], "written": plot_runs(runs, args.out)}))
@@ -443,7 +444,7 @@ def _health(args) -> int:
     from twocircuit_jax.config.health import HealthConfig
     from twocircuit_jax.config.run import apply_overrides
     from twocircuit_jax.metrics.health import GAUGES, replay
-    from twocircuit_jax.metrics.plot import expand_runs
+    from twocircuit_jax.metrics.runs import expand_runs
 
     sets = [s for s in args.set if not s.startswith("health.")]
     if sets:

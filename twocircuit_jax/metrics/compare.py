@@ -31,7 +31,8 @@ import numpy as np
 
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.metrics import stats
-from twocircuit_jax.metrics.plot import ACC, GAP, GRAD_COS, Run, draw_bands, load_run
+from twocircuit_jax.metrics.plot import draw_bands
+from twocircuit_jax.metrics.runs import ACC, GAP, GRAD_COS, Run, load_run
 
 SEED_DIR = re.compile(r"seed_(\d+)$")  # a sweep's run folder for one seed: SWEEP/ARM/seed_K
 METRICS = (

@@ -5,7 +5,7 @@ Importing this package registers the built-in codecs; `twocircuit_jax/__init__.p
 knows their `type:` names.
 """
 
-# Registration order is the order the fidelity map lists the codecs in (metrics/plot.py codec_order).
+# Registration order is the order the fidelity map lists the codecs in (metrics/runs.py codec_order).
 from twocircuit_jax.fast.codecs import prf_mask  # noqa: F401, I001  (registration, in this order)
 from twocircuit_jax.fast.codecs import lowrank  # noqa: F401
 from twocircuit_jax.fast.codecs import sr_quant  # noqa: F401
