@@ -94,7 +94,7 @@ def test_dense_reference_only_for_the_rows_the_anchor_keeps(tmp_path):
     )
     cfg = load_config(data=data)
     with loop.GRPOTrainer(cfg, str(tmp_path / "run"), show_progress=False) as tr:
-        assert tr.built.codec.applies(REF)
+        assert tr.built.fast.applies(REF)
         calls, real, seen = [], tr.built.programs.logp_anchor_ref, {}
 
         def spy(params, rows, cs):
@@ -116,7 +116,7 @@ def test_dense_reference_only_for_the_rows_the_anchor_keeps(tmp_path):
         cs, last = tr.cs, seen["rows"]  # tick 6's rows as the loop handed them over (with their sample ids)
         np.testing.assert_array_equal(np.asarray(last["tokens"]), np.asarray(kept["tokens"]))
         dense = dispatch.jit(make_logp_fn(tr.built.model_cfg, None, DENSE))(tr.built.ref_params, last, cs)[0]
-        codec_view = dispatch.jit(make_logp_fn(tr.built.model_cfg, tr.built.codec, REF))(tr.built.ref_params, last, cs)[
+        codec_view = dispatch.jit(make_logp_fn(tr.built.model_cfg, tr.built.fast, REF))(tr.built.ref_params, last, cs)[
             0
         ]
         mask = np.asarray(kept["response_mask"]) > 0

@@ -43,7 +43,7 @@ def toy():
 CFG = tiny_config(
     optim={"lr": 3e-3},
     fast={"codec": {"type": NAME, "rank": 3}},  # the tiny 2-block model, pp_size 2: one boundary carries the basis
-    anchor={"enabled": True, "cadence": 4, "delay": 4, "window": 2},
+    anchor={"enabled": True, "cadence": 4, "delay": 4, "projection": {"window": 2}},
     train={"steps": 4},
 )
 
@@ -63,7 +63,7 @@ def test_a_toy_codec_with_a_learned_basis_runs_the_anchor_owned_path_and_is_plot
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(CFG))
     run = tmp_path / "sweep" / "toy"
     assert main(["train", "--config", str(tmp_path / "cfg.yaml"), "--out", str(run), "--no-progress"]) == 0
-    assert type(seen["t"].codec.codec) is toy and seen["t"].codec.owns_basis is False
+    assert type(seen["t"].built.fast.codec) is toy and seen["t"].built.fast.owns_basis is False
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")][1:]
     assert [int(r["anchor/fire"]) for r in rows] == [0, 1, 0, 1]  # cadence 4 ticks, 2 ticks per step
     # the bootstrap publishes Q1; then one new basis per fire, active from the next step on: only fires refresh it

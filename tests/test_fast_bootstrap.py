@@ -51,7 +51,7 @@ def test_bootstrap_publishes_the_power_iteration_of_a_dense_sketch():
     for b in fc.boundaries:
         np.testing.assert_allclose(np.asarray(st1.Q[b]), np.asarray(ref.Q[b]), atol=1e-6)
         assert not np.allclose(np.asarray(st1.Q[b]), np.asarray(st0.Q[b]))
-    off = load_config(data=TINY, overrides=["fast.bootstrap=false"])
+    off = load_config(data=TINY, overrides=["fast.codec.bootstrap=false"])
     assert FastCircuit(off, off.model, mesh).bootstrap(st0, params, batch) == (st0, {})
 
 
@@ -63,7 +63,18 @@ def test_bootstrapped_basis_reconstructs_better_at_the_first_step(tmp_path):
         p.write_text(yaml.safe_dump(TINY))
         run = tmp_path / flag
         assert (
-            main(["train", "--config", str(p), "--out", str(run), "--no-progress", "--set", f"fast.bootstrap={flag}"])
+            main(
+                [
+                    "train",
+                    "--config",
+                    str(p),
+                    "--out",
+                    str(run),
+                    "--no-progress",
+                    "--set",
+                    f"fast.codec.bootstrap={flag}",
+                ]
+            )
             == 0
         )
         r = [json.loads(l) for l in open(run / "metrics.jsonl")][1]

@@ -348,14 +348,12 @@ def test_train_loop_hierarchical_powersgd_with_anchor(tmp_path):
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][1:]
     t = seen["t"]
     assert (
-        t.built.codec.grad_codec.hierarchical
-        and t.built.codec.grad_axes == ("data",)
-        and t.built.codec.grad_replicas == 2
+        t.built.fast.grad_codec.hierarchical and t.built.fast.grad_axes == ("data",) and t.built.fast.grad_replicas == 2
     )
     assert all(np.isfinite(r["loss"]) for r in rows) and rows[-1]["powersgd/compressed"] == 1.0
     assert rows[-1]["merger/applied"] == 1.0
     c = (
-        t.built.codec
+        t.built.fast
     )  # per tick: PowerSGD's bytes of one data replica + the dense boundary activations of one batch shard
     grad = fbytes.powersgd_bytes(t.state.params, c.fcfg.grad_codec)["comm/bytes_compressed"]
     tokens = c.tokens_per_tick // 8

@@ -54,7 +54,7 @@ def test_staged_loop_compiles_each_pass_once(straight):
     assert rows[-1]["pipeline/bubble_fraction"] == pytest.approx(1 / 3)  # (S - 1) / (M + S - 1), S = M = 2
     assert rows[-1]["anchor/fires"] == 6 and "fidelity/grad_cos" in rows[-1]  # a fire every tick, 2 ticks a step
     for name in ("train_step", "logp_old", "logp_ref", "logp_dense", "logp_anchor_ref", "fidelity"):
-        assert getattr(trainer, name)._cache_size() == 1, name  # comm/hlo/* compiled it ahead: still once
+        assert getattr(trainer.built.programs, name)._cache_size() == 1, name  # comm/hlo/* compiled it ahead: once
     # comm/hlo/*: the train step's traffic from its compiled program, per data replica per step. The boundary
     # carries r = 3 fp32 coefficients per token of a replica's microbatch, forward and back, at each of the
     # M + S - 1 = 3 ticks (bubble ticks send too), for each of the step's mini-batches.

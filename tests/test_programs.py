@@ -142,6 +142,6 @@ def _variant(case, cfg, tr):
         tr.built.state_sh,
         tr.built.mesh,
         circuit_sharding=tr.built.cs_sh,
-        grad_fn=tr.built.codec.grad_fn(tr.built.state_sh.params),
-        absorb_aux=tr.built.codec.absorb_aux,
+        grad_fn=tr.built.fast.grad_fn(tr.built.state_sh.params),
+        absorb_aux=tr.built.fast.absorb_aux,
     )

@@ -171,11 +171,11 @@ def _read_yaml(path: str) -> dict:
     base = data.pop("base", None)
     if base:
         parent = _read_yaml(os.path.join(os.path.dirname(path), base))
-        data = _merge(parent, data)
+        data = _compose(parent, data)
     return data
 
 
-def _merge(a: dict, b: dict) -> dict:
+def _compose(a: dict, b: dict) -> dict:
     """b's keys over a's, nested sections merged; a polymorphic section whose `type` changes is replaced whole
     (the other type's fields would not fit)."""
     out = dict(a)
@@ -184,7 +184,9 @@ def _merge(a: dict, b: dict) -> dict:
         if isinstance(old, str) and isinstance(v, dict) and "type" not in v:  # `codec: lowrank` under its knobs
             old = {"type": old}
         same_type = not (isinstance(old, dict) and isinstance(v, dict) and "type" in v and v["type"] != old.get("type"))
-        out[k] = _merge(old, v) if isinstance(v, dict) and isinstance(old, dict) and k != "options" and same_type else v
+        out[k] = (
+            _compose(old, v) if isinstance(v, dict) and isinstance(old, dict) and k != "options" and same_type else v
+        )
     return out
 
 

@@ -153,7 +153,7 @@ def abstract_programs(cfg, devices, *, lowering_platform: str | None = None) -> 
         from twocircuit_jax.anchor.loss import anchor_batch_keys
 
         mini = {k: a.batch[k] for k in ("tokens", "attention_mask", "sample_id")}
-        if anchor_ref_own_pass(cfg, c.codec):
+        if anchor_ref_own_pass(cfg, c.fast):
             out["logp_anchor_ref"] = Program(p.logp_anchor_ref, (ref, mini, cs))
         fire = {**a.batch, "ref_logp_dense": a.batch["sampler_logp"]}
         fire = {k: fire[k] for k in anchor_batch_keys(cfg.grpo)}
@@ -167,4 +167,4 @@ def abstract_train_step(cfg, devices, *, lowering_platform: str | None = None) -
     """The train step alone (Program `train_step` of `abstract_programs`), with the fast circuit and the mesh."""
     a = abstract_assembly(cfg, devices, lowering_platform=lowering_platform)
     args = (a.state, a.circuits.cs, a.batch)
-    return AbstractStep(a.programs.train_step, args, a.circuits.codec, a.state.params, a.state_sh.params, a.mesh)
+    return AbstractStep(a.programs.train_step, args, a.circuits.fast, a.state.params, a.state_sh.params, a.mesh)

@@ -32,7 +32,7 @@ from twocircuit_jax.step.train_step import build_train_step, default_grad_fn
 
 class Circuits(NamedTuple):
     pipeline: Any  # parallel.pipeline.Pipeline (mesh.stage > 1) or None
-    codec: Any  # fast.circuit.FastCircuit, or None when both codecs are off
+    fast: Any  # fast.circuit.FastCircuit, or None when both codecs are off
     anchor: Any  # anchor.circuit.AnchorCircuit, or None when the anchor is off
     cs: CircuitState  # the circuit state of tick 1: arrays, or ShapeDtypeStructs when built from shapes
     cs_sh: CircuitState  # its shardings (one fixed tree: the step compiles once)
@@ -133,7 +133,7 @@ class Programs(NamedTuple):
 
 def build_programs(cfg, model_cfg, mesh, optimizer, state_sh, circuits: Circuits):
     """Every program of a run; nothing is compiled until first called (or lowered)."""
-    pl, fc, anchor = circuits.pipeline, circuits.codec, circuits.anchor
+    pl, fc, anchor = circuits.pipeline, circuits.fast, circuits.anchor
     act = fc if (fc and fc.has_activation_codec) else None
     max_new = cfg.sampler.sampling.max_new_tokens
     fused_old_pass = fuses_old_pass(cfg, fc, pl)

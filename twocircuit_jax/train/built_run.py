@@ -65,7 +65,7 @@ class BuiltRun:
     ref_params: Any  # the frozen reference policy, in the compute dtype
     ahead: RolloutAhead | None  # train.async_rollouts: step gs+1's rollouts, generated during step gs
     pipeline: Any  # parallel.pipeline.Pipeline (mesh.stage > 1) or None
-    codec: Any  # fast.circuit.FastCircuit, or None when both codecs are off
+    fast: Any  # fast.circuit.FastCircuit, or None when both codecs are off
     anchor: Any  # anchor.circuit.AnchorCircuit, or None
     cs_sh: Any  # CircuitState of shardings (one fixed tree: the step compiles once)
     programs: Programs  # every jitted program; `programs.fused_old_pass` says where ℓ_old comes from
@@ -203,7 +203,7 @@ def _circuits(cfg, model_cfg, mesh, optimizer, state_sh, params):
     so the step compiles once, and every program built on them (step/programs.py)."""
     c = build_circuits(cfg, model_cfg, mesh, params)
     programs = build_programs(cfg, model_cfg, mesh, optimizer, state_sh, c)
-    return dict(pipeline=c.pipeline, codec=c.codec, anchor=c.anchor, cs_sh=c.cs_sh, programs=programs), c.cs
+    return dict(pipeline=c.pipeline, fast=c.fast, anchor=c.anchor, cs_sh=c.cs_sh, programs=programs), c.cs
 
 
 def rebuilt(built: BuiltRun, cfg, params):

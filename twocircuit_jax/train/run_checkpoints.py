@@ -57,8 +57,8 @@ def host_parts(b, gs: int, cs, history: dict, metrics=None) -> tuple[dict, dict 
         w = a["window"]
         buffers = {**a["buffer"], "gen_tick": a["gen_tick"], "window": None if w is None else (w["ticks"], w["snaps"])}
         blobs[ANCHOR_BLOB] = safe_blob.dumps(buffers)
-    if b.codec:
-        c = b.codec.state_dict()  # host counters of codec forwards and end_step calls
+    if b.fast:
+        c = b.fast.state_dict()  # host counters of codec forwards and end_step calls
         meta["codec_applications"], meta["codec_steps"] = c["applications"], c["steps"]
     meta["health"] = b.health.state_dict()
     collector = b.collector.state_dict()
@@ -118,10 +118,10 @@ def load(b, step, state, cs) -> Loaded:
     cs = CircuitState(*(r if r is not None else f for f, r in zip(cs, restored)))
     if b.anchor:
         b.anchor.load_state_dict(_anchor_state(meta.get("anchor"), b.ckpt.read_part(step, ANCHOR_BLOB)))
-    if b.codec:  # a counter the meta lacks keeps its value
-        now = b.codec.state_dict()
+    if b.fast:  # a counter the meta lacks keeps its value
+        now = b.fast.state_dict()
         apps = {**now["applications"], **meta.get("codec_applications", {})}
-        b.codec.load_state_dict({"applications": apps, "steps": meta.get("codec_steps", now["steps"])})
+        b.fast.load_state_dict({"applications": apps, "steps": meta.get("codec_steps", now["steps"])})
     return Loaded(int(meta["step"]), tree["train"], cs, meta["history"], meta)
 
 

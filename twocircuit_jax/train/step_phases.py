@@ -110,9 +110,9 @@ def device_batch(b: BuiltRun, col) -> StepBatch:
 def bootstrap(b: BuiltRun, params, cs, gs, sb: StepBatch) -> tuple:
     """(circuit state, metrics): the codec's state from the first step's rows before its first tick (the low-rank
     basis from one dense sketch), at step 1 of a fresh run only: a resumed one restores it with the circuit state."""
-    if not (b.codec and gs == 1):
+    if not (b.fast and gs == 1):
         return cs, {}
-    codec_state, bm = b.codec.bootstrap(cs.codec, params, sb.rows)
+    codec_state, bm = b.fast.bootstrap(cs.codec, params, sb.rows)
     return place(cs._replace(codec=codec_state), b.cs_sh), bm  # placed like every later step's
 
 
@@ -149,8 +149,8 @@ def old_pass(b: BuiltRun, params, cs, gs, sb: StepBatch, row_turn, timer) -> tup
     sb = sb._replace(is_weight=w)
     if row_turn is not None:  # multi-turn: the gap per interaction index
         metrics.update(mismatch_by_turn(old_logp, rows["sampler_logp"], sb.full_mask, row_turn))
-    if b.codec:
-        metrics.update(b.codec.summarize_aux(old_aux, tag=OLD))
+    if b.fast:
+        metrics.update(b.fast.summarize_aux(old_aux, tag=OLD))
     if b.probe_due(gs):
         with timer("logprob"):
             metrics.update(to_host(dense_probe(b, params, cs, sb)))
@@ -184,7 +184,7 @@ def anchor_rows(b: BuiltRun, tau, mb, cs):
     the anchor keeps only (1/cadence of the rows; its program compiles at the first one)."""
     if b.cfg.grpo.kl_coef <= 0 or not b.anchor.keeps(tau):
         return mb
-    if not anchor_ref_own_pass(b.cfg, b.codec):
+    if not anchor_ref_own_pass(b.cfg, b.fast):
         return {**mb, "ref_logp_dense": mb["ref_logp"]}
     return {**mb, "ref_logp_dense": b.programs.logp_anchor_ref(b.ref_params, logp_rows(mb), cs)[0]}
 
@@ -213,27 +213,27 @@ def tick(b: BuiltRun, state, cs, gs, mb, first, accum: dict, timer):
             amb = anchor_rows(b, tau, mb, cs)
             cs, am, sketch = b.anchor.before_tick(tau, gs, first, amb, state, cs, basis)
             if sketch is not None:  # the anchor's dense sketch refreshes the basis (staged)
-                cs = cs._replace(codec=b.codec.absorb_sketch(cs.codec, sketch))
+                cs = cs._replace(codec=b.fast.absorb_sketch(cs.codec, sketch))
             # Both states are donated to the train step: `place` commits every leaf the anchor wrote to its
             # sharding, no buffer twice.
             cs = place(cs, b.cs_sh)
             jax.block_until_ready(cs)
-        merge(accum, to_host(am))
+        add_scalars(accum, to_host(am))
     with timer("update"):
         if p.fidelity is not None and b.probe_due(gs) and first:  # before the tick: the weights and M it will use
-            merge(accum, to_host(p.fidelity(state.params, b.ref_params, mb, cs)))
+            add_scalars(accum, to_host(p.fidelity(state.params, b.ref_params, mb, cs)))
         if p.staged_comm is not None:  # once a run, before the first call
             p.staged_comm.measure(p.train_step, (state, cs, mb))
         state, cs, m = p.train_step(state, cs, mb)
         m = to_host(dict(m))  # host sync, once per tick
-    if b.codec:
-        b.codec.tick_done()
+    if b.fast:
+        b.fast.tick_done()
     if b.anchor:
         with timer("anchor"):
             state, sm = b.anchor.after_tick(tau, state, cs)
             jax.block_until_ready(state)
         m.update(to_host(sm))
-    merge(accum, m)
+    add_scalars(accum, m)
     return state, cs
 
 
@@ -251,14 +251,14 @@ def ticks_metrics(b: BuiltRun, accum: dict, state) -> dict:
 def end_step(b: BuiltRun, cs, gs, tick_metrics) -> tuple:
     """(circuit state, metrics) after the ticks: the codec's view of the old pass when the tick's forward was it,
     and the codec's end of step (its basis refresh)."""
-    if not b.codec:
+    if not b.fast:
         return cs, {}
     metrics = {}
     if b.programs.fused_old_pass:
-        b.codec.count_forward(OLD)
+        b.fast.count_forward(OLD)
         views = ("codec/mask_ratio", "codec/recon_rel_err")  # what summarize_aux reports of an old pass
         metrics.update({f"codec/{OLD}/{k[len('codec/') :]}": tick_metrics[k] for k in views if k in tick_metrics})
-    codec_state, cm = b.codec.end_step(cs.codec, gs, cs.grad)
+    codec_state, cm = b.fast.end_step(cs.codec, gs, cs.grad)
     metrics.update(cm)
     return cs._replace(codec=codec_state), metrics
 
@@ -278,7 +278,8 @@ def sampler_gauges(b: BuiltRun, col, staleness: int) -> dict:
     return m
 
 
-def merge(acc: dict, m: dict):
+def add_scalars(acc: dict, m: dict):
+    """Append each scalar of `m` to its list in `acc` (a step's tick metrics, averaged by `ticks_metrics`)."""
     for k, v in m.items():
         if np.ndim(v) == 0:
             acc.setdefault(k, []).append(float(v))
