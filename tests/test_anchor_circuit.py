@@ -12,9 +12,11 @@ from twocircuit_jax.anchor.circuit import AnchorCircuit
 from twocircuit_jax.config import load_config
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.model.qwen2 import init_params
+from twocircuit_jax.names import OLD
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
 from twocircuit_jax.step.circuit_state import CircuitState, dense_state, init_clock
-from twocircuit_jax.step.grpo_step import OLD, make_grpo_loss, make_logp_fn
+from twocircuit_jax.step.grpo_step import make_grpo_loss
+from twocircuit_jax.step.passes import make_logp_fn
 from twocircuit_jax.step.train_step import init_state, jit_train_step, make_optimizer, make_train_step, state_shardings
 
 MODEL = tiny_config()["model"]

@@ -14,9 +14,10 @@ from twocircuit_jax.fast.circuit import FastCircuit
 from twocircuit_jax.grpo.tis import tis_weights
 from twocircuit_jax.metrics.probe import dense_probe_metrics
 from twocircuit_jax.model.qwen2 import init_params
+from twocircuit_jax.names import DENSE, OLD, REF
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
 from twocircuit_jax.step.circuit_state import CircuitState, init_clock
-from twocircuit_jax.step.grpo_step import DENSE, OLD, REF, make_logp_fn
+from twocircuit_jax.step.passes import make_logp_fn
 from twocircuit_jax.step.train_step import init_state, make_optimizer, state_shardings
 
 MODEL = tiny_config()["model"]

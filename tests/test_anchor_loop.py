@@ -81,8 +81,9 @@ def test_dense_reference_only_for_the_rows_the_anchor_keeps(tmp_path):
     forward (codecs off, reference weights) on the mini-batches the anchor keeps only, each kept batch carries the
     dense reference of its own rows, and the train step's inputs never change (one compile)."""
     from twocircuit_jax.config import load_config
+    from twocircuit_jax.names import DENSE, REF
     from twocircuit_jax.parallel import dispatch
-    from twocircuit_jax.step.grpo_step import DENSE, REF, make_logp_fn
+    from twocircuit_jax.step.passes import make_logp_fn
     from twocircuit_jax.train import loop
 
     data = tiny_config(

@@ -19,8 +19,8 @@ from twocircuit_jax.model import head, qwen2
 from twocircuit_jax.parallel import mesh as pmesh, pipeline as pipe
 from twocircuit_jax.parallel.micro_batch import plain_value_and_grad
 from twocircuit_jax.step.grpo_step import make_grpo_loss
-from twocircuit_jax.step.losses import next_token_loss
 from twocircuit_jax.step.programs import make_pipeline
+from twocircuit_jax.step.sft_loss import next_token_loss
 
 B, T, H, V = 3, 11, 16, 50  # 10 predicting positions: chunk 3 leaves a padded last chunk, chunk 5 divides them
 

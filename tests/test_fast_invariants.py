@@ -14,8 +14,10 @@ from tiny_run import circuit_state, narrow_batch
 
 from twocircuit_jax.fast.circuit import FastCircuit
 from twocircuit_jax.model.qwen2 import init_params
+from twocircuit_jax.names import OLD
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
-from twocircuit_jax.step.grpo_step import OLD, make_grpo_loss, make_logp_fn
+from twocircuit_jax.step.grpo_step import make_grpo_loss
+from twocircuit_jax.step.passes import make_logp_fn
 from twocircuit_jax.step.train_step import build_train_step, init_state, state_shardings
 
 # The real 8-device train step compiled for ten circuit configurations (~90 s on one core): `make test` runs it,

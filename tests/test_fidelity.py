@@ -14,8 +14,10 @@ from twocircuit_jax.anchor.merger import init_merger, update_ema
 from twocircuit_jax.fast.circuit import FastCircuit
 from twocircuit_jax.metrics.probe import grad_cosines, group_of, make_fidelity_fn
 from twocircuit_jax.model.qwen2 import init_params
+from twocircuit_jax.names import OLD
 from twocircuit_jax.parallel import dispatch, mesh as pmesh
-from twocircuit_jax.step.grpo_step import OLD, make_grpo_loss, make_logp_fn
+from twocircuit_jax.step.grpo_step import make_grpo_loss
+from twocircuit_jax.step.passes import make_logp_fn
 from twocircuit_jax.step.train_step import default_grad_fn
 
 B, T, NEW = 16, 12, 6

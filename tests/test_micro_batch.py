@@ -21,8 +21,10 @@ from twocircuit_jax.fast.grad_fn import make_codec_grad_fn
 from twocircuit_jax.grpo.loss import AGG_MODES
 from twocircuit_jax.metrics.probe import make_fidelity_fn
 from twocircuit_jax.model.qwen2 import init_params
+from twocircuit_jax.names import OLD
 from twocircuit_jax.parallel import dispatch, mesh as pmesh, micro_batch
-from twocircuit_jax.step.grpo_step import OLD, make_grpo_loss, make_logp_fn
+from twocircuit_jax.step.grpo_step import make_grpo_loss
+from twocircuit_jax.step.passes import make_logp_fn
 from twocircuit_jax.step.train_step import (
     build_train_step,
     default_grad_fn,

@@ -15,7 +15,8 @@ from tiny_run import circuit_state, narrow_batch, tiny_config
 from twocircuit_jax.config import load_config
 from twocircuit_jax.model.qwen2 import init_params
 from twocircuit_jax.parallel.micro_batch import plain_value_and_grad
-from twocircuit_jax.step.grpo_step import make_diagnostics_fn, make_grpo_loss, make_logp_fn
+from twocircuit_jax.step.grpo_step import make_diagnostics_fn, make_grpo_loss
+from twocircuit_jax.step.passes import make_logp_fn
 from twocircuit_jax.train import loop
 
 

@@ -17,8 +17,10 @@ from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.fast.circuit import FastCircuit
 from twocircuit_jax.fast.hlo_bytes import staged_bytes
 from twocircuit_jax.model.qwen2 import init_params
+from twocircuit_jax.names import OLD
 from twocircuit_jax.parallel import dispatch, mesh as pmesh, pipeline as pipe
-from twocircuit_jax.step.grpo_step import OLD, make_grpo_loss, make_logp_fn
+from twocircuit_jax.step.grpo_step import make_grpo_loss
+from twocircuit_jax.step.passes import make_logp_fn
 from twocircuit_jax.step.programs import make_pipeline
 from twocircuit_jax.step.train_step import build_train_step, init_state, state_shardings
 

@@ -11,7 +11,7 @@ from twocircuit_jax.config import MeshConfig, ModelConfig, OptimConfig
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.model import init_params
 from twocircuit_jax.parallel import batch_shardings, make_mesh, mesh_shape, replicated
-from twocircuit_jax.step.losses import next_token_loss
+from twocircuit_jax.step.sft_loss import next_token_loss
 from twocircuit_jax.step.train_step import init_state, jit_train_step, make_optimizer, make_train_step, state_shardings
 
 CFG = ModelConfig(

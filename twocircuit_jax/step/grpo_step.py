@@ -1,4 +1,5 @@
-"""GRPO through the trainer's view of the policy: log-prob passes and the loss the train step differentiates.
+"""GRPO through the trainer's view of the policy: the loss the train step differentiates (over step/passes.py's
+forward) and the step's diagnostics (importance weights, mismatch, entropy).
 
 The fast circuit enters only through `codec` (an object with `applies(tag)`, `hook(codec_state, tag, step, ...)`
 and `summarize(aux)`; see fast/circuit.py); `cs` is the circuit state (step/circuit_state.py). With `codec=None`
@@ -14,50 +15,8 @@ from twocircuit_jax.grpo.loss import grpo_loss
 from twocircuit_jax.grpo.tis import correction_weights
 from twocircuit_jax.metrics.gauges import entropy_summary
 from twocircuit_jax.metrics.mismatch import mismatch_metrics
-from twocircuit_jax.names import DENSE, OLD, REF, TRAIN  # noqa: F401  (DENSE, REF: read from here by step/programs.py)
-from twocircuit_jax.parallel import mesh as pmesh, micro_batch as accumulate, pipeline as pipe
-
-
-def _policy_pass(model_cfg, params, batch, cs, codec, tag, pipeline=None, entropy_grad=False):
-    """(TokenStats, codec aux) of one path: `pipeline` (parallel/pipeline.Pipeline, mesh.stage > 1) or the
-    one-program model."""
-    boundary_fn = None
-    if codec is not None and codec.applies(tag):
-        boundary_fn = codec.boundary_fn(cs.codec, tag, cs.clock.step)
-    return pipe.forward(
-        model_cfg,
-        params,
-        batch["tokens"],
-        batch["attention_mask"],
-        pipeline=pipeline,
-        rows={"sample_id": batch["sample_id"]} if "sample_id" in batch else None,
-        boundary_fn=boundary_fn,
-        entropy_grad=entropy_grad,
-    )
-
-
-def make_logp_fn(model_cfg, codec=None, tag: str = OLD, pipeline=None, *, micro_batch: int = 0, mesh=None):
-    """(params, batch, cs) -> (logp [B,T], entropy [B,T], codec aux). No gradient is taken through it.
-    `micro_batch` > 0 (train.micro_batch; `mesh` gives the replica count and keeps the batch sharding): the pass
-    runs over micro-batches of that many rows per replica with `lax.map`, holding one micro-batch's activations;
-    the rows come back in order and the aux is combined (sketches and token counts summed, the rest averaged)."""
-
-    def one(params, batch, cs):
-        stats, aux = _policy_pass(model_cfg, params, batch, cs, codec, tag, pipeline)
-        return jax.lax.stop_gradient(stats.logp), stats.entropy, aux
-
-    if not micro_batch:
-        return one
-    dp = pmesh.dp_size(mesh) if mesh is not None else 1
-
-    def fn(params, batch, cs):
-        out, k = accumulate.map_rows(lambda rows: one(params, rows, cs), batch, micro_batch, dp=dp, mesh=mesh)
-        if k == 1:
-            return out
-        logp, ent, aux = out
-        return pipe.join_rows(logp), pipe.join_rows(ent), pipe.reduce_aux(aux)
-
-    return fn
+from twocircuit_jax.names import TRAIN
+from twocircuit_jax.step.passes import policy_pass
 
 
 def make_grpo_loss(
@@ -88,7 +47,7 @@ def make_grpo_loss(
         diagnostics = _over_replicas(diagnostics, rows_over)
 
     def loss_fn(params, batch, cs):
-        stats, aux = _policy_pass(
+        stats, aux = policy_pass(
             model_cfg, params, batch, cs, codec, TRAIN, pipeline, entropy_grad=grpo_cfg.entropy_coeff != 0
         )
         logp, ent = stats

@@ -1,6 +1,6 @@
 """Every program the GRPO trainer jits, assembled in one place from (config, mesh, circuits).
 
-The loop (train/loop.py `_build_circuits`, `_compile`) and the shapes-only tools (step/abstract_step.py:
+The loop (train/built_run.py `assemble`, `rebuilt`) and the shapes-only tools (step/abstract_step.py:
 scripts/comm_bytes.py, the accelerator export tests, the plan) call the same two functions, so what a tool compiles
 from shapes is the program a run executes, not a look-alike:
 
@@ -23,10 +23,12 @@ import jax
 
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.metrics.probe import dense_probe_sums, make_fidelity_fn
+from twocircuit_jax.names import DENSE, OLD, REF
 from twocircuit_jax.parallel import dispatch, mesh as pmesh, micro_batch as accumulate
 from twocircuit_jax.parallel.mesh_context import under
 from twocircuit_jax.step.circuit_state import CircuitState, init_clock
-from twocircuit_jax.step.grpo_step import DENSE, OLD, REF, make_diagnostics_fn, make_grpo_loss, make_logp_fn
+from twocircuit_jax.step.grpo_step import make_diagnostics_fn, make_grpo_loss
+from twocircuit_jax.step.passes import make_logp_fn
 from twocircuit_jax.step.train_step import build_train_step, default_grad_fn
 
 
@@ -192,7 +194,7 @@ def build_sft_step(model_cfg, optimizer, state_sh, mesh, batch_sharding):
     import functools
 
     from twocircuit_jax.step.circuit_state import dense_state
-    from twocircuit_jax.step.losses import next_token_loss
+    from twocircuit_jax.step.sft_loss import next_token_loss
 
     cs = dense_state()
     cs_sh = jax.tree.map(lambda _: pmesh.replicated(mesh), cs)

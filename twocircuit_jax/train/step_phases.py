@@ -16,9 +16,9 @@ import numpy as np
 
 from twocircuit_jax.metrics.mismatch import mismatch_by_turn
 from twocircuit_jax.metrics.probe import dense_probe_metrics
+from twocircuit_jax.names import OLD
 from twocircuit_jax.parallel.host import to_host
 from twocircuit_jax.step.circuit_state import place, set_clock
-from twocircuit_jax.step.grpo_step import OLD
 from twocircuit_jax.step.programs import anchor_ref_own_pass
 from twocircuit_jax.step.step_batch import StepBatch
 from twocircuit_jax.step.train_step import learning_rate
