@@ -5,7 +5,7 @@
 
 The trainer holds fp32 parameters; the sampler serves --dtype. Between versions every parameter takes one
 Adam-sized step (lr times a random sign, so every weight moves, as under Adam), and a version is published as
-`full` (every word) or `delta` (changed words only; sampler/weight_sync.py). Columns (seconds, median of --reps):
+`full` (every word) or `delta` (changed words only; sampler/weight_words.py). Columns (seconds, median of --reps):
 
   bytes     payload written per version (words, plus a 4-byte position per changed word for a delta)
   changed   share of words that differ from the previous version in the sampler dtype
@@ -15,7 +15,7 @@ Adam-sized step (lr times a random sign, so every weight moves, as under Adam), 
   write     orbax save + atomic rename (trainer)
   apply     sampler, engine rows: read the version, check it fits the served one, map a delta's changed words to
             their places in the engine's tensors (a full version: host copy, hash check, every Hugging Face tensor);
-            rows without an engine: the same version applied to a host copy (weight_sync.WeightStore) and mapped
+            rows without an engine: the same version applied to a host copy (weight_receive.WeightStore) and mapped
   reload    in the vLLM engine: a delta's words swapped into its tensors in place, the result's hashes checked from
             the words they replaced (a full version: every tensor reloaded), then the prefix cache reset; only
             where --engine starts an engine for that size ("-" else)
@@ -54,7 +54,8 @@ from twocircuit_jax.model.hf_io import hf_names_touched, to_hf_state_dict  # noq
 from twocircuit_jax.sampler import (
     engine_layout,  # noqa: E402
     export as ex,  # noqa: E402
-    weight_sync as ws,  # noqa: E402
+    weight_publish as wp,
+    weight_receive as wr,  # noqa: E402
 )
 
 SIZES = {
@@ -144,10 +145,10 @@ def bench(name, cfg, sync_dtype, engine, reps, lr, work):
     try:
         for mode in ("full", "delta"):
             root = os.path.join(work, mode)
-            pub = ws.WeightPublisher(root, serve_cfg, sync_dtype, delta=mode == "delta", full_every=10**6)
-            store = ws.WeightStore()
+            pub = wp.WeightPublisher(root, serve_cfg, sync_dtype, delta=mode == "delta", full_every=10**6)
+            store = wr.WeightStore()
             if sampler is not None:
-                sampler.publisher = ws.WeightPublisher(
+                sampler.publisher = wp.WeightPublisher(
                     sampler.export_root, serve_cfg, sync_dtype, delta=mode == "delta", full_every=10**6
                 )
             version, got = 0, []

@@ -189,7 +189,7 @@ def test_the_resumed_metrics_file_is_fsynced_before_its_rename(tmp_path, monkeyp
 _PUBLISH = """
 import sys
 import numpy as np
-from twocircuit_jax.sampler.weight_sync import WeightPublisher
+from twocircuit_jax.sampler.weight_publish import WeightPublisher
 pub = WeightPublisher(sys.argv[1], {"tiny": 1}, "float32", full_every=20)
 for v in range(4):  # v0 full, v1-v3 deltas; the chaos point kills the 4th export (v3)
     pub.publish({"w": np.arange(64, dtype=np.float32) + v, "b": np.full(8, float(v), np.float32)}, v)
@@ -209,17 +209,17 @@ def test_a_weight_export_killed_at_its_commit_is_cleaned_up_by_the_resume(tmp_pa
     }
     dead = subprocess.run([sys.executable, "-c", _PUBLISH, root], env=env, capture_output=True, text=True)
     assert dead.returncode == -9, dead.stderr[-2000:]
-    from twocircuit_jax.sampler import export as ex, weight_sync as ws
+    from twocircuit_jax.sampler import export as ex, weight_publish as wp, weight_receive as wr
 
     before = point == "export/before_commit"
     assert ex.list_versions(root) == ([0, 1, 2] if before else [0, 1, 2, 3])
     assert any(n.startswith(".tmp-v00000003-") for n in os.listdir(root)) == before
     mine = {v: {"w": np.arange(64, dtype=np.float32) * 2 + v, "b": np.full(8, -float(v), np.float32)} for v in (2, 3)}
-    pub = ws.WeightPublisher(root, {"tiny": 1}, "float32", full_every=20)
+    pub = wp.WeightPublisher(root, {"tiny": 1}, "float32", full_every=20)
     assert pub.publish(mine[2], 2).kind == "full" and ex.list_versions(root) == [0, 1, 2]  # the dead run's v3 gone
     assert pub.publish(mine[3], 3).kind == "delta"
     assert not [n for n in os.listdir(root) if n.startswith(".tmp-")]
     assert ex.list_versions(root)[-2:] == [2, 3]
     for v in (2, 3):
-        got = ws.rebuild(root, v)[1]
+        got = wr.rebuild(root, v)[1]
         assert all(got[k].tobytes() == mine[v][k].tobytes() for k in mine[v]), v

@@ -14,7 +14,7 @@ import numpy as np
 from hf_models import TINY_VLLM
 
 from twocircuit_jax.model import init_params
-from twocircuit_jax.sampler import export as ex, weight_sync as ws
+from twocircuit_jax.sampler import export as ex, weight_publish as wp, weight_receive as wr, weight_words as ww
 
 CFG = TINY_VLLM
 
@@ -26,18 +26,18 @@ def _step(params, k):
 
 
 def _words(tree, dtype="float32"):
-    return [ws.words(np.asarray(x, dtype)) for x in jax.tree.leaves(jax.device_get(tree))]
+    return [ww.words(np.asarray(x, dtype)) for x in jax.tree.leaves(jax.device_get(tree))]
 
 
 def _rebuilt(root, v):
-    return _words(ws.rebuild(root, v)[1])
+    return _words(wr.rebuild(root, v)[1])
 
 
 def test_resume_keeps_the_version_it_writes_over_a_dead_runs_newer_exports(tmp_path):
     root = str(tmp_path / "exports")
     p0 = init_params(CFG, jax.random.PRNGKey(0))
     versions = {0: p0}
-    dead = ws.WeightPublisher(root, CFG, "float32", full_every=20)
+    dead = wp.WeightPublisher(root, CFG, "float32", full_every=20)
     for v in range(26):  # the killed run: full v0 and v20, deltas in between, killed after v25
         versions[v] = _step(versions[v - 1], v) if v else p0
         dead.publish(versions[v], v)
@@ -45,7 +45,7 @@ def test_resume_keeps_the_version_it_writes_over_a_dead_runs_newer_exports(tmp_p
     assert json.load(open(os.path.join(ex.version_dir(root, 20), "meta.json")))["kind"] == "full"
 
     # The resumed run restarts from its step-15 checkpoint with a fresh publisher (a new process).
-    resumed = ws.WeightPublisher(root, CFG, "float32", full_every=20)
+    resumed = wp.WeightPublisher(root, CFG, "float32", full_every=20)
     assert resumed.publish(versions[15], 15).kind == "full"
     # Before the fix prune kept 23-25 and their chain back to v20, and deleted the v15 just written.
     assert ex.list_versions(root) == [15]
@@ -62,7 +62,7 @@ def test_a_step_back_is_written_whole_and_drops_the_newer_versions(tmp_path):
     """A guard rollback publishes an older (or the same) step: it must not be a delta against a discarded one."""
     root = str(tmp_path / "exports")
     p = {0: init_params(CFG, jax.random.PRNGKey(0))}
-    pub = ws.WeightPublisher(root, CFG, "float32", full_every=20)
+    pub = wp.WeightPublisher(root, CFG, "float32", full_every=20)
     for v in range(1, 6):
         p[v] = _step(p.get(v - 1, p[0]), v)
         pub.publish(p[v], v)

@@ -15,7 +15,7 @@ from hf_models import TINY_VLLM
 
 from twocircuit_jax.model import init_params
 from twocircuit_jax.model.hf_io import hf_names_touched, to_hf_state_dict
-from twocircuit_jax.sampler import export as ex, weight_sync as ws
+from twocircuit_jax.sampler import export as ex, weight_publish as wp, weight_receive as wr, weight_words as ww
 
 CFG = TINY_VLLM
 
@@ -33,7 +33,7 @@ def _step(params, key, lr=1e-4, frac=0.05):
 
 def _words_of(tree, dtype):
     return [
-        ws.words(np.asarray(x)) for x in jax.tree.leaves(jax.device_get(jax.tree.map(lambda a: a.astype(dtype), tree)))
+        ww.words(np.asarray(x)) for x in jax.tree.leaves(jax.device_get(jax.tree.map(lambda a: a.astype(dtype), tree)))
     ]
 
 
@@ -44,34 +44,34 @@ def _same(a, b):
 def test_hash_detects_every_single_word_change_and_updates_incrementally():
     rng = np.random.default_rng(0)
     w = rng.integers(0, 2**16, size=5000, dtype=np.uint16)
-    h = ws.leaf_hash(w)
+    h = ww.leaf_hash(w)
     for i in rng.integers(0, w.size, size=200):
         v = w.copy()
         v[i] ^= np.uint16(1 << int(rng.integers(0, 16)))
-        assert ws.leaf_hash(v) != h  # one flipped bit anywhere changes the hash
+        assert ww.leaf_hash(v) != h  # one flipped bit anywhere changes the hash
     # a word moved to another position changes it too (the hash is positional)
     v = w.copy()
     v[[3, 4]] = v[[4, 3]]
-    assert (w[3] == w[4]) or ws.leaf_hash(v) != h
+    assert (w[3] == w[4]) or ww.leaf_hash(v) != h
     idx = np.sort(rng.choice(w.size, 300, replace=False)).astype(np.uint32)
     new = w.copy()
     new[idx] = rng.integers(0, 2**16, size=idx.size, dtype=np.uint16)
-    assert ws.updated_hash(h, idx, w[idx], new[idx]) == ws.leaf_hash(new)
+    assert ww.updated_hash(h, idx, w[idx], new[idx]) == ww.leaf_hash(new)
     # chunked hashing (leaves larger than one pass) agrees with the incremental form
-    big = rng.integers(0, 2**32, size=ws._CHUNK + 777, dtype=np.uint32)
-    hb = ws.leaf_hash(big)
-    j = np.array([5, ws._CHUNK + 3], np.uint32)
+    big = rng.integers(0, 2**32, size=ww.CHUNK + 777, dtype=np.uint32)
+    hb = ww.leaf_hash(big)
+    j = np.array([5, ww.CHUNK + 3], np.uint32)
     nb = big.copy()
     nb[j] += np.uint32(1)
-    assert ws.updated_hash(hb, j, big[j], nb[j]) == ws.leaf_hash(nb)
+    assert ww.updated_hash(hb, j, big[j], nb[j]) == ww.leaf_hash(nb)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_twenty_updates_rebuild_bit_identical_to_full_exports(tmp_path, dtype):
     params = init_params(CFG, jax.random.PRNGKey(0))
     root = str(tmp_path / "exports")
-    pub = ws.WeightPublisher(root, CFG, dtype, full_every=8)
-    store = ws.WeightStore()
+    pub = wp.WeightPublisher(root, CFG, dtype, full_every=8)
+    store = wr.WeightStore()
     key = jax.random.PRNGKey(1)
     kinds = []
     for v in range(1, 21):
@@ -79,9 +79,9 @@ def test_twenty_updates_rebuild_bit_identical_to_full_exports(tmp_path, dtype):
         kinds.append(stats.kind)
         changed = store.load(ex.version_dir(root, v))
         want = _words_of(params, jnp.dtype(dtype))
-        assert _same([ws.words(x) for x in store.leaves], want), v  # the store holds exactly the cast weights
-        _, rebuilt = ws.rebuild(root, v)  # from disk alone: newest full base + its deltas
-        assert _same([ws.words(x) for x in jax.tree.leaves(rebuilt)], want), v
+        assert _same([ww.words(x) for x in store.leaves], want), v  # the store holds exactly the cast weights
+        _, rebuilt = wr.rebuild(root, v)  # from disk alone: newest full base + its deltas
+        assert _same([ww.words(x) for x in jax.tree.leaves(rebuilt)], want), v
         if stats.kind == "delta":
             assert 0 < stats.changed_frac < 0.2 and len(changed) < len(store.names) + 1
             assert all(i.dtype == np.uint32 for i in changed.values())
@@ -97,7 +97,7 @@ def test_twenty_updates_rebuild_bit_identical_to_full_exports(tmp_path, dtype):
 def test_delta_payload_is_small_and_refused_by_plain_load(tmp_path):
     params = init_params(CFG, jax.random.PRNGKey(0))
     root = str(tmp_path)
-    pub = ws.WeightPublisher(root, CFG, "bfloat16")
+    pub = wp.WeightPublisher(root, CFG, "bfloat16")
     full = pub.publish(params, 1)
     delta = pub.publish(_step(params, jax.random.PRNGKey(2), frac=0.01), 2)
     assert full.kind == "full" and delta.kind == "delta"
@@ -109,14 +109,14 @@ def test_delta_payload_is_small_and_refused_by_plain_load(tmp_path):
 def test_delta_on_wrong_base_or_corrupt_is_refused_and_store_untouched(tmp_path):
     params = init_params(CFG, jax.random.PRNGKey(0))
     root = str(tmp_path)
-    pub = ws.WeightPublisher(root, CFG, "float32")
+    pub = wp.WeightPublisher(root, CFG, "float32")
     pub.publish(params, 1)
     p2 = _step(params, jax.random.PRNGKey(3))
     pub.publish(p2, 2)
-    fresh = ws.WeightStore()  # a restarted sampler: no base
-    with pytest.raises(ws.DeltaError, match="delta against version 1, but this sampler holds None"):
+    fresh = wr.WeightStore()  # a restarted sampler: no base
+    with pytest.raises(ww.DeltaError, match="delta against version 1, but this sampler holds None"):
         fresh.load(ex.version_dir(root, 2))
-    store = ws.WeightStore()
+    store = wr.WeightStore()
     store.load(ex.version_dir(root, 1))
     before = [x.copy() for x in store.leaves]
     # corrupt one word of the payload, leaving a readable checkpoint: only the hash can tell
@@ -126,13 +126,13 @@ def test_delta_on_wrong_base_or_corrupt_is_refused_and_store_untouched(tmp_path)
     payload["val"][0] ^= np.uint32(1)
     extra = {k: v for k, v in meta.items() if k not in ("version", "model_config")}
     ex.export_weights(payload, CFG, root, 2, meta=extra)
-    with pytest.raises(ws.DeltaError, match="fails its hash check"):
+    with pytest.raises(ww.DeltaError, match="fails its hash check"):
         store.load(path)
     assert store.version == 1 and _same(store.leaves, before)
     pub.publish_full()  # a sender that is told to resend writes the same version whole
     assert ex.read_meta(path)["kind"] == "full"
     store.load(path)
-    assert _same([ws.words(x) for x in store.leaves], _words_of(p2, jnp.float32))
+    assert _same([ww.words(x) for x in store.leaves], _words_of(p2, jnp.float32))
     p3 = _step(p2, jax.random.PRNGKey(4))
     pub.publish(p3, 3)
     meta3 = os.path.join(ex.version_dir(root, 3), "meta.json")
@@ -141,14 +141,14 @@ def test_delta_on_wrong_base_or_corrupt_is_refused_and_store_untouched(tmp_path)
     m["leaves"]["embed"]["count"] += 1  # the payload no longer matches its description
     with open(meta3, "w") as fh:
         json.dump(m, fh)
-    with pytest.raises(ws.DeltaError, match="payload holds"):
+    with pytest.raises(ww.DeltaError, match="payload holds"):
         store.load(ex.version_dir(root, 3))
     assert store.version == 2
 
 
 def test_hf_names_touched_maps_stacked_layers():
     params = jax.device_get(init_params(CFG, jax.random.PRNGKey(0)))
-    names, leaves, _ = ws.leaf_names(params)
+    names, leaves, _ = ww.leaf_names(params)
     shapes = {n: x.shape for n, x in zip(names, leaves)}
     per = int(np.prod(shapes["layers/q_proj/kernel"][1:]))
     got = hf_names_touched({"layers/q_proj/kernel": np.array([per + 3], np.uint32), "final_norm": None}, shapes)
@@ -186,10 +186,10 @@ def test_engine_layout_writes_a_delta_where_vllm_keeps_each_word():
     new = jax.device_get(_step(old, jax.random.PRNGKey(1), frac=0.2))
     engine, want = _vllm_layout(cfg, old), _vllm_layout(cfg, new)
     assert not all(np.array_equal(engine[k], want[k]) for k in want)
-    names, olds, _ = ws.leaf_names(old)
-    _, news, _ = ws.leaf_names(new)
+    names, olds, _ = ww.leaf_names(old)
+    _, news, _ = ww.leaf_names(new)
     for name, o, n in zip(names, olds, news):
-        idx = np.flatnonzero(ws.words(o) != ws.words(n)).astype(np.uint32)
+        idx = np.flatnonzero(ww.words(o) != ww.words(n)).astype(np.uint32)
         vals = np.asarray(n).reshape(-1)[idx]
         for t in engine_layout.targets(cfg, name, o.shape, idx):
             assert engine[t.name].shape == engine_layout.engine_shape(cfg, name, o.shape)
@@ -199,50 +199,50 @@ def test_engine_layout_writes_a_delta_where_vllm_keeps_each_word():
 
 
 def test_diff_parts_in_chunks_equals_the_direct_diff(monkeypatch):
-    monkeypatch.setattr(ws, "_CHUNK", 1000)  # many ranges per leaf, spread over the thread pool
+    monkeypatch.setattr(wp, "CHUNK", 1000)  # many ranges per leaf, spread over the thread pool
     rng = np.random.default_rng(1)
     olds = [rng.integers(0, 2**16, size=n, dtype=np.uint16) for n in (10, 4321, 2000)]
     news = [o.copy() for o in olds]
     for n in news:
         k = rng.choice(n.size, n.size // 7, replace=False)
         n[k] ^= np.uint16(3)
-    hashes = [ws.leaf_hash(o) for o in olds]
+    hashes = [ww.leaf_hash(o) for o in olds]
     work = [o.copy() for o in olds]
-    parts, new_h = ws.diff_parts(work, news, hashes)
+    parts, new_h = wp.diff_parts(work, news, hashes)
     idx = [np.concatenate([i for i, _ in p]) for p in parts]
     val = [np.concatenate([v for _, v in p]) for p in parts]
     for o, n, i, v, h, w in zip(olds, news, idx, val, new_h, work):
         np.testing.assert_array_equal(i, np.flatnonzero(o != n))
         np.testing.assert_array_equal(v, n[i])
-        assert h == ws.leaf_hash(n) and np.array_equal(w, n)  # the old copy became the new one in place
+        assert h == ww.leaf_hash(n) and np.array_equal(w, n)  # the old copy became the new one in place
 
 
 def test_diff_parts_casts_fp32_per_range_and_finds_a_transposes_changes(monkeypatch):
     """New versions given in fp32 are cast per range to the host copy's bf16 (bit-identical to XLA's cast); the twin
     entry holds the changed words of the transpose at its own positions, with its hash."""
-    monkeypatch.setattr(ws, "_CHUNK", 777)
+    monkeypatch.setattr(wp, "CHUNK", 777)
     rng = np.random.default_rng(2)
     shapes = [(37, 53), (4000,)]
     f32 = [rng.standard_normal(sh).astype(np.float32) for sh in shapes]
     olds = [np.asarray(jnp.asarray(x).astype(jnp.bfloat16)) for x in f32]
     news = [x + np.float32(1e-2) * (rng.random(x.shape) < 0.1) for x in f32]
-    hashes = [ws.leaf_hash(ws.words(o)) for o in olds]
+    hashes = [ww.leaf_hash(ww.words(o)) for o in olds]
     t_old = np.ascontiguousarray(olds[0].T)
-    twin_hash = ws.leaf_hash(ws.words(t_old))
+    twin_hash = ww.leaf_hash(ww.words(t_old))
     work = [o.copy() for o in olds]
-    parts, new_h = ws.diff_parts(work, news, hashes, twin=(0, twin_hash))
+    parts, new_h = wp.diff_parts(work, news, hashes, twin=(0, twin_hash))
     assert len(parts) == 3
     for k, (o, n) in enumerate(zip(olds, news)):
-        want = ws.words(np.asarray(jnp.asarray(n).astype(jnp.bfloat16)))  # XLA's rounding, word for word
+        want = ww.words(np.asarray(jnp.asarray(n).astype(jnp.bfloat16)))  # XLA's rounding, word for word
         i = np.concatenate([i for i, _ in parts[k]])
-        np.testing.assert_array_equal(i, np.flatnonzero(ws.words(o) != want))
+        np.testing.assert_array_equal(i, np.flatnonzero(ww.words(o) != want))
         np.testing.assert_array_equal(np.concatenate([v for _, v in parts[k]]), want[i])
-        assert np.array_equal(ws.words(work[k]), want) and new_h[k] == ws.leaf_hash(want)
+        assert np.array_equal(ww.words(work[k]), want) and new_h[k] == ww.leaf_hash(want)
     t_new = np.ascontiguousarray(work[0].T)  # the transpose of the new version
     j = np.concatenate([i for i, _ in parts[2]])
-    np.testing.assert_array_equal(np.sort(j), np.flatnonzero(ws.words(t_old) != ws.words(t_new)))
-    np.testing.assert_array_equal(np.concatenate([v for _, v in parts[2]]), ws.words(t_new)[j])
-    assert new_h[2] == ws.leaf_hash(ws.words(t_new)) and new_h[2] != twin_hash
+    np.testing.assert_array_equal(np.sort(j), np.flatnonzero(ww.words(t_old) != ww.words(t_new)))
+    np.testing.assert_array_equal(np.concatenate([v for _, v in parts[2]]), ww.words(t_new)[j])
+    assert new_h[2] == ww.leaf_hash(ww.words(t_new)) and new_h[2] != twin_hash
 
 
 def test_head_from_embed_publishes_what_an_explicit_transposed_head_does(tmp_path):
@@ -252,9 +252,9 @@ def test_head_from_embed_publishes_what_an_explicit_transposed_head_does(tmp_pat
     params = init_params(cfg, jax.random.PRNGKey(0))
     assert "lm_head" not in params
     served = dataclasses.replace(cfg, tie_embeddings=False)
-    derived = ws.WeightPublisher(str(tmp_path / "a"), served, "bfloat16", full_every=4)
-    explicit = ws.WeightPublisher(str(tmp_path / "b"), served, "bfloat16", full_every=4)
-    sa, sb = ws.WeightStore(), ws.WeightStore()
+    derived = wp.WeightPublisher(str(tmp_path / "a"), served, "bfloat16", full_every=4)
+    explicit = wp.WeightPublisher(str(tmp_path / "b"), served, "bfloat16", full_every=4)
+    sa, sb = wr.WeightStore(), wr.WeightStore()
     key = jax.random.PRNGKey(1)
     for v in range(1, 7):
         a = derived.publish(params, v, head_from_embed=True)
@@ -262,12 +262,12 @@ def test_head_from_embed_publishes_what_an_explicit_transposed_head_does(tmp_pat
         assert (a.kind, a.bytes) == (b.kind, b.bytes) and derived.hashes == explicit.hashes, v
         ca, cb = sa.load(ex.version_dir(derived.root, v)), sb.load(ex.version_dir(explicit.root, v))
         assert sa.names == sb.names and "lm_head" in sa.names
-        assert _same([ws.words(x) for x in sa.leaves], [ws.words(x) for x in sb.leaves]), v
+        assert _same([ww.words(x) for x in sa.leaves], [ww.words(x) for x in sb.leaves]), v
         if a.kind == "delta":
             assert a.changed_frac > 0 and np.array_equal(np.sort(ca["lm_head"]), cb["lm_head"])
         key, k = jax.random.split(key)
         params = _step(params, k, frac=0.2)
-    assert _same([ws.words(x) for x in derived.published()], [ws.words(x) for x in explicit.published()])
+    assert _same([ww.words(x) for x in derived.published()], [ww.words(x) for x in explicit.published()])
     # switching between a given and a derived head leaves nothing to diff the head against: a full version
     assert derived.publish({**params, "lm_head": params["embed"].T}, 7).kind == "full"
     assert derived.publish(params, 8, head_from_embed=True).kind == "full"
@@ -381,19 +381,19 @@ def test_swap_in_checks_hashes_from_the_replaced_words_and_restores_on_a_mismatc
     """A store that released its words (the engine holds them) applies a delta to outside arrays: the right delta
     leaves them equal to the new version; one against another base (right version number, other words) fails the
     hash check and every word is written back, though it was written first."""
-    monkeypatch.setattr(ws, "_CHUNK", 50)  # several ranges per leaf
+    monkeypatch.setattr(wr, "CHUNK", 50)  # several ranges per leaf
     params = init_params(CFG, jax.random.PRNGKey(0))
     root = str(tmp_path)
-    pub = ws.WeightPublisher(root, CFG, "bfloat16")
+    pub = wp.WeightPublisher(root, CFG, "bfloat16")
     pub.publish(params, 1)
     p2 = _step(params, jax.random.PRNGKey(3), frac=0.3)
     pub.publish(p2, 2)
-    store = ws.WeightStore()
+    store = wr.WeightStore()
     store.load(ex.version_dir(root, 1))
-    engine = [ws.words(x).reshape(-1).copy() for x in store.leaves]  # the "engine's" tensors, outside the store
+    engine = [ww.words(x).reshape(-1).copy() for x in store.leaves]  # the "engine's" tensors, outside the store
     store.release()
     assert all(x is None for x in store.leaves) and store.shapes
-    with pytest.raises(ws.DeltaError, match="released"):
+    with pytest.raises(ww.DeltaError, match="released"):
         store.load(ex.version_dir(root, 2))
     other = [e.copy() for e in engine]
     other[0][5] ^= np.uint16(1)  # the engine holds different words under the same version number
@@ -401,10 +401,10 @@ def test_swap_in_checks_hashes_from_the_replaced_words_and_restores_on_a_mismatc
     path = ex.version_dir(root, 2)
     changes = store.read_delta(path, ex.read_meta(path))
     writes = [(k, other[k], i.astype(np.int64), i, v) for k, (i, v) in enumerate(changes)]
-    with pytest.raises(ws.DeltaError, match="fails its hash check"):
-        store.swap_in(path, ex.read_meta(path), writes, ws._swap)
+    with pytest.raises(ww.DeltaError, match="fails its hash check"):
+        store.swap_in(path, ex.read_meta(path), writes, wr.swap_words)
     assert _same(other, before) and store.version == 1
     writes = [(k, engine[k], i.astype(np.int64), i, v) for k, (i, v) in enumerate(changes)]
-    store.swap_in(path, ex.read_meta(path), writes, ws._swap)
+    store.swap_in(path, ex.read_meta(path), writes, wr.swap_words)
     assert store.version == 2 and store.hashes == pub.hashes
-    assert _same(engine, [ws.words(x).reshape(-1) for x in _words_of(p2, jnp.bfloat16)])
+    assert _same(engine, [ww.words(x).reshape(-1) for x in _words_of(p2, jnp.bfloat16)])

@@ -6,7 +6,7 @@ projections into one parameter per layer:
     qkv_proj.weight  [(Nh + 2 Nkv) D, H]   rows: q, then k, then v   (and qkv_proj.bias the same way)
     gate_up_proj.weight  [2 I, H]          rows: gate, then up
 
-`targets(cfg, leaf, shape, idx)` maps a leaf's changed flat positions (sorted, as weight_sync finds them) to
+`targets(cfg, leaf, shape, idx)` maps a leaf's changed flat positions (sorted, as weight_publish finds them) to
 (vLLM parameter name, flat positions in it, the slice of `idx` that lands there). It builds no tensor: the cost is
 O(changed words), so a sampler can write a delta straight into the engine's weights instead of reloading (and, on
 vLLM's CPU build, repacking) whole modules.

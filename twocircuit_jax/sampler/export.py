@@ -64,7 +64,7 @@ def export_weights(
 
     Costs one host copy of the parameters (orbax gathers sharded arrays). Re-exporting an existing version
     replaces it. `keep` >= 1 newest versions are retained; older ones are deleted after the rename (see prune).
-    `meta`: extra meta.json fields (sampler/weight_sync.py writes `kind`, `hashes` and a delta's `base_version`).
+    `meta`: extra meta.json fields (sampler/weight_publish.py writes `kind`, `hashes` and a delta's `base_version`).
     """
     import orbax.checkpoint as ocp
 
@@ -108,7 +108,7 @@ def export_weights(
 def prune(export_root: str, keep: int, written: int | None = None) -> None:
     """Delete all but the newest `keep` versions (and stale temporary folders of dead writers). `written`, the
     version just written, is always kept, even when newer numbers are on disk. A kept delta keeps the versions back
-    to its newest full base (the chain `weight_sync.rebuild` walks), so every kept version can be rebuilt from disk."""
+    to its newest full base (the chain `weight_receive.rebuild` walks), so every kept version can be rebuilt from disk."""
     keep = max(1, int(keep))
     versions = list_versions(export_root)
     kept = set(versions[-keep:])
@@ -219,8 +219,8 @@ def read_meta(path: str) -> dict:
 
 def load_export(path: str, allow_delta: bool = False):
     """(model_config dict, params as a numpy pytree) from one version folder; ExportError if missing/corrupt.
-    A delta version (sampler/weight_sync.py) holds changed words only: refused unless `allow_delta`, which
-    returns its raw payload {"idx", "val"}; `weight_sync.rebuild` turns a delta chain into parameters."""
+    A delta version (sampler/weight_words.py) holds changed words only: refused unless `allow_delta`, which
+    returns its raw payload {"idx", "val"}; `weight_receive.rebuild` turns a delta chain into parameters."""
     import jax
     import orbax.checkpoint as ocp
 
@@ -228,7 +228,7 @@ def load_export(path: str, allow_delta: bool = False):
     if meta.get("kind") == "delta" and not allow_delta:
         raise ExportError(
             f"{path}: a delta version (changed words against version {meta.get('base_version')}); "
-            "rebuild it from its full base with twocircuit_jax.sampler.weight_sync.rebuild"
+            "rebuild it from its full base with twocircuit_jax.sampler.weight_receive.rebuild"
         )
     ppath = os.path.join(path, PARAMS)
     if not os.path.isdir(ppath):

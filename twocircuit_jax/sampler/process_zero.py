@@ -14,7 +14,7 @@ batches would disagree. So process 0 drives one inner sampler (whatever `make_sa
   process 0 keeps the gathered leaves and exports them through the inner sampler; the others drop each leaf as soon
   as the collective returns. Host memory: process 0 holds one full host copy of the params in their own dtype
   (8B parameters: 16 GB in bf16, 32 GB in fp32) on top of what the inner sampler's publisher keeps (its copy in
-  the sampler dtype, sampler/weight_sync.py); every other process holds one leaf at a time (the largest, an 8B
+  the sampler dtype, sampler/weight_publish.py); every other process holds one leaf at a time (the largest, an 8B
   model's embedding, ~1.2 GB in bf16). Device memory: the all-gather materialises each leaf replicated on every
   device for the moment of its copy, one leaf at a time.
 * `close`: process 0 closes the inner sampler; no collective (close runs on error paths of one process alone).

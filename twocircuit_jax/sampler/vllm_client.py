@@ -25,7 +25,7 @@ import weakref
 from twocircuit_jax.config.sections import SamplerConfig, SamplingConfig
 from twocircuit_jax.sampler.base import Rollout
 from twocircuit_jax.sampler.http_guard import TOKEN_ENV, Limits, new_token, server_args
-from twocircuit_jax.sampler.weight_sync import WeightPublisher
+from twocircuit_jax.sampler.weight_publish import WeightPublisher
 
 _LIVE: "weakref.WeakSet[VLLMSampler]" = weakref.WeakSet()
 TRANSPORT_ERRORS = (OSError, http.client.HTTPException, ValueError)  # refused/reset/timeout, bad HTTP, bad JSON
@@ -92,7 +92,7 @@ class VLLMSampler:
         `export_root`: where update_weights() writes versions (default config.export_dir, else a temp folder).
         `model_config`: ModelConfig of the exports (default: read from model_dir/config.json).
         `dtype`: the engine's weight dtype ("auto" = model_config.param_dtype); exports are written in it.
-        `delta_sync`: publish changed words only (sampler/weight_sync.py), a full version every `full_every`.
+        `delta_sync`: publish changed words only (sampler/weight_publish.py), a full version every `full_every`.
         `remove_exports`: delete `export_root` on close() (a folder in /dev/shm holds host memory).
         `command`: argv prefix that replaces `python -m twocircuit_jax.sampler.vllm_server` (tests).
         `limits`: the largest request the server accepts (http_guard.limits_for_run: the trainer's own; default
@@ -115,7 +115,7 @@ class VLLMSampler:
             self.export_root, model_config, dtype, delta=delta_sync, full_every=full_every
         )
         self.endpoint = tuple(endpoint) if endpoint else None
-        self.last_publish = None  # weight_sync.PublishStats of the newest update
+        self.last_publish = None  # weight_publish.PublishStats of the newest update
         self.remove_exports = remove_exports
         self._cmd = list(command or [sys.executable, "-m", "twocircuit_jax.sampler.vllm_server"])
         self._extra = [

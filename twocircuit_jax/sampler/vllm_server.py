@@ -13,7 +13,7 @@ non-integer Content-Length, 413 above the body cap, 408 for a body not sent with
                     -> {"rows": [{"tokens", "logprobs", "finish_reason": "stop"|"length"}],
                     "version"}; rows are prompt-major (prompt i -> rows i*n .. i*n+n-1). 409 if version < min_version.
     POST /load     {"version": v} -> {"version": v}. Applies export_root/v{v:08d} (a full version, or a delta against
-                    the served one: sampler/weight_sync.py) to the engine without a restart: a full version
+                    the served one: sampler/weight_publish.py, weight_receive.py) to the engine without a restart: a full version
                     passes through a host copy and reloads every tensor by its Hugging Face name; a delta swaps its
                     changed words into the engine's tensors at their positions (sampler/engine_layout.py) and checks
                     the result's hashes from the words it replaced (--weight-update reload: applies it to a host
@@ -46,7 +46,8 @@ from twocircuit_jax.sampler.base import prompt_seed
 from twocircuit_jax.sampler.export import ExportError, read_meta, version_dir
 from twocircuit_jax.sampler.http_guard import TOKEN_ENV, Guard, Limits, is_loopback, limits_for_run, server_args
 from twocircuit_jax.sampler.vllm_pin import check_vllm_version
-from twocircuit_jax.sampler.weight_sync import DELTA, WeightStore, words
+from twocircuit_jax.sampler.weight_receive import WeightStore
+from twocircuit_jax.sampler.weight_words import DELTA, words
 
 
 class RequestError(ValueError):
@@ -280,14 +281,14 @@ class Engine:
             return self._load(req)
 
     def _load(self, req: dict) -> tuple[int, dict]:
-        """Apply a full or delta version. A full version goes through a host copy (weight_sync.WeightStore) and
+        """Apply a full or delta version. A full version goes through a host copy (weight_receive.WeightStore) and
         reloads every tensor by name. A delta, in place (the default), swaps its words straight into the engine's
         tensors and checks the result's hashes from the words it replaced (no host copy of the weights is kept);
         with --weight-update reload it is applied to the host copy and the touched modules are reloaded whole."""
         from twocircuit_jax.config.base import from_dict
         from twocircuit_jax.config.sections import ModelConfig
         from twocircuit_jax.model.hf_io import hf_names_touched, to_hf_state_dict
-        from twocircuit_jax.sampler.weight_sync import DeltaError
+        from twocircuit_jax.sampler.weight_words import DeltaError
 
         try:
             version = int(req["version"])
@@ -344,7 +345,7 @@ class Engine:
             "reload_s": time.perf_counter() - t1,
             "tensors": len(tensors) if tensors is not None else len({id(w[1]) for w in writes if len(w[2])}),
             "inplace": writes is not None,
-            "hashes": list(self.store.hashes),  # per-leaf hashes of the served words (weight_sync.leaf_hash)
+            "hashes": list(self.store.hashes),  # per-leaf hashes of the served words (weight_words.leaf_hash)
         }
 
     def _engine_params(self) -> dict:
@@ -359,17 +360,17 @@ class Engine:
         return params
 
     def _inplace_writes(self, cfg, path: str, meta: dict) -> list:
-        """weight_sync.WeightStore.swap_in's writes for delta `path`: each changed word's engine tensor (its
+        """weight_receive.WeightStore.swap_in's writes for delta `path`: each changed word's engine tensor (its
         word_view) and position there (sampler/engine_layout.py), or the host array of a leaf the engine does not
         hold (a tied head). DeltaError if the delta does not fit the served version; ExportError if a target tensor
         is missing or has another shape or dtype (the export does not fit the served model)."""
         from twocircuit_jax.sampler import engine_layout
 
         if self.store.version is None:
-            from twocircuit_jax.sampler.weight_sync import DeltaError
+            from twocircuit_jax.sampler.weight_words import DeltaError
 
             raise DeltaError(f"{path}: a delta, but this sampler has no base version (it serves its start-up weights)")
-        from twocircuit_jax.sampler.weight_sync import HOST_POOL
+        from twocircuit_jax.sampler.weight_words import HOST_POOL
 
         changes = self.store.read_delta(path, meta)
         # each changed word's engine position, leaf by leaf over the pool (numpy's index arithmetic releases the
