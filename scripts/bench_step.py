@@ -27,7 +27,7 @@ checkout's, the order swapped every round; it prints each round's ratio of this 
 and their median and range, and the same of the steps' CPU seconds (all the process's threads), which other work on
 a busy machine moves far less than wall time. Both sides run this script, over each checkout's own package, configs
 and artifacts. `--set-here` puts an override on this checkout's runs only (a knob the other lacks, such
-as `train.micro_batch`).
+as `train.micro_batch_per_device`).
 
 Settings:
   peers  the peer harnesses' tiny setting (../shared/peers/README.md): random Qwen2 with vocab 128, hidden 128,

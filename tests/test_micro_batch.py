@@ -1,4 +1,4 @@
-"""train.micro_batch: the mini-batch's gradient accumulated over micro-batches inside the jitted step equals the
+"""train.micro_batch_per_device: the mini-batch's gradient accumulated over micro-batches inside the jitted step equals the
 whole mini-batch's (loss, gradient, updated parameters and optimizer state, circuit state, metrics) for every
 loss_agg with uneven response lengths and the KL term on, on one device and on the 8-device data mesh, through
 PowerSGD and an activation codec; forward-only passes, the anchor's fire and the fidelity gauge likewise;
@@ -187,18 +187,27 @@ def test_micro_batch_zero_is_todays_program(data):
 def test_bad_micro_batch_is_a_config_error():
     cfg = _cfg()  # mini_batch 4 x n 4 = 16 rows
     assert micro_batch.check(cfg, 8) == 0
-    assert micro_batch.check(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch=2)), 8) == 2
-    bad = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch=3))
-    with pytest.raises(ConfigError, match=r"train\.micro_batch.*got 3.*16/8"):
+    assert (
+        micro_batch.check(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_per_device=2)), 8)
+        == 2
+    )
+    bad = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_per_device=3))
+    with pytest.raises(ConfigError, match=r"train\.micro_batch_per_device.*got 3.*16/8"):
         micro_batch.check(bad, 8)
     with pytest.raises(ConfigError, match=r"train\.micro_batch.*got 3"):
         micro_batch.check(bad, 1)
-    staged = dataclasses.replace(bad, train=dataclasses.replace(cfg.train, micro_batch=2))
+    staged = dataclasses.replace(bad, train=dataclasses.replace(cfg.train, micro_batch_per_device=2))
     staged = dataclasses.replace(staged, mesh=dataclasses.replace(cfg.mesh, stage=2))
     with pytest.raises(ConfigError, match=r"train\.micro_batch.*mesh\.stage=2"):
         micro_batch.check(staged, 4)
-    with pytest.raises(ConfigError, match=r"train\.micro_batch"):
-        load_config(data={"train": {"micro_batch": -1}})
+    with pytest.raises(ConfigError, match=r"train\.micro_batch_per_device"):
+        load_config(data={"train": {"micro_batch_per_device": -1}})
+    with pytest.raises(
+        ConfigError, match=r"train\.micro_batch: a key of older configs; write train\.micro_batch_per_device"
+    ):
+        load_config(data={"train": {"micro_batch": 2}})  # the old name, one letter from the pipeline's microbatches
+    with pytest.raises(ConfigError, match=r"write train\.pipeline_microbatches instead"):
+        load_config(data={"train": {"microbatches": 2}})
 
 
 def test_logp_pass_over_micro_batches_equals_whole(data):

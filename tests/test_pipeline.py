@@ -37,7 +37,7 @@ def run_cfg(mesh: dict, layers: int = 4, microbatches: int = 0, **fast):
             "sampler": {"n": 4},
             "fast": fast_section(**{"pp_size": 4, **fast}),
             "anchor": {"enabled": False},
-            "train": {"train_batch": 4, "mini_batch": 4, "max_prompt_len": 6, "microbatches": microbatches},
+            "train": {"train_batch": 4, "mini_batch": 4, "max_prompt_len": 6, "pipeline_microbatches": microbatches},
         }
     )
 
@@ -186,10 +186,10 @@ def test_stage_config_errors():
         run_cfg({"data": 1, "stage": 8}, layers=4, codec="none")
     with pytest.raises(ConfigError, match="fast.pp_size"):
         run_cfg({"data": 4, "stage": 2}, codec="prf_mask")  # boundaries (0, 1, 2) are not all stage boundaries
-    with pytest.raises(ConfigError, match="train.microbatches"):
+    with pytest.raises(ConfigError, match="train.pipeline_microbatches"):
         run_cfg({"data": 8}, microbatches=2, codec="none")
     cfg = run_cfg({"data": 2, "stage": 4}, microbatches=16, codec="none")
-    with pytest.raises(ConfigError, match="train.microbatches"):
+    with pytest.raises(ConfigError, match="train.pipeline_microbatches"):
         make_pipeline(cfg, cfg.model, pmesh.make_mesh(cfg.mesh))
     # what has no real-stage form is refused when the circuit is built, naming the field
     staged = {"data": 2, "stage": 4}

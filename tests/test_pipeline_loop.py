@@ -26,7 +26,7 @@ CFG = tiny_config(
     task={"train_size": 32},
     fast={"pp_size": 2, "codec": {"type": "lowrank", "rank": 3}},
     anchor={"enabled": True, "cadence": 1, "delay": 1, "projection": {"window": 2, "min_snapshots": 2}},
-    train={"steps": 3, "checkpoint_every": 2, "probe_every": 1, "microbatches": 2},
+    train={"steps": 3, "checkpoint_every": 2, "probe_every": 1, "pipeline_microbatches": 2},
 )
 
 

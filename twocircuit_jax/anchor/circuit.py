@@ -75,7 +75,7 @@ class AnchorCircuit:
         if a.swap.cadence > 0:
             mom = jax.eval_shape(lambda: init_anchor_moments(params, a.target_scope))
             self.mom_sh = type(mom)(m={k: by_path[k] for k in mom.m}, v={k: by_path[k] for k in mom.v}, fired=self.rep)
-        # train.micro_batch: the fire accumulates over micro-batches like the train step (one micro-batch's
+        # train.micro_batch_per_device: the fire accumulates over micro-batches like the train step (one micro-batch's
         # activations at a time); checked here against the mesh too (ConfigError naming the field).
         mesh = self.rep.mesh
         grad_fn = make_anchor_grad(

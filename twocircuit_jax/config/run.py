@@ -91,9 +91,9 @@ class RunConfig:
         S, L, f = self.mesh.stage, self.model.num_layers, self.fast
         if S == 1:
             require(
-                self.train.microbatches in (0, 1),
-                "train.microbatches",
-                f"got {self.train.microbatches}; microbatches split the pipeline's forward, which needs mesh.stage > 1",
+                self.train.pipeline_microbatches in (0, 1),
+                "train.pipeline_microbatches",
+                f"got {self.train.pipeline_microbatches}; microbatches split the pipeline's forward, which needs mesh.stage > 1",
             )
             return
         if self.base_model:  # a checkpoint's layer count is checked once it is loaded (parallel/pipeline.py)

@@ -568,6 +568,10 @@ class FastConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
+    # Keys of earlier configs, refused with the key to write instead (config/base.py from_dict): two names one
+    # letter apart meant two different things.
+    moved: ClassVar[dict] = {"micro_batch": "micro_batch_per_device", "microbatches": "pipeline_microbatches"}
+
     steps: int = field(
         default=10, metadata=doc("GRPO steps (rollout, then ppo_epochs passes of optimizer ticks); 0 = none")
     )
@@ -620,11 +624,11 @@ class TrainConfig:
             "a tick with a non-finite gradient norm leaves weights and optimizer unchanged; false = applied anyway"
         ),
     )
-    microbatches: int = field(
+    pipeline_microbatches: int = field(
         default=0,
         metadata=doc("pipeline microbatches per forward (mesh.stage > 1); 0 = mesh.stage", "M"),
     )
-    micro_batch: int = field(
+    micro_batch_per_device: int = field(
         default=0,
         metadata=doc(
             "rows per device in one forward/backward: the train step accumulates the mini-batch's gradient over "
@@ -662,9 +666,15 @@ class TrainConfig:
         require(
             self.preempt_grace_s >= 0, "preempt_grace_s", f"got {self.preempt_grace_s}; must be >= 0 (0 = no limit)"
         )
-        require(self.microbatches >= 0, "microbatches", f"got {self.microbatches}; must be >= 0 (0 = mesh.stage)")
         require(
-            self.micro_batch >= 0, "micro_batch", f"got {self.micro_batch}; must be >= 0 (0 = the whole mini-batch)"
+            self.pipeline_microbatches >= 0,
+            "pipeline_microbatches",
+            f"got {self.pipeline_microbatches}; must be >= 0 (0 = mesh.stage)",
+        )
+        require(
+            self.micro_batch_per_device >= 0,
+            "micro_batch_per_device",
+            f"got {self.micro_batch_per_device}; must be >= 0 (0 = the whole mini-batch)",
         )
         require(self.async_rollouts in (0, 1), "async_rollouts", f"got {self.async_rollouts}; allowed 0 or 1")
 

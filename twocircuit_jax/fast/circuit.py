@@ -362,7 +362,7 @@ class FastCircuit:
     # --- gradient codec ---------------------------------------------------------------------------------------
     def grad_fn(self, param_shardings, micro_batch: int = 0):
         """None: XLA's implicit dp mean. A gradient codec: a shard_map over the batch axes around value_and_grad,
-        accumulated over micro-batches of `micro_batch` rows per device (train.micro_batch; 0 = one pass). Manual
+        accumulated over micro-batches of `micro_batch` rows per device (train.micro_batch_per_device; 0 = one pass). Manual
         over `data` only (hierarchical), a replica's rows are its fsdp x tensor devices' rows: its micro-batch is
         that many devices' micro-batches, which the partitioner splits over them again."""
         if self.grad_codec is None:

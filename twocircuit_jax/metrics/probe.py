@@ -106,7 +106,7 @@ def make_fidelity_fn(
     mesh=None,
 ):
     """fn(params, ref_params, batch, cs) -> {fidelity/*: scalar}; `cs` is the circuit state; `pipeline` the staged
-    forward (mesh.stage > 1, parallel/pipeline.py) or None. `micro_batch` (train.micro_batch; `mesh` gives the
+    forward (mesh.stage > 1, parallel/pipeline.py) or None. `micro_batch` (train.micro_batch_per_device; `mesh` gives the
     replica count and keeps the batch sharding): the dense gradient is accumulated and the no-grad passes run over
     micro-batches of that many rows per replica, like the train step; `compute` is the step's own (accumulating)
     gradient.

@@ -1,4 +1,4 @@
-"""Micro-batched gradient accumulation inside one jitted pass (`train.micro_batch`).
+"""Micro-batched gradient accumulation inside one jitted pass (`train.micro_batch_per_device`).
 
 A mini-batch of R rows per device is cut into K = R / micro_batch micro-batches; a `lax.scan` runs forward and
 backward over one at a time and adds its gradient into an fp32 carry, so a pass holds one micro-batch's activations
@@ -47,29 +47,29 @@ def count(rows: int, micro_batch: int, dp: int = 1) -> int:
         return 1
     if rows % dp or (rows // dp) % micro_batch:
         raise ValueError(
-            f"train.micro_batch={micro_batch} must divide a device's rows of every pass: {rows} rows over {dp} "
+            f"train.micro_batch_per_device={micro_batch} must divide a device's rows of every pass: {rows} rows over {dp} "
             "data-parallel replicas"
         )
     return rows // dp // micro_batch
 
 
 def check(run_cfg, dp: int) -> int:
-    """`train.micro_batch` against the run (ConfigError naming the field); returns it (0 = off). The pipeline's
-    GPipe microbatches (mesh.stage > 1, train.microbatches) are not accumulated around: refused."""
+    """`train.micro_batch_per_device` against the run (ConfigError naming the field); returns it (0 = off). The pipeline's
+    GPipe microbatches (mesh.stage > 1, train.pipeline_microbatches) are not accumulated around: refused."""
     t = run_cfg.train
-    mb = t.micro_batch
+    mb = t.micro_batch_per_device
     if not mb:
         return 0
     if run_cfg.mesh.stage > 1:
         raise ConfigError(
-            "train.micro_batch",
-            f"got {mb}; mesh.stage={run_cfg.mesh.stage} splits the forward into train.microbatches already "
+            "train.micro_batch_per_device",
+            f"got {mb}; mesh.stage={run_cfg.mesh.stage} splits the forward into train.pipeline_microbatches already "
             "(accumulation around the pipeline is not built); set it 0",
         )
     rows = t.mini_batch * run_cfg.sampler.n
     if rows % dp or (rows // dp) % mb:
         raise ConfigError(
-            "train.micro_batch",
+            "train.micro_batch_per_device",
             f"got {mb}; must divide a device's rows of the mini-batch: mini_batch*sampler.n / dp = {rows}/{dp}",
         )
     return mb

@@ -1,7 +1,7 @@
 """Real pipeline stages (mesh axis `stage`): a GPipe forward whose boundary messages cross devices with `ppermute`.
 
 The layer stack [L, ...] is split over `stage` in S equal contiguous parts (parallel/mesh.py PARAM_RULES), so each
-stage's devices hold L/S layers. The batch is cut into M microbatches (`train.microbatches`). Under `shard_map`
+stage's devices hold L/S layers. The batch is cut into M microbatches (`train.pipeline_microbatches`). Under `shard_map`
 (manual over `stage` only; `data`/`fsdp`/`tensor` stay with XLA's partitioner) the schedule runs M + S - 1 ticks:
 at tick i stage s runs its layers on microbatch i - s, then every stage boundary k (between stages k and k+1)
 moves its message with one `ppermute` from k to k+1. The backward pass is autodiff of that loop: each forward
@@ -98,7 +98,7 @@ class Pipeline:
         m = self.microbatches
         if rows % m or (rows // m) % dp:
             raise ValueError(
-                f"train.microbatches={m}: a forward's {rows} rows must split into {m} microbatches whose size "
+                f"train.pipeline_microbatches={m}: a forward's {rows} rows must split into {m} microbatches whose size "
                 f"divides over the {dp} data-parallel replicas"
             )
 

@@ -30,7 +30,7 @@ def policy_pass(model_cfg, params, batch, cs, codec, tag, pipeline=None, entropy
 
 def make_logp_fn(model_cfg, codec=None, tag: str = OLD, pipeline=None, *, micro_batch: int = 0, mesh=None):
     """(params, batch, cs) -> (logp [B,T], entropy [B,T], codec aux). No gradient is taken through it.
-    `micro_batch` > 0 (train.micro_batch; `mesh` gives the replica count and keeps the batch sharding): the pass
+    `micro_batch` > 0 (train.micro_batch_per_device; `mesh` gives the replica count and keeps the batch sharding): the pass
     runs over micro-batches of that many rows per replica with `lax.map`, holding one micro-batch's activations;
     the rows come back in order and the aux is combined (sketches and token counts summed, the rest averaged)."""
 

@@ -90,7 +90,7 @@ def fuses_old_pass(cfg, codec, pipeline) -> bool:
         and pipeline is None
         and not cfg.train.probe_every
         and not cfg.env.enabled
-        and not cfg.train.micro_batch  # the fused diagnostics are whole-batch: not over micro-batches
+        and not cfg.train.micro_batch_per_device  # the fused diagnostics are whole-batch: not over micro-batches
     )
 
 
@@ -140,7 +140,7 @@ def build_programs(cfg, model_cfg, mesh, optimizer, state_sh, circuits: Circuits
     max_new = cfg.sampler.sampling.max_new_tokens
     fused_old_pass = fuses_old_pass(cfg, fc, pl)
     rows_over = fc.grad_axes if (fc and fc.grad_codec is not None) else None  # the gradient codec's manual axes
-    mb = accumulate.check(cfg, pmesh.dp_size(mesh))  # train.micro_batch (ConfigError), 0 = one pass
+    mb = accumulate.check(cfg, pmesh.dp_size(mesh))  # train.micro_batch_per_device (ConfigError), 0 = one pass
     loss_fn = make_grpo_loss(model_cfg, cfg.grpo, max_new, act, pl, diagnose=fused_old_pass, rows_over=rows_over)
     grad_fn = fc.grad_fn(state_sh.params, micro_batch=mb) if fc else None
     grad_transform = anchor.grad_transform if anchor else None
@@ -205,7 +205,7 @@ def build_sft_step(model_cfg, optimizer, state_sh, mesh, batch_sharding):
 
 def make_pipeline(run_cfg, model_cfg, mesh):
     """The staged forward for mesh.stage > 1 (parallel/pipeline.py), with the run's shapes checked: equal stages of
-    the (possibly loaded) model, and every forward's rows split into `train.microbatches` parts that divide over the
+    the (possibly loaded) model, and every forward's rows split into `train.pipeline_microbatches` parts that divide over the
     data-parallel replicas."""
     from twocircuit_jax.boundaries import codec_stage_mismatch
     from twocircuit_jax.parallel.mesh import dp_size
@@ -218,11 +218,11 @@ def make_pipeline(run_cfg, model_cfg, mesh):
     problem = codec_stage_mismatch(L, f.pp_size, S) if f.codec_type != "none" else None
     if problem is not None:
         raise ConfigError("fast.pp_size", problem)
-    pipeline = Pipeline(model_cfg, mesh, run_cfg.train.microbatches)
+    pipeline = Pipeline(model_cfg, mesh, run_cfg.train.pipeline_microbatches)
     rows, M, dp = run_cfg.train.mini_batch * run_cfg.sampler.n, pipeline.microbatches, dp_size(mesh)
     if rows % (M * dp):
         raise ConfigError(
-            "train.microbatches",
+            "train.pipeline_microbatches",
             f"{M} microbatches (0 = mesh.stage) of a mini-batch's {rows} rows (train.mini_batch*sampler.n) must each "
             f"split over the {dp} data-parallel replicas: {rows} must divide by {M}*{dp}",
         )

@@ -177,7 +177,7 @@ def build_train_step(
 ):
     """`make_train_step` + `jit_train_step`; metrics (scalars) come out replicated. `circuit_sharding` is the
     circuit state's sharding tree (the loop's `circuit_shardings`); None leaves it free. `micro_batch`: rows per
-    replica per forward/backward of the default grad_fn (train.micro_batch; 0 = the whole mini-batch)."""
+    replica per forward/backward of the default grad_fn (train.micro_batch_per_device; 0 = the whole mini-batch)."""
     step = make_train_step(
         loss_fn,
         optimizer,

@@ -11,7 +11,7 @@ warning line.
 ALLOWED: what a resume may change because the trained parameters do not depend on it:
 - how long and how often: `train.steps`, checkpoint cadence (`train.checkpoint_*`, `train.final_checkpoint`,
   `train.preempt_grace_s`), evaluation (`train.eval_*`, `eval.*`), the dense probe (`train.probe_every`, a measurement), the run's `name`;
-- where and how it runs: `train.compile_cache`, `mesh.*`, `train.micro_batch`/`train.microbatches` and
+- where and how it runs: `train.compile_cache`, `mesh.*`, `train.micro_batch_per_device`/`train.pipeline_microbatches` and
   `train.fused_old_pass` (the same math, float order only), memory knobs of the model (`model.remat`, `model.logits_chunk`,
   `model.attention_block`), `fast.kernel_interpret`, the vLLM process's transport (`sampler.host`, `port`,
   `gpu_memory_utilization`, `startup_timeout_s`, `request_timeout_s`, `max_retries`, `export_dir`, `weight_sync`,
@@ -43,9 +43,9 @@ ALLOWED_PREFIXES = (
     "train.eval_",
     "train.probe_every",
     "train.compile_cache",
-    "train.micro_batch",
+    "train.micro_batch_per_device",
     "train.fused_old_pass",
-    "train.microbatches",
+    "train.pipeline_microbatches",
     "eval.",
     "mesh.",
     "model.remat",
