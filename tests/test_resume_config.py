@@ -75,3 +75,13 @@ def test_every_allowed_key_is_documented():
     text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "reliability.md")).read()
     missing = [p for p in ALLOWED_PREFIXES if f"`{p.rstrip('.')}" not in text]
     assert not missing and "--allow-config-change" in text, missing
+
+
+def test_a_renamed_key_is_named_with_its_new_name():
+    """A checkpoint written before a key was renamed holds the old key: the resume's refusal says what it is now."""
+    from twocircuit_jax.train.resume_config import renamed_note
+
+    assert renamed_note("train.micro_batch") == " (renamed: train.micro_batch_per_device)"
+    assert renamed_note("train.microbatches") == " (renamed: train.pipeline_microbatches)"
+    assert renamed_note("anchor.gate_decay") == " (renamed: anchor.merger.decay)"
+    assert renamed_note("train.steps") == "" and renamed_note("nothing.here") == ""

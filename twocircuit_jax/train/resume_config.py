@@ -144,7 +144,7 @@ def check_resume_config(new_cfg, ckpt, run_dir: str, allow_change: bool) -> list
         return []
     changes = config_changes(old, to_dict(new_cfg))
     refused = [c for c in changes if not c[3]]
-    text = "; ".join(f"{k}: {va!r} -> {vb!r}" for k, va, vb, _ in refused)
+    text = "; ".join(f"{k}: {va!r} -> {vb!r}{renamed_note(k)}" for k, va, vb, _ in refused)
     if refused and not allow_change:
         raise ConfigError(
             "--resume",
@@ -154,3 +154,19 @@ def check_resume_config(new_cfg, ckpt, run_dir: str, allow_change: bool) -> list
     if refused:
         print(f"warning: --resume --allow-config-change: resuming with changed {text}", file=sys.stderr)
     return changes
+
+
+def renamed_note(key: str) -> str:
+    """ " (renamed: NEW)" when `key` is a key of older configs that its section's `moved` table names (a checkpoint
+    written before the rename holds the old key; the values are compared as they stand)."""
+    import typing
+
+    from twocircuit_jax.config.run import RunConfig
+
+    cls, parts = RunConfig, key.split(".")
+    for part in parts[:-1]:
+        cls = typing.get_type_hints(cls).get(part) if hasattr(cls, "__dataclass_fields__") else None
+        if cls is None:
+            return ""
+    new = getattr(cls, "moved", {}).get(parts[-1])
+    return f" (renamed: {'.'.join(parts[:-1] + [new])})" if new else ""
