@@ -64,10 +64,15 @@ def _measure(cfg, devices) -> dict:
     # the trainer's own programs (step/programs.py), from shapes: the train step, and with the anchor its fire
     progs = abstract_programs(cfg, devices)
     mesh = pmesh.make_mesh(cfg.mesh, devices)
-    coll = fbytes.collective_bytes_from_hlo(progs["train_step"].lower().compile().as_text())
-    anchor = 0.0
+    from twocircuit_jax.fast.hlo_bytes import run_bytes
+
+    text = progs["train_step"].lower().compile().as_text()
+    coll, run = fbytes.collective_bytes_from_hlo(text), run_bytes(text)
+    anchor = anchor_run = 0.0
     if "anchor_fire" in progs:  # the dense gradient mean and, for an anchor-owned basis, the sketch sum
-        anchor = float(fbytes.collective_bytes_from_hlo(progs["anchor_fire"].lower().compile().as_text())["total"])
+        text = progs["anchor_fire"].lower().compile().as_text()
+        anchor = float(fbytes.collective_bytes_from_hlo(text)["total"])
+        anchor_run = float(run_bytes(text)["total"])
     ticks = cfg.ticks_per_step * cfg.train.ppo_epochs
     from twocircuit_jax.boundaries import boundary_layers
 
@@ -83,6 +88,9 @@ def _measure(cfg, devices) -> dict:
         "collective_bytes": coll["total"] * ticks,
         "anchor_bytes": anchor * ticks / cfg.anchor.cadence,  # one fire every `cadence` ticks
         "collective_counts": coll["counts"],
+        "run_bytes": run["total"] * ticks,  # each collective times how often its loop runs (fast/hlo_bytes.py)
+        "run_by_kind": {k: run[k] * ticks for k in run["counts"] if run[k]},
+        "anchor_run_bytes": anchor_run * ticks / cfg.anchor.cadence,
         "act_compressed": act["comm/bytes_compressed"] * ticks,
         "act_dense": act["comm/bytes_dense"] * ticks,
         "ticks": ticks,
@@ -205,8 +213,13 @@ def main(argv=None) -> int:
             f"{name}: dp={r['dp']} ticks/step={r['ticks']} hlo_collective_bytes={r['collective_bytes']:.0f} "
             f"counts={ {k: v for k, v in r['collective_counts'].items() if v} } "
             f"boundary_bytes={r['act_compressed']:.0f} (dense-equivalent {r['act_dense']:.0f}) "
-            f"anchor_bytes={r['anchor_bytes']:.0f}"
+            f"anchor_bytes={r['anchor_bytes']:.0f} run_collective_bytes={r['run_bytes']:.0f} "
+            f"run_by_kind={ {k: round(v) for k, v in r['run_by_kind'].items()} } "
+            f"anchor_run_bytes={r['anchor_run_bytes']:.0f}"
         )
+    # as the programs run: a loop body's collectives times its trip count (the count above reads each body once)
+    Dr, Cr = dense["run_bytes"], comp["run_bytes"] + comp["anchor_run_bytes"]
+    print(f"run_dense_collective_bytes={Dr:.0f} run_compressed_collective_bytes={Cr:.0f} run_ratio={Cr / Dr:.6f}")
     D = dense["collective_bytes"] + dense["act_dense"]
     C = comp["collective_bytes"] + comp["act_compressed"] + comp["anchor_bytes"]  # the anchor's fires count too
     print(f"dense_bytes={D:.0f} compressed_bytes={C:.0f} ratio={C / D:.6f}")

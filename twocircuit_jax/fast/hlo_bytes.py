@@ -83,6 +83,28 @@ def _multiplicity(comps: dict, entry: str) -> dict:
     return mult
 
 
+def run_bytes(hlo_text: str) -> dict:
+    """`collective_bytes_from_hlo` counted as the program runs: each collective's operand bytes times how often its
+    computation runs per call (a `while` body: its trip count; nested loops multiply), by kind, with "total" and
+    "counts" (instructions in the text, as there). The plain text count reads a loop body once: a program whose
+    layer stack is one scan and one whose stack is cut into several scans (the activation codec's hooked layers,
+    model/qwen2.py run_layers) hold the same traffic but different numbers of loop bodies."""
+    from twocircuit_jax.fast.bytes import collective_bytes_from_hlo
+
+    comps, entry = _computations(hlo_text)
+    mult = _multiplicity(comps, entry)
+    out = {k: 0.0 for k in COLLECTIVE_KINDS}
+    counts = {k: 0 for k in COLLECTIVE_KINDS}
+    for name, lines in comps.items():
+        part = collective_bytes_from_hlo("\n".join(lines))
+        for k in COLLECTIVE_KINDS:
+            out[k] += part[k] * mult.get(name, 0)
+            counts[k] += part["counts"][k]
+    out["total"] = sum(out[k] for k in COLLECTIVE_KINDS)
+    out["counts"] = counts
+    return out
+
+
 def staged_bytes(hlo_text: str, replicas: int) -> dict:
     """{part: bytes per data replica per call} for PARTS, plus "counts" (instructions per part)."""
     comps, entry = _computations(hlo_text)

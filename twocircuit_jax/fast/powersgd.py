@@ -20,9 +20,11 @@ like the parameters (fsdp, tensor), and XLA's partitioner adds the fast-intercon
 Q = Mᵀ·P̂ over fsdp. `leaf_specs` (the parameter specs) pins grads, e, Ĝ and the mean to those shardings, and the
 uncompressed leaves that are sharded (embed, lm_head: 0.93 GB fp32 each in Qwen2.5-1.5B) are reduced one
 collective each instead of packed, because a flat pack would gather them over fsdp (one more all-reduce per such
-leaf; P, Q and the replicated leaves stay packed). e is then globally [R·n0, ...] split over `data` on axis 0 and
-over the parameter's own axes everywhere (`global_specs(..., param_specs=...)`): per device, 1/(fsdp·tensor) of
-the leaf. With data = 1 there is no slow reduction to compress: the codec refuses (`check_mesh`).
+leaf; P, Q and the replicated leaves stay packed). The factors are pinned too (`_factor_pinner`): P to M's split of
+n, Q to its split of m, both whole after their reduction, so each device multiplies its own block of M and only
+factors cross fsdp (left free, XLA gathered M whole per device and built Ĝ by an all-reduce of the matrix). e is
+then globally [R·n0, ...] split over `data` on axis 0 and over the parameter's own axes everywhere
+(`global_specs(..., param_specs=...)`): per device, 1/(fsdp·tensor) of the leaf. With data = 1 there is no slow reduction to compress: the codec refuses (`check_mesh`).
 """
 
 from __future__ import annotations
@@ -189,6 +191,29 @@ def _pinner(leaf_specs):
     return pin
 
 
+def _factor_pinner(leaf_specs):
+    """pin(path, x, dim): a factor of leaf `path` (P [.., n, r]: dim -2; Q [.., m, r]: dim -1; None: replicated)
+    constrained to the leaf's split of that dimension, r whole (identity without `leaf_specs`). Left free, the
+    partitioner may all-gather M over fsdp to form P = M·Q or Q = Mᵀ·P̂ on every device, and build Ĝ = P̂·Qᵀ by an
+    all-reduce of the whole matrix; pinned, each device multiplies its own block of M and only the [.., n, r] /
+    [.., m, r] factors move (payload-sized)."""
+    if leaf_specs is None:
+        return lambda path, x, dim=None: x
+
+    def pin(path, x, dim=None):
+        spec = leaf_specs.get(path)
+        if spec is None or not _sharded(spec):
+            return x
+        full = tuple(spec) + (None,) * (x.ndim - len(tuple(spec)))
+        if dim is None:
+            out = [None] * x.ndim
+        else:  # the leaf's leading (layer) axes' split, then its n (P) or m (Q) split on the factor's rows, r whole
+            out = list(full[: x.ndim - 2]) + [full[x.ndim + dim], None]
+        return jax.lax.with_sharding_constraint(x, NamedSharding(jax.sharding.get_abstract_mesh(), PartitionSpec(*out)))
+
+    return pin
+
+
 def _unpack(vec, likes):
     out, o = [], 0
     for x in likes:
@@ -250,6 +275,7 @@ def powersgd_reduce(
     e2 = sum((jnp.sum(state.e[p.path] ** 2) for p in comp), jnp.zeros((), F32))
 
     pin = _pinner(leaf_specs)
+    fpin = _factor_pinner(leaf_specs)
     leaves = {k: pin(k, v) for k, v in leaves.items()}
     e_in = {k: pin(k, v) for k, v in state.e.items()}
     state = state._replace(e=e_in)
@@ -273,11 +299,19 @@ def powersgd_reduce(
 
     def compressed(_):
         M = {p.path: leaves[p.path].astype(F32) + state.e[p.path] for p in comp}
-        Ps = [_project(leaves[p.path], state.e[p.path], state.Q[p.path], cfg, interpret, platform) for p in comp]
-        Ps = reduce(Ps, [p.path for p in comp], "sum")
+        Ps = [
+            fpin(
+                p.path,
+                _project(leaves[p.path], state.e[p.path], fpin(p.path, state.Q[p.path]), cfg, interpret, platform),
+                -2,
+            )
+            for p in comp
+        ]
+        Ps = [fpin(p.path, x) for p, x in zip(comp, reduce(Ps, [p.path for p in comp], "sum"))]
         Ph = [_orth_batched(P, cfg.reortho_eps, jax.random.PRNGKey(cfg.seed ^ _SALT ^ i)) for i, P in enumerate(Ps)]
-        Qs = [jnp.einsum("...nm,...nr->...mr", M[p.path], ph) for p, ph in zip(comp, Ph)]
-        Qs = reduce(Qs, [p.path for p in comp], "mean")
+        Ph = [fpin(p.path, ph) for p, ph in zip(comp, Ph)]
+        Qs = [fpin(p.path, jnp.einsum("...nm,...nr->...mr", M[p.path], ph), -1) for p, ph in zip(comp, Ph)]
+        Qs = [fpin(p.path, x) for p, x in zip(comp, reduce(Qs, [p.path for p in comp], "mean"))]
         uouts = reduce([leaves[p.path] for p in unc] + [e2], [p.path for p in unc] + [None], "mean")
         out = {p.path: o for p, o in zip(unc, uouts)}
         new_e = {}

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from twocircuit_jax.config.sections import ModelConfig
 from twocircuit_jax.model import attention
-from twocircuit_jax.parallel.mesh_context import constrain_rows
+from twocircuit_jax.parallel.mesh_context import constrain_rows, embed_lookup
 
 Hook = Callable[[int, jax.Array], tuple]  # (layer, h [B,T,H]) -> (h_new, aux)
 _NEG = -1e30  # finite "minus infinity": fully masked rows (padding queries) stay finite
@@ -131,7 +131,7 @@ def _head(cfg, params, x):
 
 
 def _embed(cfg, params, tokens):
-    return jnp.take(params["embed"], tokens, axis=0).astype(dtype_of(cfg.compute_dtype))
+    return embed_lookup(params["embed"], tokens).astype(dtype_of(cfg.compute_dtype))
 
 
 REMAT_POLICIES = {
