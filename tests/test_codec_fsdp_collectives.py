@@ -1,7 +1,7 @@
 """On a data 2 x fsdp 4 mesh the compressed program sends no more than the dense one (issue #53, item 3).
 
 A small model (hidden 128, two scanned layers, every matrix divisible by the 4-way FSDP split) with the prf_mask
-codec and hierarchical PowerSGD (start_after 0: the compressed reduction alone), micro-batched (train.micro_batch 1,
+codec and hierarchical PowerSGD (start_after 0: the compressed reduction alone), micro-batched (train.micro_batch_per_device 1,
 so the gradient is accumulated over a scan), compiled ahead of time on conftest's 8 fake CPU devices against its
 dense twin (scripts/comm_bytes.py `dense_twin`: no codecs). Checked:
   - the compressed train step's collective bytes as the program runs (fast/hlo_bytes.py `run_bytes`: operand
@@ -51,7 +51,7 @@ CONFIG = {
         "grad_codec": {"type": "powersgd", "rank": 2, "start_after": 0, "compress_embeddings": True},
     },
     "anchor": {"enabled": False},
-    "train": {"train_batch": 4, "mini_batch": 4, "max_prompt_len": 8, "micro_batch": 1},
+    "train": {"train_batch": 4, "mini_batch": 4, "max_prompt_len": 8, "micro_batch_per_device": 1},
 }
 
 

@@ -97,7 +97,7 @@ def make_anchor_grad(
     """(params, batch, sketch_state) -> (grads, metrics, aux): one dense forward and backward; XLA inserts the
     `dp` mean. `sketcher(sketch_state, attention_mask) -> (hook, layers)` adds the basis sketch (aux).
     `micro_batch` > 0 (train.micro_batch_per_device; `mesh` gives the replica count and keeps the batch sharding): the
-    gradient is accumulated over micro-batches of that many rows per replica (train/micro_batch.py), normalised by
+    gradient is accumulated over micro-batches of that many rows per replica (parallel/micro_batch.py), normalised by
     the whole batch's counts; the sketch is summed, the loss terms summed, the token means weighted, and the TIS
     metrics taken once over the whole batch's log-probs (a ratio like the ESS does not split)."""
     split = bool(micro_batch)

@@ -61,7 +61,7 @@ def global_normalisers(response_mask, axes) -> dict:
 def make_codec_grad_fn(codec, mesh, *, axes=BATCH_AXES, micro_batch: int = 0):
     """factory(loss_fn) -> fn(params, batch, cs) -> (mean grads, loss, metrics, aux, cs with the next cs.grad);
     `codec` is the registered gradient codec (fast/codecs/base.GradCodec). `micro_batch` > 0: each replica accumulates its
-    gradient over micro-batches of that many of its rows (train/micro_batch.py) and the codec reduces the sum once."""
+    gradient over micro-batches of that many of its rows (parallel/micro_batch.py) and the codec reduces the sum once."""
 
     hier = getattr(codec, "replica_axes", None)
     axes = hier or axes

@@ -94,7 +94,7 @@ def state_shardings(state: TrainState, mesh) -> TrainState:
 
 def default_grad_fn(loss_fn, *, micro_batch: int = 0, mesh=None):
     """XLA's implicit data-parallel mean. `micro_batch` > 0: accumulated over micro-batches of that many rows per
-    replica (train/micro_batch.py; `mesh` gives the replica count and keeps the batch sharding); 0: no scan."""
+    replica (parallel/micro_batch.py; `mesh` gives the replica count and keeps the batch sharding); 0: no scan."""
     dp = pmesh.dp_size(mesh) if mesh is not None else 1
     vg = accumulate.value_and_grad(loss_fn, micro_batch, dp=dp, mesh=mesh)
 
