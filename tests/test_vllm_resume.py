@@ -58,7 +58,7 @@ record = sys.argv.pop(1)
 killed = {}
 def step(self, gs):
     if gs == 3:
-        killed["pid"] = self.sampler.proc.pid
+        killed["pid"] = self.built.sampler.proc.pid
         os.killpg(os.getpgid(killed["pid"]), signal.SIGKILL)  # the sampler dies mid-run
     if gs == 8:
         try:
