@@ -114,14 +114,10 @@ def steady_state(cfg):
 
 
 def dense_twin(cfg):
-    """The same run with both circuits' compression off: no codec, no gradient codec, no anchor."""
-    from twocircuit_jax.config.sections import NoActivationCodec, NoGradCodec
+    """The same run with both circuits' compression off (plan/links.py dense_twin)."""
+    from twocircuit_jax.plan.links import dense_twin as twin
 
-    return dataclasses.replace(
-        cfg,
-        fast=dataclasses.replace(cfg.fast, codec=NoActivationCodec(), grad_codec=NoGradCodec()),
-        anchor=dataclasses.replace(cfg.anchor, enabled=False),
-    )
+    return twin(cfg)
 
 
 def _compiled(cfg, devices):

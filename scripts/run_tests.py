@@ -150,6 +150,8 @@ WEIGHTS = {
     "test_docs.py": (1, 1),
     "test_progress.py": (1, 1),
     "test_recipes.py": (58, 3),
+    "test_slow_links.py": (25, 25),
+    "test_plan_links.py": (30, 0),
 }
 DEFAULT_WEIGHT = 5.0
 # Files whose tests start a vLLM engine (test_vllm_*.py, `twocircuit serve-sampler`): all in one group.

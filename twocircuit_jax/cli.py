@@ -168,9 +168,23 @@ def _parser() -> argparse.ArgumentParser:
         "--topology",
         required=True,
         metavar="TARGET",
-        help="tpu:v5e-4, tpu:v5e-8, tpu:v5p-8, tpu:v5p-16, tpu:v6e-4, tpu:v6e-8, or cpu:N (N fake host devices)",
+        help="tpu:v5e-4, tpu:v5e-8, tpu:v5p-8, tpu:v5p-16, tpu:v6e-4, tpu:v6e-8, tpu:<k>x<slice> (k slices over "
+        "DCN, e.g. tpu:2xv5e-8), or cpu:N (N fake host devices)",
     )
     n.add_argument("--json", default="", metavar="FILE", help="also write the plan as JSON")
+    n.add_argument(
+        "--dcn-gbps",
+        default="",
+        metavar="LIST",
+        help="slow-link (DCN) bandwidths per device in Gbit/s, e.g. 100,25,1: the step bound at each (default "
+        "100,25,1 on a mesh of several islands, mesh.dcn_*); the first one sets the main table's roofline",
+    )
+    n.add_argument(
+        "--dense-twin",
+        action="store_true",
+        help="also compile the config with the codecs and the anchor off: its link bytes, step bound and the "
+        "speedup the fast circuit buys at each --dcn-gbps (twice the compile time)",
+    )
     n.add_argument(
         "--sampler-chip",
         default="",
@@ -316,7 +330,13 @@ def _dispatch(args) -> int:
         # cpu:N asks XLA for N fake host devices, which works only before jax's CPU backend starts: here, before
         # any computation
         targets.prepare_cpu(targets.parse(args.topology))
-        return run_plan(load_config(args.config, args.set), args.topology, args.json, sampler_chip=args.sampler_chip)
+        from twocircuit_jax.plan.links import parse_gbps
+
+        gbps = parse_gbps(args.dcn_gbps) if args.dcn_gbps else ()
+        return run_plan(
+            load_config(args.config, args.set), args.topology, args.json, sampler_chip=args.sampler_chip,
+            dcn_gbps=gbps, dense=args.dense_twin,
+        )  # fmt: skip
     if args.cmd == "plot":
         from twocircuit_jax.metrics.plot import plot_runs
         from twocircuit_jax.metrics.runs import expand_runs

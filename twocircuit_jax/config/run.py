@@ -88,7 +88,7 @@ class RunConfig:
     def _check_stages(self):
         """mesh.stage > 1 splits the layer stack into equal stages; the codec's boundaries must be stage boundaries
         (there is nothing to compress where no stage ends)."""
-        S, L, f = self.mesh.stage, self.model.num_layers, self.fast
+        S, L, f = self.mesh.stages, self.model.num_layers, self.fast
         if S == 1:
             require(
                 self.train.pipeline_microbatches in (0, 1),

@@ -108,7 +108,10 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh. Sizes multiply to the device count; -1 on one axis takes what is left."""
+    """Device mesh. `data`, `stage`, `fsdp`, `tensor` are sizes inside one island (a TPU slice, a GPU node: the fast
+    links); `dcn_*` count the islands each axis spans over the slow link (DCN between slices). An axis's size is
+    island size x dcn size (MaxText's ici x dcn: `data: 2, dcn_data: 2` is 4 replicas), and all of them multiply to
+    the device count; -1 on one in-island axis takes what the island leaves."""
 
     data: int = field(default=-1, metadata=doc("data-parallel replicas; -1 = the devices the other axes leave"))
     fsdp: int = field(
@@ -120,6 +123,40 @@ class MeshConfig:
         default=1,
         metadata=doc("pipeline stages: the layer stack split at the fast circuit's boundaries, one part per stage"),
     )
+    dcn_data: int = field(
+        default=1,
+        metadata=doc(
+            "islands (TPU slices; fast-link groups) the data axis spans over the slow link: data replicas = "
+            "data x dcn_data (MaxText's ici x dcn)"
+        ),
+    )
+    dcn_stage: int = field(
+        default=1, metadata=doc("islands the stage axis spans over the slow link: stages = stage x dcn_stage")
+    )
+    dcn_fsdp: int = field(
+        default=1,
+        metadata=doc("islands the fsdp axis spans over the slow link (fsdp x dcn_fsdp); > 1 needs allow_slow_sharding"),
+    )
+    dcn_tensor: int = field(
+        default=1,
+        metadata=doc(
+            "islands the tensor axis spans over the slow link (tensor x dcn_tensor); > 1 needs allow_slow_sharding"
+        ),
+    )
+    allow_slow_sharding: bool = field(
+        default=False,
+        metadata=doc(
+            "allow dcn_fsdp or dcn_tensor > 1: per-layer parameter gathers and activation reductions over the slow "
+            "link, uncompressed by the fast circuit"
+        ),
+    )
+
+    DCN = ("dcn_data", "dcn_stage", "dcn_fsdp", "dcn_tensor")
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages in all: stage x dcn_stage."""
+        return self.stage * self.dcn_stage
 
     def check(self):
         sizes = (self.data, self.fsdp, self.tensor)
@@ -127,6 +164,17 @@ class MeshConfig:
         for n, s in zip(("data", "fsdp", "tensor"), sizes):
             require(s == -1 or s >= 1, n, f"got {s}; must be >= 1 or -1")
         require(self.stage >= 1, "stage", f"got {self.stage}; must be >= 1 (-1 is not allowed on the stage axis)")
+        for n in self.DCN:
+            v = getattr(self, n)
+            require(v >= 1, n, f"got {v}; must be >= 1 (islands over the slow link; -1 is not allowed)")
+        for n in ("dcn_fsdp", "dcn_tensor"):
+            v = getattr(self, n)
+            require(
+                v == 1 or self.allow_slow_sharding,
+                n,
+                f"got {v}: that puts {n[4:]} (a collective per layer, uncompressed) across the slow link; keep it "
+                "inside an island and span islands with dcn_data or dcn_stage, or set mesh.allow_slow_sharding: true",
+            )
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,16 @@ Each instruction counts its result bytes (one device's message) times how often 
 `while` body (the pipeline's tick loop) runs `known_trip_count` times per call of the loop, which XLA records in
 the loop's backend config; a loop without one is an error rather than a guess. A collective-permute counts once per
 source-target pair per data replica (`pairs / replicas`), so all numbers are per data replica.
+
+Slow link (`islands`: the island of each device id, parallel/mesh.py islands): a collective whose replica groups
+hold devices of more than one island crosses the slow link, and its bytes count there too ("slow"); a
+collective-permute counts there the share of its source-target pairs that join two islands. The ids of a compiled
+SPMD program's groups are its partition ids, the positions in the mesh's flat device order. This is the message a
+device puts into a group that crosses the link, not the share a hierarchical algorithm would send over it.
+The TPU compiler for several slices splits such a collective itself: an ICI collective inside each slice and a
+host-transfer `send` to the Megascale (DCN) runtime (`_xla_host_transfer_handler_name="xla_megascale_runtime"`)
+between them; each such send counts its payload (the first array of its result) as slow-link bytes, in the part its
+op name gives (grad_reduce without one).
 """
 
 from __future__ import annotations
@@ -26,6 +36,8 @@ _CALLEES = re.compile(r"\b(?:body|condition|calls|to_apply|true_computation|fals
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 
 PARTS = ("boundary_fwd", "boundary_bwd", "stage_exit", "grad_reduce")
 
@@ -105,11 +117,58 @@ def run_bytes(hlo_text: str) -> dict:
     return out
 
 
-def staged_bytes(hlo_text: str, replicas: int) -> dict:
-    """{part: bytes per data replica per call} for PARTS, plus "counts" (instructions per part)."""
+_MEGASCALE = '_xla_host_transfer_handler_name="xla_megascale_runtime"'
+_ARRAY = re.compile(r"\b[a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?\[[0-9,]*\]")
+
+
+def _first_array_bytes(shape: str) -> float:
+    """Bytes of the first array of a result shape (a send's payload, before its context and token)."""
+    m = _ARRAY.search(shape)
+    return _shape_bytes(m.group(0)) if m else 0.0
+
+
+def replica_groups(line: str, n_devices: int) -> list:
+    """The device groups of one collective instruction: explicit (`{{0,1},{2,3}}`), iota (`[2,4]<=[4,2]T(1,0)`:
+    iota over the second dims, transposed, reshaped to the first) or absent/empty (one group of all devices)."""
+    import numpy as np
+
+    m = _IOTA.search(line)
+    if m:
+        shape = [int(x) for x in m.group(1).split(",")]
+        ids = np.arange(int(np.prod([int(x) for x in m.group(2).split(",")]))).reshape(
+            [int(x) for x in m.group(2).split(",")]
+        )
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        return [list(map(int, g)) for g in ids.reshape(shape)]
+    m = _GROUPS.search(line)
+    groups = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))] if m else []
+    groups = [g for g in groups if g]
+    return groups or [list(range(n_devices))]
+
+
+def slow_share(line: str, base: str, islands) -> float:
+    """The share of one collective's bytes that crosses the slow link: 1 or 0 for a grouped collective (does a
+    group span islands), the crossing pairs' share for a collective-permute."""
+    if islands is None or len(set(islands)) < 2:
+        return 0.0
+    if base == "collective-permute":
+        m = _PAIRS.search(line)
+        pairs = re.findall(r"\{(\d+),(\d+)\}", m.group(1)) if m else []
+        if not pairs:
+            return 0.0
+        return sum(islands[int(a)] != islands[int(b)] for a, b in pairs) / len(pairs)
+    groups = replica_groups(line, len(islands))
+    return float(any(len({islands[i] for i in g}) > 1 for g in groups))
+
+
+def staged_bytes(hlo_text: str, replicas: int, islands=None) -> dict:
+    """{part: bytes per data replica per call} for PARTS, plus "counts" (instructions per part) and "slow" ({part:
+    the bytes of those that cross the slow link}, all zero without `islands`)."""
     comps, entry = _computations(hlo_text)
     mult = _multiplicity(comps, entry)
     out = {p: 0.0 for p in PARTS}
+    slow = {p: 0.0 for p in PARTS}
     counts = {p: 0 for p in PARTS}
     for name, lines in comps.items():
         for line in lines:
@@ -118,10 +177,11 @@ def staged_bytes(hlo_text: str, replicas: int) -> dict:
                 continue
             shape, op = m.group(2), m.group(3)
             base = op[: -len("-start")] if op.endswith("-start") else op
-            if base not in COLLECTIVE_KINDS:
+            dcn_send = base == "send" and _MEGASCALE in line
+            if base not in COLLECTIVE_KINDS and not dcn_send:
                 continue
             op_name = (_OP_NAME.search(line) or [None, ""])[1]
-            b = _shape_bytes(shape) * mult.get(name, 0)
+            b = (_first_array_bytes(shape) if dcn_send else _shape_bytes(shape)) * mult.get(name, 0)
             if base == "collective-permute":
                 pairs = _PAIRS.search(line)
                 n_pairs = pairs.group(1).count("{") if pairs else replicas
@@ -134,8 +194,10 @@ def staged_bytes(hlo_text: str, replicas: int) -> dict:
             else:
                 part = "grad_reduce"
             out[part] += b
+            slow[part] += b if dcn_send else b * slow_share(line, base, islands)
             counts[part] += 1
     out["counts"] = counts
+    out["slow"] = slow
     return out
 
 

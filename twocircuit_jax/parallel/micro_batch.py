@@ -60,10 +60,10 @@ def check(run_cfg, dp: int) -> int:
     mb = t.micro_batch_per_device
     if not mb:
         return 0
-    if run_cfg.mesh.stage > 1:
+    if run_cfg.mesh.stages > 1:
         raise ConfigError(
             "train.micro_batch_per_device",
-            f"got {mb}; mesh.stage={run_cfg.mesh.stage} splits the forward into train.pipeline_microbatches already "
+            f"got {mb}; mesh.stage={run_cfg.mesh.stages} splits the forward into train.pipeline_microbatches already "
             "(accumulation around the pipeline is not built); set it 0",
         )
     rows = t.mini_batch * run_cfg.sampler.n

@@ -129,16 +129,18 @@ def _with_trips(hlo_text: str, n: int) -> str:
     return "\n".join(out)
 
 
-def collectives(hlo_text: str, replicas: int) -> tuple:
-    """({part: bytes per data replica per call}, note). Loops without a recorded trip count are walked twice, at
-    1 and at 2 trips: equal results mean no collective sits in them and the count is exact; otherwise those
-    collectives are counted once and the note says so (a lower bound)."""
-    parts = {}
+def collectives(hlo_text: str, replicas: int, islands=None) -> tuple:
+    """({part: bytes per data replica per call}, note, {part: those bytes that cross the slow link}). Loops without
+    a recorded trip count are walked twice, at 1 and at 2 trips: equal results mean no collective sits in them and
+    the count is exact; otherwise those collectives are counted once and the note says so (a lower bound).
+    `islands`: the island of each device id (parallel/mesh.py islands), None when there is one."""
+    parts, slow = {}, {}
     for n in (1, 2):
-        got = staged_bytes(_with_trips(hlo_text, n), replicas)
+        got = staged_bytes(_with_trips(hlo_text, n), replicas, islands)
         parts[n] = {p: got[p] for p in PARTS}
+        slow[n] = dict(got["slow"])
     note = "" if parts[1] == parts[2] else "collectives in loops of unknown trip count counted once (a lower bound)"
-    return parts[1], note
+    return parts[1], note, slow[1]
 
 
 _OOM_TOTAL = re.compile(r"required for HLO temporaries \(([\d.]+)([KMGTP]?)\)")
@@ -172,7 +174,7 @@ def oom_allocation(lowered) -> list:
     return []
 
 
-def measure(jitted, args, platform: str, replicas: int) -> dict:
+def measure(jitted, args, platform: str, replicas: int, islands=None) -> dict:
     """Compile one program and read everything the plan reports about it (per device, per call). A TPU program
     past the chip's HBM does not compile: then memory holds the compiler's required temporaries only, `oom` its
     message, `lowered` the lowering (for `oom_allocation`), and cost and collectives are None."""
@@ -185,18 +187,19 @@ def measure(jitted, args, platform: str, replicas: int) -> dict:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
         mem = {"argument": sum(base["args"]), "output": None, "temp": _oom_total(str(e)), "alias": None}
-        return {**base, "memory": mem, "cost": None, "collectives": None, "collective_bytes": None,
+        return {**base, "memory": mem, "cost": None, "collectives": None, "collective_bytes": None, "slow_bytes": None,
                 "collective_kinds": None, "largest": [], "note": "", "oom": str(e).splitlines()[0],
                 "lowered": lowered}  # fmt: skip
     hlo = compiled.as_text()
     kinds = collective_bytes_from_hlo(hlo)
-    coll, note = collectives(hlo, replicas)
+    coll, note, slow = collectives(hlo, replicas, islands)
     return {
         **base,
         "memory": memory_bytes(compiled),
         "cost": _cost(compiled),
         "collectives": coll,
         "collective_bytes": float(sum(coll.values())),
+        "slow_bytes": float(sum(slow.values())),
         "collective_kinds": {k: kinds[k] for k in COLLECTIVE_KINDS if kinds[k]},
         "largest": largest_buffers(hlo),
         "note": note,

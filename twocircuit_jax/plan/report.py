@@ -60,16 +60,23 @@ def _reference_bytes(param_leaf_bytes, params, cfg) -> float:
     return float(sum(b * r.dtype.itemsize / p.dtype.itemsize for b, r, p in zip(param_leaf_bytes, ref, leaves)))
 
 
-def make_plan(cfg, target, devices) -> dict:
-    """Compile every program of a step of `cfg` on `devices` (the target's) and assemble the report (a dict)."""
+def make_plan(cfg, target, devices, dcn_gbps: tuple = ()) -> dict:
+    """Compile every program of a step of `cfg` on `devices` (the target's) and assemble the report (a dict).
+    Collectives are split by link (fast inside an island, slow between islands: parallel/mesh.py islands); the
+    roofline puts the slow-link bytes at `dcn_gbps[0]` Gbit/s per device when given, else at the ICI bandwidth."""
+    from twocircuit_jax.parallel import mesh as pmesh
     from twocircuit_jax.plan.targets import check_mesh
 
     mesh = check_mesh(cfg, target)
     replicas = mesh["data"] * mesh["fsdp"]
+    isl = pmesh.islands(cfg.mesh, pmesh.make_mesh(cfg.mesh, devices))
+    n_islands = len(set(isl))
+    isl = isl if n_islands > 1 else None
+    dcn = roofline.gbps_bytes(dcn_gbps[0]) if dcn_gbps else None
     progs = programs(cfg, devices, target.platform)
     use = usage(cfg, progs)
     T = cfg.train.max_prompt_len + cfg.sampler.sampling.max_new_tokens
-    measured = {name: pm.measure(j, args, target.platform, replicas) for name, (j, args) in progs.items()}
+    measured = {name: pm.measure(j, args, target.platform, replicas, isl) for name, (j, args) in progs.items()}
     train_args, train = progs["train_step"][1], measured["train_step"]
     params = train_args[0].params
     n_params = int(sum(math.prod(x.shape) for x in jax.tree.leaves(params)))
@@ -89,9 +96,9 @@ def make_plan(cfg, target, devices) -> dict:
     # Generation runs beside the resident state: `auto` sizes its calls from what that leaves of the chip.
     gens = generation_programs(cfg, params, chip.hbm_bytes - resident["total"] if chip else None)
     for name, g in gens.items():
-        measured[name] = pm.measure(g.program, g.args, target.platform, replicas)
+        measured[name] = pm.measure(g.program, g.args, target.platform, replicas, isl)
         use[name] = g.usage
-    rows, flops_step, coll_step = {}, 0.0, 0.0
+    rows, flops_step, coll_step, slow_step = {}, 0.0, 0.0, 0.0
     bound = {"train": 0.0, "generation": 0.0}
     for name, m in measured.items():
         mem, u = m["memory"], use[name]
@@ -108,6 +115,7 @@ def make_plan(cfg, target, devices) -> dict:
             "cost": m["cost"],
             "collectives": m["collectives"],
             "collective_bytes": m["collective_bytes"],
+            "slow_bytes": m["slow_bytes"],
             "collective_kinds": m["collective_kinds"],
             "model_flops": roofline.model_flops(n_params, u.rows * T, u.backward),
             "largest": m["largest"],
@@ -120,17 +128,30 @@ def make_plan(cfg, target, devices) -> dict:
                                "greedy": g.greedy, "rows_per_call": cfg.sampler.max_rows_per_call}  # fmt: skip
         if chip is not None and m["cost"] is not None:
             if name in gens:  # the decode loop, counted from shapes (XLA counts a loop's body once)
-                r["roofline"] = roofline.generation_bound(
-                    gens[name], cfg.model, n_params, replicas, mesh["tensor"], m["collective_bytes"], chip
-                )
+                g = gens[name]
+
+                def bound_at(b, g=g, m=m):
+                    return roofline.generation_bound(
+                        g, cfg.model, n_params, replicas, mesh["tensor"], m["collective_bytes"], chip,
+                        m["slow_bytes"], b,
+                    )  # fmt: skip
             else:
                 # XLA's cost analysis counts a loop's body once (the layer scan, the micro-batches): the compute
                 # term takes the model's own flops per device when they are larger
                 flops = max(m["cost"]["flops"], r["model_flops"] / target.count)
-                r["roofline"] = roofline.program_bound(flops, m["cost"]["bytes_accessed"], m["collective_bytes"], chip)
+
+                def bound_at(b, flops=flops, m=m):
+                    hbm = m["cost"]["bytes_accessed"]
+                    return roofline.program_bound(flops, hbm, m["collective_bytes"], chip, m["slow_bytes"], b)
+
+            r["roofline"] = bound_at(dcn)
+            # plan/links.py: the bound without the slow link, to put it at any bandwidth
+            r["links"] = {"other_s": bound_at(float("inf"))["bound_s"], "slow_bytes": m["slow_bytes"],
+                          "sum": name in gens}  # fmt: skip
             bound["generation" if name in gens else "train"] += u.runs * r["roofline"]["bound_s"]
         flops_step += u.runs * r["model_flops"]
         coll_step += u.runs * (m["collective_bytes"] or 0.0)
+        slow_step += u.runs * (m["slow_bytes"] or 0.0)
         rows[name] = r
     worst = max(rows, key=lambda n: rows[n]["peak"])
     if rows[worst]["oom"]:  # name what to shrink: the allocation that broke the limit
@@ -144,6 +165,9 @@ def make_plan(cfg, target, devices) -> dict:
         "tokens_per_row": T,
         "model_flops": flops_step,
         "collective_bytes": coll_step,
+        "slow_bytes": slow_step,
+        "fast_bytes": coll_step - slow_step,
+        "dcn_gbps": dcn_gbps[0] if dcn_gbps else None,
     }
     if chip is not None and not refused:
         step_s = bound["train"] + bound["generation"]
@@ -158,6 +182,7 @@ def make_plan(cfg, target, devices) -> dict:
         "devices": target.count,
         "chip": chip._asdict() if chip else None,
         "mesh": mesh,
+        "islands": n_islands,
         "programs": rows,
         "resident": resident,
         "peak": peak,

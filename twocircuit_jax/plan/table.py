@@ -24,8 +24,12 @@ def _flop(f) -> str:
 def render(plan: dict, k: int = 5) -> str:
     chip, out = plan["chip"], []
     mesh = " ".join(f"{a}={v}" for a, v in plan["mesh"].items())
-    out.append(f"plan for {plan['target']}: {plan['devices']} devices ({mesh}); per device, per call")
+    isl = plan.get("islands", 1)
+    where = f", {isl} islands over the slow link" if isl > 1 else ""
+    out.append(f"plan for {plan['target']}: {plan['devices']} devices ({mesh}{where}); per device, per call")
     head = ["program", "calls/step", "args", "temp", "out", "alias", "peak", "GFLOP", "HBM bytes", "coll bytes"]
+    if isl > 1:
+        head.append("slow bytes")
     if chip:
         head.append("bound (limit)")
     table = [head]
@@ -35,6 +39,8 @@ def render(plan: dict, k: int = 5) -> str:
         c = r["cost"] or {}
         row += [size(m["alias"]), size(r["peak"]), f"{c['flops'] / 1e9:.3f}" if c else "-"]
         row += [size(c.get("bytes_accessed")), size(r["collective_bytes"])]
+        if isl > 1:
+            row.append(size(r.get("slow_bytes")))
         if chip:
             rl = r.get("roofline")
             row.append(f"{_sec(rl['bound_s'])} ({rl['limit']})" if rl else "refused (HBM)")
@@ -75,6 +81,8 @@ def render(plan: dict, k: int = 5) -> str:
         f"(6N/token trained, 2N/token forward-only), collectives {size(s['collective_bytes'])} per replica"
     )
     if "step_bound_s" in s:
+        if s.get("dcn_gbps"):
+            out.append(f"slow-link bytes at {s['dcn_gbps']:g} Gbit/s per device (--dcn-gbps), fast-link bytes at ICI")
         out.append(
             f"roofline lower bound: tick {_sec(s['tick_bound_s'])}, step {_sec(s['step_bound_s'])} "
             f"(generation {_sec(s['generation_bound_s'])} at the length cap, training {_sec(s['train_bound_s'])}); "

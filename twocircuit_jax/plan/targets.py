@@ -3,6 +3,8 @@ config must pass against them (its mesh multiplies to the device count).
 
   tpu:<slice>  a Cloud TPU slice of chips.SLICES: compile-only devices from libtpu's topology description
                (jax.experimental.topologies), so the real TPU compiler runs on this host and nothing executes
+  tpu:<k>x<slice>  k such slices joined by the slow link (TPU multi-slice over DCN): libtpu's compile-only devices
+               with num_slices=k, each carrying its slice_index (the islands of parallel/mesh.py)
   cpu:<N>      N fake host devices (XLA's --xla_force_host_platform_device_count, read when jax's CPU backend starts):
                the memory of the CPU compiler's program, with no chip to compare it to
   gpu:*        refused: jax compiles for CUDA only with a GPU attached
@@ -25,11 +27,12 @@ class Target(NamedTuple):
     count: int  # devices
     chip: Chip | None  # None for cpu:N (no HBM to fit into)
     slice: Any  # chips.TpuSlice for tpu:*, else None
+    slices: int = 1  # TPU slices joined by the slow link (tpu:<k>x<slice>)
 
 
 def parse(name: str) -> Target:
     kind, _, rest = name.partition(":")
-    allowed = ", ".join([f"tpu:{s}" for s in SLICES] + ["cpu:N"])
+    allowed = ", ".join([f"tpu:{s}" for s in SLICES] + ["tpu:<k>x<slice> (k slices)", "cpu:N"])
     if kind == "gpu":
         raise ConfigError(
             "--topology",
@@ -39,6 +42,10 @@ def parse(name: str) -> Target:
     if kind == "tpu" and rest in SLICES:
         s = SLICES[rest]
         return Target(name, "tpu", s.chips, CHIPS[s.chip], s)
+    k, x, one = rest.partition("x")
+    if kind == "tpu" and x and k.isdigit() and int(k) >= 1 and one in SLICES:
+        s = SLICES[one]
+        return Target(name, "tpu", int(k) * s.chips, CHIPS[s.chip], s, int(k))
     if kind == "cpu" and rest.isdigit() and int(rest) >= 1:
         return Target(name, "cpu", int(rest), None, None)
     raise ConfigError("--topology", f"got {name!r}; allowed: {allowed}")
@@ -65,7 +72,7 @@ def devices(target: Target) -> list:
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         s = target.slice
         topo = topologies.get_topology_desc(
-            platform="tpu", topology_name=s.topology, chips_per_host_bounds=s.bounds, num_slices=1
+            platform="tpu", topology_name=s.topology, chips_per_host_bounds=s.bounds, num_slices=target.slices
         )
         return list(topo.devices)
     have = jax.devices("cpu")
