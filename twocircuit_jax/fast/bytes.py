@@ -102,7 +102,7 @@ _DEF = re.compile(r"^\s*(?:ROOT\s+)?(%?[\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
 _NAME = re.compile(r"%?([A-Za-z_][\w.\-]*)")
 
 
-def _shape_bytes(text: str) -> float:
+def shape_bytes(text: str) -> float:
     total = 0.0
     for dt, dims in _SHAPE.findall(text):
         if dt not in _DTYPE_BYTES:
@@ -149,9 +149,9 @@ def collective_bytes_from_hlo(hlo_text: str) -> dict:
     counts = {k: 0 for k in COLLECTIVE_KINDS}
     for kind, args in ops:
         if _SHAPE.search(args):
-            b = _shape_bytes(args)
+            b = shape_bytes(args)
         else:
-            b = sum(_shape_bytes(defs.get(n, "")) for n in _NAME.findall(args))
+            b = sum(shape_bytes(defs.get(n, "")) for n in _NAME.findall(args))
         out[kind] += b
         counts[kind] += 1
     out["total"] = sum(out[k] for k in COLLECTIVE_KINDS)

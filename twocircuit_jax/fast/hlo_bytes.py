@@ -28,13 +28,13 @@ from __future__ import annotations
 import json
 import re
 
-from twocircuit_jax.fast.bytes import COLLECTIVE_KINDS, _shape_bytes
+from twocircuit_jax.fast.bytes import COLLECTIVE_KINDS, shape_bytes
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
+INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
 _CALLEES = re.compile(r"\b(?:body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
+OP_NAME = re.compile(r'op_name="([^"]*)"')
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
@@ -42,7 +42,7 @@ _IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?
 PARTS = ("boundary_fwd", "boundary_bwd", "stage_exit", "grad_reduce")
 
 
-def _computations(hlo_text: str):
+def computations(hlo_text: str):
     """{name: [instruction lines]} and the entry computation's name."""
     comps, entry, cur = {}, None, None
     for line in hlo_text.splitlines():
@@ -103,7 +103,7 @@ def run_bytes(hlo_text: str) -> dict:
     model/qwen2.py run_layers) hold the same traffic but different numbers of loop bodies."""
     from twocircuit_jax.fast.bytes import collective_bytes_from_hlo
 
-    comps, entry = _computations(hlo_text)
+    comps, entry = computations(hlo_text)
     mult = _multiplicity(comps, entry)
     out = {k: 0.0 for k in COLLECTIVE_KINDS}
     counts = {k: 0 for k in COLLECTIVE_KINDS}
@@ -124,7 +124,7 @@ _ARRAY = re.compile(r"\b[a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?\[[0-9,]*\]")
 def _first_array_bytes(shape: str) -> float:
     """Bytes of the first array of a result shape (a send's payload, before its context and token)."""
     m = _ARRAY.search(shape)
-    return _shape_bytes(m.group(0)) if m else 0.0
+    return shape_bytes(m.group(0)) if m else 0.0
 
 
 def replica_groups(line: str, n_devices: int) -> list:
@@ -165,14 +165,14 @@ def slow_share(line: str, base: str, islands) -> float:
 def staged_bytes(hlo_text: str, replicas: int, islands=None) -> dict:
     """{part: bytes per data replica per call} for PARTS, plus "counts" (instructions per part) and "slow" ({part:
     the bytes of those that cross the slow link}, all zero without `islands`)."""
-    comps, entry = _computations(hlo_text)
+    comps, entry = computations(hlo_text)
     mult = _multiplicity(comps, entry)
     out = {p: 0.0 for p in PARTS}
     slow = {p: 0.0 for p in PARTS}
     counts = {p: 0 for p in PARTS}
     for name, lines in comps.items():
         for line in lines:
-            m = _INSTR.match(line)
+            m = INSTR.match(line)
             if not m:
                 continue
             shape, op = m.group(2), m.group(3)
@@ -180,8 +180,8 @@ def staged_bytes(hlo_text: str, replicas: int, islands=None) -> dict:
             dcn_send = base == "send" and _MEGASCALE in line
             if base not in COLLECTIVE_KINDS and not dcn_send:
                 continue
-            op_name = (_OP_NAME.search(line) or [None, ""])[1]
-            b = (_first_array_bytes(shape) if dcn_send else _shape_bytes(shape)) * mult.get(name, 0)
+            op_name = (OP_NAME.search(line) or [None, ""])[1]
+            b = (_first_array_bytes(shape) if dcn_send else shape_bytes(shape)) * mult.get(name, 0)
             if base == "collective-permute":
                 pairs = _PAIRS.search(line)
                 n_pairs = pairs.group(1).count("{") if pairs else replicas

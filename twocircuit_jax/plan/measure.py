@@ -13,8 +13,8 @@ import re
 
 import jax
 
-from twocircuit_jax.fast.bytes import COLLECTIVE_KINDS, _shape_bytes, collective_bytes_from_hlo
-from twocircuit_jax.fast.hlo_bytes import _INSTR, _OP_NAME, PARTS, _computations, memory_bytes, staged_bytes
+from twocircuit_jax.fast.bytes import COLLECTIVE_KINDS, collective_bytes_from_hlo, shape_bytes
+from twocircuit_jax.fast.hlo_bytes import INSTR, OP_NAME, PARTS, computations, memory_bytes, staged_bytes
 
 # Results that are no buffer of their own (views, tuples of other buffers, the inputs themselves); a while/call/
 # conditional returns its body's buffers, which are listed where the body makes them.
@@ -28,10 +28,6 @@ def lower_program(jitted, args, platform: str):
     compile options the wrapper adds on a CPU host are no TPU options."""
     fn = getattr(jitted, "wrapped", jitted) if platform != "cpu" else jitted
     return fn.lower(*args)
-
-
-def compile_program(jitted, args, platform: str):
-    return lower_program(jitted, args, platform).compile()
 
 
 def leaf_bytes(x, sharding, replicas: int) -> float:
@@ -77,7 +73,7 @@ def _buffer_bytes(shape: str, first_only: bool = False) -> tuple:
             break
         sp = _SPACE.search(layout or "")
         spaces.add("hbm" if not sp or sp.group(1) == "0" else f"S({sp.group(1)})")
-        total += _shape_bytes(f"{dt}[{dims}]")
+        total += shape_bytes(f"{dt}[{dims}]")
     return total, ",".join(sorted(spaces))
 
 
@@ -85,7 +81,7 @@ def largest_buffers(hlo_text: str, k: int = 5) -> list:
     """The `k` biggest instruction results of the compiled program, outside fusion bodies (what a fusion computes
     inside stays in registers/VMEM; its result is the buffer): [{name, op, shape, bytes, space, source}], source
     being the jax operation that made it (op_name metadata)."""
-    comps, _ = _computations(hlo_text)
+    comps, _ = computations(hlo_text)
     fused = set()
     for lines in comps.values():
         for line in lines:
@@ -96,12 +92,12 @@ def largest_buffers(hlo_text: str, k: int = 5) -> list:
         if cname in fused:
             continue
         for line in lines:
-            m = _INSTR.match(line)
+            m = INSTR.match(line)
             if not m or m.group(3) in _NOT_BUFFERS:
                 continue
             b, space = _buffer_bytes(m.group(2), first_only=m.group(3) == "copy-start")
             if b:
-                src = (_OP_NAME.search(line) or [None, ""])[1]
+                src = (OP_NAME.search(line) or [None, ""])[1]
                 shape = re.sub(r"\{[^}]*\}", "", m.group(2))  # dtype[dims] without the layouts
                 rows.append(
                     {"name": m.group(1), "op": m.group(3), "shape": shape, "bytes": b, "space": space, "source": src}
