@@ -35,7 +35,7 @@ def test_only_fires_publish_a_basis(tmp_path, monkeypatch):
     p = tmp_path / "cfg.yaml"
     p.write_text(yaml.safe_dump(CFG))
     assert main(["train", "--config", str(p), "--out", str(tmp_path / "run"), "--no-progress"]) == 0
-    assert seen["t"].codec.owns_basis is False  # the fast path never sketches or refreshes
+    assert seen["t"].built.fast.owns_basis is False  # the fast path never sketches or refreshes
     rows = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")][1:]
     fires = [int(r["anchor/fire"]) for r in rows]
     assert fires == [0, 1, 0, 1, 0]  # cadence 4 ticks, 2 ticks per step
