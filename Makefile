@@ -15,7 +15,7 @@ $(VENV)/.stamp-base:
 	$(VPY) -m pip install -q -e .
 	touch $@
 
-$(VENV)/.stamp-test: $(VENV)/.stamp-base
+$(VENV)/.stamp-test: $(VENV)/.stamp-base pyproject.toml
 	$(VPY) -m pip install -q -e ".[test,$(VLLM_EXTRA)]"
 	# vllm pulls torchvision, torchaudio and torchcodec builds whose operators do not match this torch; they break `import transformers`.
 	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
@@ -36,16 +36,18 @@ lint: $(VENV)/.stamp-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# The suite in 8 pytest processes, 2 at a time, lighter towards the end (TWOCIRCUIT_TEST_JOBS=N to change); test-fast skips the end-to-end
-# tests (marked slow). Both compile at XLA's LLVM optimisation level 0 (scripts/run_tests.py, xla_env): the suite is
-# dominated by compiles of small programs that run a few times, so compiling faster beats running faster (889-929 s
-# against ~1190 s of pytest here). Same HLO, same numerics checks; set XLA_FLAGS=--xla_backend_optimization_level=2
-# (or any level) to test at another.
+# The suite under pytest-xdist: TEST_JOBS worker processes (2, the cores of the reference machine; `make test
+# TEST_JOBS=auto` uses every core), each test module one unit of work, the vLLM engine tests together in one worker
+# (tests/conftest.py holds the groups, the fake devices, the compile cache and LLVM level 0). test-fast skips the
+# end-to-end tests (marked slow). --durations lists the slowest tests of the run.
+TEST_JOBS ?= 2
+PYTEST := $(VPY) -m pytest -q -n $(TEST_JOBS) --dist loadgroup
+
 test: lint
-	$(VPY) scripts/run_tests.py
+	$(PYTEST) --durations=25
 
 test-fast: lint
-	$(VPY) scripts/run_tests.py -m "not slow"
+	$(PYTEST) -m "not slow"
 
 clean-venv:
 	rm -rf $(VENV)

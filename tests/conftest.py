@@ -1,8 +1,34 @@
-"""Test-session setup. The fake device count is set here, once, before jax is imported anywhere."""
+"""Test-session setup, the same under plain pytest and under `make test` (pytest-xdist, `-n 2 --dist loadgroup`).
+
+Set here, once, before jax is imported anywhere, and inherited by xdist's workers and by every child process a test
+starts: 8 simulated CPU devices, XLA's LLVM optimisation level 0, and one JAX persistent compilation cache per run.
+The groups of pytest_collection_modifyitems decide which tests share a worker."""
 
 import os
+import shutil
+import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# 8 fake devices, and LLVM optimisation level 0 unless XLA_FLAGS sets a level: the suite is dominated by compiles of
+# small programs that run a few times, so compiling faster beats running faster (on the 2-core machine 889-929 s of
+# pytest at level 0 against 1183-1192 s at the default level, every test passing at both: the same HLO, only LLVM's
+# machine-code optimisation differs). Benchmarks, demos and runs compile at level 1 on CPU (parallel/dispatch.py).
+_flags = os.environ.get("XLA_FLAGS", "")
+if "--xla_force_host_platform_device_count" not in _flags:
+    _flags += " --xla_force_host_platform_device_count=8"
+if "--xla_backend_optimization_level" not in _flags:
+    _flags += " --xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = _flags.strip()
+# JAX's persistent compilation cache: dozens of tests build trainers of the same tiny models, and each build
+# jit-compiles the same programs again; the cache turns the repeats into a file read (three end-to-end files: 155 s
+# -> 97 s). The first process to import this file (pytest's controller under xdist) makes a fresh folder; the workers
+# and child processes inherit it through the environment, so one run shares one cache. Every entry is kept, however
+# small or quick to compile. A JAX_COMPILATION_CACHE_DIR set by the caller is used as is and never removed.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="twocircuit-jax-cache-")
+    os.environ["TWOCIRCUIT_TEST_CACHE_OWNER"] = str(os.getpid())
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # XLA:CPU's device pool has max(cores, devices) threads; two multi-device programs with collectives in flight at once
 # can fill it with threads waiting at each other's rendezvous (an abort after 40 s). The project's own programs never
@@ -34,3 +60,51 @@ def chain_sum_base(tmp_path_factory):
 
     out = str(tmp_path_factory.mktemp("chain_sum_base") / "base")
     return out, shared_bases.build(out)
+
+
+# --- which tests share an xdist worker (`make test`: `--dist loadgroup`) ---
+# A whole module is one unit, so its module-scoped fixtures are built once. The modules whose tests start a vLLM
+# engine (marked `vllm`) are one unit: two engines at once would take several GiB and both cores. The users of the
+# session fixture chain_sum_base are one unit, so the base is trained once. xdist hands the units out largest first
+# to whichever worker is nearly idle.
+VLLM_GROUP = "vllm"
+BASE_GROUP = "chain_sum_base"
+
+
+def module_groups(items) -> dict[str, str]:
+    """{module path: its xdist group} for the collected `items`."""
+    groups: dict[str, str] = {}
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        if item.get_closest_marker("vllm"):
+            groups[path] = VLLM_GROUP
+        elif BASE_GROUP in getattr(item, "fixturenames", ()) and groups.get(path) != VLLM_GROUP:
+            groups[path] = BASE_GROUP
+        else:
+            groups.setdefault(path, path)
+    return groups
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which appends the group to each test's id
+def pytest_collection_modifyitems(config, items):
+    groups = module_groups(items)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid.split("::")[0]]))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+    """A worker runs dozens of modules; each end-to-end test leaves compiled executables in JAX's in-memory caches,
+    and a process holding all of them grows without bound. Dropped after each module (a repeat compile is a read
+    from the persistent cache)."""
+    yield
+    import gc
+
+    jax.clear_caches()
+    gc.collect()
+
+
+def pytest_unconfigure(config):
+    """The run's compilation cache is removed by the process that made it (the controller under xdist)."""
+    if _OWN_CACHE and os.environ.get("TWOCIRCUIT_TEST_CACHE_OWNER") == str(os.getpid()):
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)

@@ -1,7 +1,7 @@
 """A small SFT'd base on 1-digit chain_sum (held-out accuracy ~0.25), shared by the tests that need a policy with
 something to lose or to win: the collapse guard's runs (test_guard.py) and the benchmark suite's trained checkpoint
 (test_eval_suite.py). Built once per pytest process by conftest's session fixture `chain_sum_base` (~20 s of CPU:
-300 SFT steps), read-only for its users; scripts/run_tests.py TOGETHER keeps both files in one process."""
+300 SFT steps), read-only for its users; tests/conftest.py puts both files in one xdist group."""
 
 from tiny_run import tiny_config
 

@@ -132,7 +132,7 @@ def narrow_batch(n_keys: int = 2):
 
 def with_device_count(n: int) -> str:
     """This session's XLA_FLAGS with the fake device count set to n, for a child process: the other flags (the
-    suite's LLVM optimisation level 0, scripts/run_tests.py) stay, so the child compiles as fast as the suite."""
+    suite's LLVM optimisation level 0, tests/conftest.py) stay, so the child compiles as fast as the suite."""
     import os
     import re
 
