@@ -36,7 +36,7 @@ def shard_rows(fn, mesh, n_row_args: int, axes=BATCH_AXES):
         if n % split:
             raise ValueError(
                 f"kernel rows: {n} rows do not split over the {split}-way batch axes {axes}; the "
-                f"rollout rows (train.mini_batch * sampler.n) and the sequence length set this"
+                f"rollout rows (train.prompts_per_update * sampler.n) and the sequence length set this"
             )
         in_specs = tuple(jax.tree.map(lambda _: P(axes), a) for a in args[:n_row_args])
         in_specs += tuple(jax.tree.map(lambda _: P(), a) for a in args[n_row_args:])

@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     run_dir = args.out or os.path.join("runs", time.strftime(f"agentic-{args.backend}-%Y%m%d-%H%M%S"))
     cfg = load_config("configs/agentic_demo.yaml", [f"sampler.backend={args.backend}"])
     print(
-        f"[agentic] multi-turn GRPO ({args.backend} sampler): {cfg.train.steps} steps x {cfg.train.train_batch} "
+        f"[agentic] multi-turn GRPO ({args.backend} sampler): {cfg.train.steps} steps x {cfg.train.prompts_per_step} "
         f"problems x {cfg.sampler.n} trajectories, up to {cfg.env.max_turns} turns -> {run_dir}"
     )
     summary = GRPOTrainer(cfg, run_dir).run()

@@ -76,7 +76,7 @@ def main(argv=None):
                 "projection": {"enabled": False},
                 "swap": {"cadence": 1},
             },
-            "train": {"train_batch": 2, "mini_batch": 1},
+            "train": {"prompts_per_step": 2, "prompts_per_update": 1},
         }
     )
     mesh = pmesh.make_mesh(cfg.mesh)

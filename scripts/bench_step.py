@@ -109,8 +109,8 @@ def _peer_setting(steps: int) -> dict:
         "anchor": {"enabled": False},
         "train": {
             "steps": steps,
-            "train_batch": 8,
-            "mini_batch": 8,
+            "prompts_per_step": 8,
+            "prompts_per_update": 8,
             "ppo_epochs": 1,
             "max_prompt_len": 16,
             "eval_every": 0,

@@ -92,8 +92,8 @@ def tiny_config(steps: int, cache: str, sampler: str = "jax") -> dict:
         "fast": {"pp_size": 2},
         "train": {
             "steps": steps,
-            "train_batch": 4,
-            "mini_batch": 2,
+            "prompts_per_step": 4,
+            "prompts_per_update": 2,
             "eval_every": 3,
             "eval_size": 8,
             "max_prompt_len": 16,

@@ -77,7 +77,7 @@ def _measure(cfg, devices) -> dict:
     from twocircuit_jax.boundaries import boundary_layers
 
     b = boundary_layers(model_cfg.num_layers, cfg.fast.pp_size)
-    rows = cfg.train.mini_batch * cfg.sampler.n // pmesh.dp_size(mesh)  # per replica, like the HLO bytes
+    rows = cfg.train.prompts_per_update * cfg.sampler.n // pmesh.dp_size(mesh)  # per replica, like the HLO bytes
     tokens = rows * (cfg.train.max_prompt_len + cfg.sampler.sampling.max_new_tokens)
     act = (
         fbytes.activation_bytes(cfg.fast.codec, tokens=tokens, hidden=model_cfg.hidden_size, boundaries=b)

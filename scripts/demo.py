@@ -25,7 +25,7 @@ def main() -> int:
     run_dir = os.path.join("runs", time.strftime("demo-%Y%m%d-%H%M%S"))
     cfg = load_config("configs/demo.yaml")
     print(
-        f"[demo] dense GRPO: {cfg.train.steps} steps x {cfg.train.train_batch} prompts x {cfg.sampler.n} samples "
+        f"[demo] dense GRPO: {cfg.train.steps} steps x {cfg.train.prompts_per_step} prompts x {cfg.sampler.n} samples "
         f"-> {run_dir}"
     )
     summary = GRPOTrainer(cfg, run_dir).run()

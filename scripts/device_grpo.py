@@ -55,7 +55,7 @@ def run_config(steps: int, backend: str, smoke: bool) -> dict:
         "sampler": {"backend": backend, "n": 4, "sampling": {"max_new_tokens": new_tokens},
                     "gpu_memory_utilization": 0.3, "startup_timeout_s": 300},
         "fast": fast,
-        "train": {"steps": steps, "train_batch": batch, "mini_batch": batch, "eval_every": 0, "eval_size": 8,
+        "train": {"steps": steps, "prompts_per_step": batch, "prompts_per_update": batch, "eval_every": 0, "eval_size": 8,
                   "max_prompt_len": prompt, "checkpoint_every": 0},
     }  # fmt: skip
 

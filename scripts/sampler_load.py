@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     run_cfg = load_config(
         data={
             "sampler": {"backend": "vllm", "n": 2, "sampling": {"max_new_tokens": 8}, "stall_timeout_s": 60},
-            "train": {"train_batch": 4, "mini_batch": 4, "max_prompt_len": 16, "eval_size": 8},
+            "train": {"prompts_per_step": 4, "prompts_per_update": 4, "max_prompt_len": 16, "eval_size": 8},
         }
     )
     limits = limits_for_run(run_cfg)

@@ -21,7 +21,14 @@ def agentic_config(base: str = "", **sections) -> dict:
         model={"hidden_size": 64, "head_dim": 32, "intermediate_size": 96, "max_position_embeddings": 64},
         env=GUESS,
         sampler={"n": 4, "sampling": {"max_new_tokens": 3}},
-        train={"steps": 4, "train_batch": 4, "mini_batch": 2, "eval_every": 2, "eval_size": 8, "max_prompt_len": 24},
+        train={
+            "steps": 4,
+            "prompts_per_step": 4,
+            "prompts_per_update": 2,
+            "eval_every": 2,
+            "eval_size": 8,
+            "max_prompt_len": 24,
+        },
         sft={"steps": 150, "batch": 64, "lr": 3e-3, "warmup_steps": 10, "max_len": 27, "eval_every": 150},
     )
     for name, value in sections.items():

@@ -30,7 +30,14 @@ TINY = {
     "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
     "fast": {"pp_size": 2},
     "anchor": {"enabled": True, "cadence": 4, "delay": 4, "projection": {"window": 2}, "swap": {"cadence": 2}},
-    "train": {"steps": 6, "train_batch": 4, "mini_batch": 2, "eval_every": 0, "eval_size": 8, "max_prompt_len": 16},
+    "train": {
+        "steps": 6,
+        "prompts_per_step": 4,
+        "prompts_per_update": 2,
+        "eval_every": 0,
+        "eval_size": 8,
+        "max_prompt_len": 16,
+    },
 }
 
 

@@ -37,7 +37,13 @@ def fired():
             "grpo": {"kl_coef": 0.01, "tis": "token", "tis_cap": 2.0},
             "fast": {"codec": {"type": "prf_mask", "p": 0.9}, "pp_size": 2},
             "anchor": {"enabled": True, "cadence": 2, "delay": 2, "projection": {"enabled": False, "window": 2}},
-            "train": {"steps": 2, "train_batch": 4, "mini_batch": 2, "eval_every": 0, "max_prompt_len": T - NEW},
+            "train": {
+                "steps": 2,
+                "prompts_per_step": 4,
+                "prompts_per_update": 2,
+                "eval_every": 0,
+                "max_prompt_len": T - NEW,
+            },
         }
     )
     mesh = pmesh.make_mesh(cfg.mesh)

@@ -150,7 +150,7 @@ def _grpo_cfg(mesh: dict, chunk: int):
             "sampler": {"n": 4},
             "fast": {"pp_size": 4},
             "anchor": {"enabled": False},
-            "train": {"train_batch": 4, "mini_batch": 4, "max_prompt_len": 6},
+            "train": {"prompts_per_step": 4, "prompts_per_update": 4, "max_prompt_len": 6},
         }
     )
 

@@ -69,7 +69,7 @@ def test_train_and_plan_write_no_tpu_runtime_lines(tmp_path):
     if not HAS_LIBTPU:
         pytest.skip("libtpu is not installed (the test extras install it): nothing could write these lines")
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(yaml.safe_dump(tiny_config(train={"steps": 1, "mini_batch": 4})))
+    cfg.write_text(yaml.safe_dump(tiny_config(train={"steps": 1, "prompts_per_update": 4})))
     _clean(_cli("train", "--config", str(cfg), "--out", str(tmp_path / "run"), "--no-progress"))
     plan = _cli("plan", "--config", str(cfg), "--topology", "tpu:v5e-4")
     _clean(plan)

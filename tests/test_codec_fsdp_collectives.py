@@ -51,7 +51,7 @@ CONFIG = {
         "grad_codec": {"type": "powersgd", "rank": 2, "start_after": 0, "compress_embeddings": True},
     },
     "anchor": {"enabled": False},
-    "train": {"train_batch": 4, "mini_batch": 4, "max_prompt_len": 8, "micro_batch_per_device": 1},
+    "train": {"prompts_per_step": 4, "prompts_per_update": 4, "max_prompt_len": 8, "micro_batch_per_device": 1},
 }
 
 

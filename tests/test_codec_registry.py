@@ -67,7 +67,7 @@ def _cfg(**fast):  # the narrow run of tiny_run, with kl off (no reference pass 
             "sampler": {"n": 4},
             "grpo": {"kl_coef": 0.0},
             "fast": {"pp_size": 4, **fast},
-            "train": {"train_batch": 4, "mini_batch": 4, "max_prompt_len": T - NEW},
+            "train": {"prompts_per_step": 4, "prompts_per_update": 4, "max_prompt_len": T - NEW},
         }
     )
 

@@ -67,7 +67,10 @@ def test_powersgd_hlo_bytes_match_formula(comm_bytes, capsys):
     # the HLO also carries the loss's few scalar reductions (same on both sides): allow 1 KiB of slack. One tick per
     # step, so the train forward is the ℓ_old pass (step/programs.py fuses_old_pass): under PowerSGD its diagnostics
     # gather their inputs over the replicas, five fp32 [rows, T] arrays and the bool `truncated` per replica.
-    rows, T = cfg.train.mini_batch * cfg.sampler.n // 2, cfg.train.max_prompt_len + cfg.sampler.sampling.max_new_tokens
+    rows, T = (
+        cfg.train.prompts_per_update * cfg.sampler.n // 2,
+        cfg.train.max_prompt_len + cfg.sampler.sampling.max_new_tokens,
+    )
     diag = 5 * rows * T * 4 + rows
     assert abs(hlo["config"] - formula["comm/bytes_compressed"] - diag) < 1024, (hlo, formula, diag)
     # XLA's implicit mean reduces the tied embedding's two gradient parts (lookup, LM head) separately before
@@ -116,7 +119,7 @@ def test_staged_powersgd_counts_its_steady_state(comm_bytes, capsys, tmp_path):
         "sampler": {"n": 4},
         "fast": {"pp_size": 2, "grad_codec": {"type": "powersgd", "rank": 2}},
         "anchor": {"enabled": False},
-        "train": {"train_batch": 4, "mini_batch": 4, "max_prompt_len": 6},
+        "train": {"prompts_per_step": 4, "prompts_per_update": 4, "max_prompt_len": 6},
     }
     path = tmp_path / "staged.yaml"
     path.write_text(yaml.safe_dump(cfg))

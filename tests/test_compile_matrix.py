@@ -52,7 +52,7 @@ def config(act, grad, anchor, mesh, kl=0.0):
             "grpo": {"kl_coef": kl},
             "fast": {"pp_size": 2, "codec": ACT[act], "grad_codec": GRAD[grad]},
             "anchor": {"enabled": anchor, "cadence": 2, "delay": 2, "projection": {"enabled": False}},
-            "train": {"train_batch": 4, "mini_batch": 4, "max_prompt_len": 4},
+            "train": {"prompts_per_step": 4, "prompts_per_update": 4, "max_prompt_len": 4},
         }
     )
 

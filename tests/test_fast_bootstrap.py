@@ -25,7 +25,14 @@ TINY = {
     "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 32, "eval_size": 8},
     "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
     "fast": {"codec": {"type": "lowrank", "rank": 3}, "pp_size": 2},
-    "train": {"steps": 1, "train_batch": 4, "mini_batch": 4, "eval_every": 0, "eval_size": 8, "max_prompt_len": 16},
+    "train": {
+        "steps": 1,
+        "prompts_per_step": 4,
+        "prompts_per_update": 4,
+        "eval_every": 0,
+        "eval_size": 8,
+        "max_prompt_len": 16,
+    },
 }
 
 

@@ -19,7 +19,7 @@ TINY = {
     "model": dict(FOUR_BLOCK_MODEL),
     "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
     "fast": {"codec": "prf_mask", "pp_size": 4},
-    "train": {"train_batch": 4, "mini_batch": 2, "max_prompt_len": 12},
+    "train": {"prompts_per_step": 4, "prompts_per_update": 2, "max_prompt_len": 12},
 }
 
 
@@ -174,7 +174,7 @@ def test_step_bytes_match_formulas(mesh, fast):
     if grad is not None:
         grad = grad._replace(step=jnp.asarray(5, jnp.int32))
     _, m = c.end_step(st, 1, grad)
-    ticks = 2  # train_batch 4 / mini_batch 2
+    ticks = 2  # prompts_per_step 4 / prompts_per_update 2
     tokens = 2 * 4 * (12 + 4) // 8  # per replica: a replica's share of the mini-batch
     act = fbytes.activation_bytes(c.fcfg.codec, tokens=tokens, hidden=32, boundaries=(0, 1, 2))
     grad = fbytes.grad_allreduce_bytes(params, c.fcfg.grad_codec)

@@ -18,7 +18,7 @@ CFG = tiny_config(
     model={"num_layers": 4},
     task={"train_size": 32},
     fast={"pp_size": 4, "codec": {"type": "prf_mask", "p": 0.95}},
-    train={"steps": 1, "train_batch": 2, "checkpoint_every": 0},
+    train={"steps": 1, "prompts_per_step": 2, "checkpoint_every": 0},
 )
 
 

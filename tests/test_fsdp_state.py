@@ -256,7 +256,11 @@ def test_rollout_ahead_held_compactly_and_counted():
     from twocircuit_jax.train.rollout_ahead import RolloutAhead, host_bytes
 
     cfg = load_config(data=tiny_config(train={"async_rollouts": 1}))
-    rows, Tp, Tn = cfg.train.train_batch * cfg.sampler.n, cfg.train.max_prompt_len, cfg.sampler.sampling.max_new_tokens
+    rows, Tp, Tn = (
+        cfg.train.prompts_per_step * cfg.sampler.n,
+        cfg.train.max_prompt_len,
+        cfg.sampler.sampling.max_new_tokens,
+    )
     rng = np.random.default_rng(0)
     resp = [list(rng.integers(3, 50, rng.integers(1, Tn + 1))) for _ in range(rows)]
     batch = pack_rows([[5, 6, 7]] * rows, resp, [list(-rng.random(len(r))) for r in resp], [False] * rows, Tp, Tn, 0)

@@ -101,11 +101,11 @@ def test_exact_resume_after_interrupt(three_steps, monkeypatch):
 
 @pytest.mark.slow
 def test_bad_config_exits_2_and_writes_nothing(tmp_path, capsys):
-    bad = dict(TINY, train=dict(TINY["train"], mini_batch=3))
+    bad = dict(TINY, train=dict(TINY["train"], prompts_per_update=3))
     out = tmp_path / "runs" / "x"
     assert main(["train", "--config", write_cfg(tmp_path, bad), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "train.mini_batch" in err[0] and "cfg.yaml" in err[0]
+    assert len(err) == 1 and "train.prompts_per_update" in err[0] and "cfg.yaml" in err[0]
     assert not out.exists()
     assert main(["train", "--config", write_cfg(tmp_path), "--out", str(out), "--set", "grpo.tis=maybe"]) == 2
     assert "grpo.tis" in capsys.readouterr().err

@@ -31,7 +31,7 @@ def _cfg(base: str, guard: bool, steps: int = STEPS, action: str = "rollback"):
         },
         sampler={"n": 8, "sampling": {"max_new_tokens": 6}},
         optim={"lr": 1e-3},
-        train={"steps": steps, "train_batch": 8, "mini_batch": 8, "eval_every": 2, "eval_size": 64},
+        train={"steps": steps, "prompts_per_step": 8, "prompts_per_update": 8, "eval_every": 2, "eval_size": 64},
         health={"smooth": 2, "baseline_steps": 3, "window": 4},
         guard={"enabled": guard, "action": action, "patience": 1, "max_rollbacks": 2, "mitigations": ["kl", "tis"]},
     )

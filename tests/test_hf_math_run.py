@@ -47,7 +47,14 @@ def test_train_from_hf_dir_on_math_files(tmp_path):
             "prompt_template": "{question} \\boxed{",
         },
         "sampler": {"n": 2, "sampling": {"max_new_tokens": 4}},
-        "train": {"steps": 1, "train_batch": 4, "mini_batch": 4, "eval_every": 1, "eval_size": 4, "max_prompt_len": 32},
+        "train": {
+            "steps": 1,
+            "prompts_per_step": 4,
+            "prompts_per_update": 4,
+            "eval_every": 1,
+            "eval_size": 4,
+            "max_prompt_len": 32,
+        },
     }
     p = tmp_path / "cfg.yaml"
     p.write_text(yaml.safe_dump(cfg))

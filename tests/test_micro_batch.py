@@ -185,7 +185,7 @@ def test_micro_batch_zero_is_todays_program(data):
 
 
 def test_bad_micro_batch_is_a_config_error():
-    cfg = _cfg()  # mini_batch 4 x n 4 = 16 rows
+    cfg = _cfg()  # prompts_per_update 4 x n 4 = 16 rows
     assert micro_batch.check(cfg, 8) == 0
     assert (
         micro_batch.check(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_per_device=2)), 8)
@@ -208,6 +208,13 @@ def test_bad_micro_batch_is_a_config_error():
         load_config(data={"train": {"micro_batch": 2}})  # the old name, one letter from the pipeline's microbatches
     with pytest.raises(ConfigError, match=r"write train\.pipeline_microbatches instead"):
         load_config(data={"train": {"microbatches": 2}})
+    # The two batch sizes count prompts; their old names read as row counts.
+    with pytest.raises(ConfigError, match=r"train\.train_batch: a key of older configs; write train\.prompts_per_step"):
+        load_config(data={"train": {"train_batch": 8}})
+    with pytest.raises(
+        ConfigError, match=r"train\.mini_batch: a key of older configs; write train\.prompts_per_update"
+    ):
+        load_config(data={"train": {"mini_batch": 4}})
 
 
 def test_logp_pass_over_micro_batches_equals_whole(data):

@@ -1,4 +1,4 @@
-"""One tick per step (train_batch = mini_batch, one epoch): the train forward is the old-log-prob pass. The loss
+"""One tick per step (prompts_per_step = prompts_per_update, one epoch): the train forward is the old-log-prob pass. The loss
 then computes ℓ_old, the TIS weights and the step's diagnostics itself, and must give what the separate passes
 give; the loop compiles and runs no separate ℓ_old forward or diagnostics program."""
 
@@ -101,7 +101,7 @@ def test_fused_diagnostics_per_replica_are_the_global_ones():
 
 CFG = tiny_config(
     grpo={"kl_coef": 0.0},
-    train={"steps": 2, "train_batch": 4, "mini_batch": 4, "eval_every": 0, "final_checkpoint": False},
+    train={"steps": 2, "prompts_per_step": 4, "prompts_per_update": 4, "eval_every": 0, "final_checkpoint": False},
     eval={"at_start": False, "at_end": False},
 )
 

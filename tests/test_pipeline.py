@@ -37,7 +37,12 @@ def run_cfg(mesh: dict, layers: int = 4, microbatches: int = 0, **fast):
             "sampler": {"n": 4},
             "fast": fast_section(**{"pp_size": 4, **fast}),
             "anchor": {"enabled": False},
-            "train": {"train_batch": 4, "mini_batch": 4, "max_prompt_len": 6, "pipeline_microbatches": microbatches},
+            "train": {
+                "prompts_per_step": 4,
+                "prompts_per_update": 4,
+                "max_prompt_len": 6,
+                "pipeline_microbatches": microbatches,
+            },
         }
     )
 

@@ -59,7 +59,7 @@ def test_staged_loop_compiles_each_pass_once(straight):
     # carries r = 3 fp32 coefficients per token of a replica's microbatch, forward and back, at each of the
     # M + S - 1 = 3 ticks (bubble ticks send too), for each of the step's mini-batches.
     cfg = trainer.built.cfg
-    mb_rows = cfg.train.mini_batch * cfg.sampler.n // 2 // 4  # M = 2 microbatches over 4 data replicas
+    mb_rows = cfg.train.prompts_per_update * cfg.sampler.n // 2 // 4  # M = 2 microbatches over 4 data replicas
     tokens = mb_rows * (cfg.train.max_prompt_len + cfg.sampler.sampling.max_new_tokens)
     want = 3 * tokens * 3 * 4 * cfg.ticks_per_step
     assert rows[-1]["comm/hlo/boundary_fwd"] == rows[-1]["comm/hlo/boundary_bwd"] == want, (rows[-1], want)

@@ -147,7 +147,7 @@ def test_huge_vocab_does_not_fit_and_names_the_largest_buffer(capsys, tmp_path):
     # vocabulary would only add a long compile to a check of the train step.
     V = 9_000_000
     rc, out, err = plan(
-        capsys, "tpu:v5e-8", f"model.vocab_size={V}", "train.train_batch=64", "train.mini_batch=64",
+        capsys, "tpu:v5e-8", f"model.vocab_size={V}", "train.prompts_per_step=64", "train.prompts_per_update=64",
         "fast.codec=none", "model.num_layers=1", "sampler.backend=vllm", json_path=tmp_path / "p.json",
         chip="h100-80gb",
     )  # fmt: skip
@@ -170,7 +170,7 @@ def test_a_generation_that_cannot_fit_does_not_fit_and_names_its_buffer(capsys, 
     rc, out, err = plan(
         capsys, "tpu:v5e-8", "model.num_layers=1", "fast.pp_size=1", "fast.codec=none", "grpo.kl_coef=0",
         "model.num_heads=16", "model.num_kv_heads=16", "model.head_dim=128", "sampler.sampling.max_new_tokens=2048",
-        "train.train_batch=1024", "train.mini_batch=1024", "train.micro_batch_per_device=1", "sampler.max_rows_per_call=4096",
+        "train.prompts_per_step=1024", "train.prompts_per_update=1024", "train.micro_batch_per_device=1", "sampler.max_rows_per_call=4096",
         json_path=tmp_path / "p.json",
     )  # fmt: skip
     assert rc == 1, err

@@ -33,7 +33,7 @@ def toy_cfg():
     model.update(intermediate_size=16, eos_token_id=2, pad_token_id=0)
     s = dict(n=4, sampling=dict(max_new_tokens=4), gpu_memory_utilization=0.5, dtype="bfloat16")
     return load_config(
-        data={"model": model, "sampler": s, "train": dict(train_batch=3, mini_batch=3, max_prompt_len=6)}
+        data={"model": model, "sampler": s, "train": dict(prompts_per_step=3, prompts_per_update=3, max_prompt_len=6)}
     )
 
 

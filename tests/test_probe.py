@@ -20,8 +20,8 @@ CFG = {
     "fast": {"codec": {"type": "prf_mask", "p": 0.75}, "pp_size": 2},
     "train": {
         "steps": 3,
-        "train_batch": 4,
-        "mini_batch": 4,
+        "prompts_per_step": 4,
+        "prompts_per_update": 4,
         "eval_every": 0,
         "eval_size": 8,
         "max_prompt_len": 16,

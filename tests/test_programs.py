@@ -91,7 +91,7 @@ CASES = {
     "fused_powersgd": dict(
         grpo={"kl_coef": 0.0},
         fast={"grad_codec": {"type": "powersgd", "rank": 2, "start_after": 0}},
-        train={"mini_batch": 4},
+        train={"prompts_per_update": 4},
     ),
 }
 

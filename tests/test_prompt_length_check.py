@@ -28,7 +28,7 @@ def test_a_too_long_row_exits_2_at_start_naming_it(tmp_path, capsys, split):
         "eval_files": [files["eval"]],
         "prompt_template": "{question}=",
     }
-    cfg = tiny_config(name="t", train={"steps": 2, "train_batch": 2, "eval_size": 8, "max_prompt_len": 16})
+    cfg = tiny_config(name="t", train={"steps": 2, "prompts_per_step": 2, "eval_size": 8, "max_prompt_len": 16})
     cfg["task"] = task
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))

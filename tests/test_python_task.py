@@ -139,7 +139,7 @@ def test_trainer_with_a_user_reward_on_a_datasets_Dataset(tmp_path):
     seen = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(seen) == 3  # evaluation at the start and the end (one call per held-out chunk), the rollouts
     prompts, answer, level, n = seen[1]
-    assert n == 4 * 4 == len(prompts) == len(answer) == len(level)  # train_batch prompts x sampler.n
+    assert n == 4 * 4 == len(prompts) == len(answer) == len(level)  # prompts_per_step x sampler.n
     assert all(str(int(p.split("+")[0]) + 1) == a for p, a in zip(prompts, answer))
     tr.close()
     saved = yaml.safe_load(open(tmp_path / "r" / "config.yaml"))["task"]

@@ -33,8 +33,8 @@ SMALL = [
     "model.max_position_embeddings=64",
     "model.logits_chunk=16",
     "fast.pp_size=2",
-    "train.train_batch=8",
-    "train.mini_batch=4",
+    "train.prompts_per_step=8",
+    "train.prompts_per_update=4",
     "train.max_prompt_len=16",
     "sampler.sampling.max_new_tokens=16",
 ]

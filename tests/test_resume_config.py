@@ -29,9 +29,11 @@ def test_which_changes_are_allowed():
     ch = _changes(**{"train.steps": 9, "train.checkpoint_every": 3, "train.eval_every": 2, "sampler.port": 9000})
     assert set(ch) == {"train.steps", "train.checkpoint_every", "train.eval_every", "sampler.port"}
     assert all(ok for _, _, ok in ch.values())
-    ch = _changes(**{"optim.lr": 0.5, "train.seed": 7, "train.train_batch": 8, "sampler.sampling.max_new_tokens": 6})
+    ch = _changes(
+        **{"optim.lr": 0.5, "train.seed": 7, "train.prompts_per_step": 8, "sampler.sampling.max_new_tokens": 6}
+    )
     assert ch["optim.lr"] == (0.001, 0.5, False) and ch["train.seed"][2] is False
-    assert not ch["train.train_batch"][2] and not ch["sampler.sampling.max_new_tokens"][2]
+    assert not ch["train.prompts_per_step"][2] and not ch["sampler.sampling.max_new_tokens"][2]
     assert _changes(**{"health.window": 4})["health.window"][2] is True  # guard off: the gauges only report
     assert _changes(**{"health.window": 4, "guard.enabled": "true"})["health.window"][2] is False
     # a config written before a field existed compares that field at its default: no change
@@ -83,5 +85,7 @@ def test_a_renamed_key_is_named_with_its_new_name():
 
     assert renamed_note("train.micro_batch") == " (renamed: train.micro_batch_per_device)"
     assert renamed_note("train.microbatches") == " (renamed: train.pipeline_microbatches)"
+    assert renamed_note("train.train_batch") == " (renamed: train.prompts_per_step)"
+    assert renamed_note("train.mini_batch") == " (renamed: train.prompts_per_update)"
     assert renamed_note("anchor.gate_decay") == " (renamed: anchor.merger.decay)"
     assert renamed_note("train.steps") == "" and renamed_note("nothing.here") == ""

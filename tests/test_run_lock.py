@@ -76,7 +76,7 @@ def test_a_trainer_that_fails_to_build_releases_the_folder(tmp_path):
     from twocircuit_jax.train.loop import GRPOTrainer
 
     run = tmp_path / "run"
-    cfg = tiny_config(train={"steps": 1, "train_batch": 3, "mini_batch": 3}, sampler={"n": 1})
+    cfg = tiny_config(train={"steps": 1, "prompts_per_step": 3, "prompts_per_update": 3}, sampler={"n": 1})
     with pytest.raises(ConfigError, match="data-parallel size"):
         GRPOTrainer(cfg, str(run), show_progress=False)
     assert os.path.realpath(run) not in faults._held

@@ -192,7 +192,7 @@ def test_a_training_step_completes_with_a_reward_function_that_never_returns(tmp
     data = tiny_config(
         task={"type": "python", "reward_timeout_s": 0.5, "max_reward_failure_frac": 1.0},
         eval={"at_start": False, "at_end": False},
-        train={"steps": 1, "train_batch": 2, "eval_every": 0},
+        train={"steps": 1, "prompts_per_step": 2, "eval_every": 0},
     )
     data["task"] = {"type": "python", "reward_timeout_s": 0.5, "max_reward_failure_frac": 1.0}
     run = str(tmp_path / "run")

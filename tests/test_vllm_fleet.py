@@ -197,7 +197,9 @@ def test_endpoint_engine_started_by_serve_sampler(tmp_path, two_engines):
         assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
         assert [r["sampler/weight_version"] for r in rows] == list(range(STEPS))
         # every rollout row (and the held-out evaluations' at the start and the end)
-        assert m["sampler/engine_0/rows"] == STEPS * tr.built.cfg.train.train_batch * tr.built.cfg.sampler.n + 2 * 4
+        assert (
+            m["sampler/engine_0/rows"] == STEPS * tr.built.cfg.train.prompts_per_step * tr.built.cfg.sampler.n + 2 * 4
+        )
         assert m["sampler/engine_0/version"] == STEPS
         one = [r["reward/mean"] for r in rows]
         two = [r["reward/mean"] for r in two_engines["rows"]]

@@ -21,7 +21,14 @@ _BASE = {
     "task": {"type": "reasoning_gym", "dataset": "chain_sum", "train_size": 64, "eval_size": 8},
     "sampler": {"n": 4, "sampling": {"max_new_tokens": 4}},
     "fast": {"pp_size": 2},
-    "train": {"steps": 2, "train_batch": 4, "mini_batch": 2, "eval_every": 0, "eval_size": 8, "max_prompt_len": 16},
+    "train": {
+        "steps": 2,
+        "prompts_per_step": 4,
+        "prompts_per_update": 2,
+        "eval_every": 0,
+        "eval_size": 8,
+        "max_prompt_len": 16,
+    },
 }
 
 
@@ -104,7 +111,7 @@ def narrow_run_config(kl_coef: float = 0.0, anchor=None, num_layers: int = 4, pp
             "sampler": {"n": 4},
             "fast": fast_section(pp_size=pp_size, **fast),
             "anchor": anchor or {"enabled": False},
-            "train": {"train_batch": 4, "mini_batch": 4, "max_prompt_len": 6},
+            "train": {"prompts_per_step": 4, "prompts_per_update": 4, "max_prompt_len": 6},
         }
     )
 

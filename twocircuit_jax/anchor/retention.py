@@ -252,7 +252,10 @@ def host_bytes(cfg, params_like=None) -> dict:
     n_win = (p.window if p.window_mode == "sliding_window" else p.max_snapshots) if p.enabled else 0
     from twocircuit_jax.anchor.loss import anchor_batch_keys
 
-    rows, T = cfg.train.mini_batch * cfg.sampler.n, cfg.train.max_prompt_len + cfg.sampler.sampling.max_new_tokens
+    rows, T = (
+        cfg.train.prompts_per_update * cfg.sampler.n,
+        cfg.train.max_prompt_len + cfg.sampler.sampling.max_new_tokens,
+    )
     per_row = {"tokens": 4 * T, "attention_mask": 4 * T, "response_mask": 4 * T, "advantages": 4}
     per_row.update(ref_logp_dense=4 * T, sampler_logp=4 * T)
     batch = rows * sum(per_row[k] for k in anchor_batch_keys(cfg.grpo))

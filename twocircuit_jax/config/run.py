@@ -82,8 +82,8 @@ class RunConfig:
                 if m in ("swap", "anchor_cadence"):
                     require(self.anchor.enabled, "guard.mitigations", f"{m} needs anchor.enabled: true")
         self._check_stages()
-        ticks_per_step = self.train.train_batch // self.train.mini_batch
-        require(ticks_per_step >= 1, "train.mini_batch", "must not exceed train.batch")
+        ticks_per_step = self.train.prompts_per_step // self.train.prompts_per_update
+        require(ticks_per_step >= 1, "train.prompts_per_update", "must not exceed train.prompts_per_step")
 
     def _check_stages(self):
         """mesh.stage > 1 splits the layer stack into equal stages; the codec's boundaries must be stage boundaries
@@ -111,7 +111,7 @@ class RunConfig:
 
     @property
     def ticks_per_step(self) -> int:
-        return self.train.train_batch // self.train.mini_batch
+        return self.train.prompts_per_step // self.train.prompts_per_update
 
 
 def _learners() -> str:

@@ -617,16 +617,23 @@ class FastConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     # Keys of earlier configs, refused with the key to write instead (config/base.py from_dict): two names one
-    # letter apart meant two different things.
-    moved: ClassVar[dict] = {"micro_batch": "micro_batch_per_device", "microbatches": "pipeline_microbatches"}
+    # letter apart meant two different things, and the two batch sizes counted prompts under names that read as rows.
+    moved: ClassVar[dict] = {
+        "micro_batch": "micro_batch_per_device",
+        "microbatches": "pipeline_microbatches",
+        "train_batch": "prompts_per_step",
+        "mini_batch": "prompts_per_update",
+    }
 
     steps: int = field(
         default=10, metadata=doc("GRPO steps (rollout, then ppo_epochs passes of optimizer ticks); 0 = none")
     )
-    train_batch: int = field(default=8, metadata=doc("prompts per GRPO step"))
-    mini_batch: int = field(default=8, metadata=doc("prompts per optimizer tick"))
+    prompts_per_step: int = field(default=8, metadata=doc("prompts per GRPO step; each gives sampler.n rollout rows"))
+    prompts_per_update: int = field(
+        default=8, metadata=doc("prompts per optimizer tick (the mini-batch); must divide prompts_per_step")
+    )
     ppo_epochs: int = field(
-        default=1, metadata=doc("passes over each step's rollouts, each in train_batch / mini_batch ticks")
+        default=1, metadata=doc("passes over each step's rollouts, each in prompts_per_step / prompts_per_update ticks")
     )
     eval_every: int = field(
         default=5, metadata=doc("steps between held-out evaluations; 0 = only at start and end (eval section)")
@@ -680,7 +687,7 @@ class TrainConfig:
         default=0,
         metadata=doc(
             "rows per device in one forward/backward: the train step accumulates the mini-batch's gradient over "
-            "micro-batches of this size (and forward-only passes run in them); must divide mini_batch*sampler.n / "
+            "micro-batches of this size (and forward-only passes run in them); must divide prompts_per_update*sampler.n / "
             "data-parallel size; not with mesh.stage > 1; 0 = the whole mini-batch at once"
         ),
     )
@@ -703,11 +710,12 @@ class TrainConfig:
 
     def check(self):
         require(self.steps >= 0, "steps", f"got {self.steps}; must be >= 0")
-        require(self.train_batch >= 1, "train_batch", f"got {self.train_batch}; must be >= 1")
+        require(self.prompts_per_step >= 1, "prompts_per_step", f"got {self.prompts_per_step}; must be >= 1")
         require(
-            1 <= self.mini_batch <= self.train_batch and self.train_batch % self.mini_batch == 0,
-            "mini_batch",
-            f"got {self.mini_batch}; must divide train_batch={self.train_batch}",
+            1 <= self.prompts_per_update <= self.prompts_per_step
+            and self.prompts_per_step % self.prompts_per_update == 0,
+            "prompts_per_update",
+            f"got {self.prompts_per_update}; must divide prompts_per_step={self.prompts_per_step}",
         )
         require(self.eval_every >= 0, "eval_every", f"got {self.eval_every}; must be >= 0 (0 = only at the ends)")
         require(self.checkpoint_every >= 0, "checkpoint_every", f"got {self.checkpoint_every}; must be >= 0")

@@ -92,7 +92,7 @@ class FastCircuit:
         # pipeline link would carry), so activation and gradient bytes are both per replica. Train forwards per
         # step: ticks_per_step * ppo_epochs (design §3.6: the gradient-bearing forward only).
         self.tokens_per_tick = (
-            t.mini_batch * run_cfg.sampler.n * (t.max_prompt_len + run_cfg.sampler.sampling.max_new_tokens)
+            t.prompts_per_update * run_cfg.sampler.n * (t.max_prompt_len + run_cfg.sampler.sampling.max_new_tokens)
         )
         self.ticks_per_step = run_cfg.ticks_per_step * t.ppo_epochs
         self.applications = {TRAIN: 0, OLD: 0, REF: 0}  # host counters: codec forwards executed, per tag

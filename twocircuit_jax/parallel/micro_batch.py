@@ -66,11 +66,11 @@ def check(run_cfg, dp: int) -> int:
             f"got {mb}; mesh.stage={run_cfg.mesh.stages} splits the forward into train.pipeline_microbatches already "
             "(accumulation around the pipeline is not built); set it 0",
         )
-    rows = t.mini_batch * run_cfg.sampler.n
+    rows = t.prompts_per_update * run_cfg.sampler.n
     if rows % dp or (rows // dp) % mb:
         raise ConfigError(
             "train.micro_batch_per_device",
-            f"got {mb}; must divide a device's rows of the mini-batch: mini_batch*sampler.n / dp = {rows}/{dp}",
+            f"got {mb}; must divide a device's rows of the mini-batch: prompts_per_update*sampler.n / dp = {rows}/{dp}",
         )
     return mb
 

@@ -6,7 +6,7 @@ to size a rental by, which timings measured on a lent GPU replace. One engine is
 parallelism). Symbols: N parameters (from the shapes, as model/qwen2.py init_params builds them), b the engine's
 bytes per value (sampler.dtype; `auto` = model.param_dtype, as train/setup.py starts the server: a float32 run
 serves float32 weights and KV), L layers, Hkv KV heads, D head_dim, P = train.max_prompt_len,
-M = sampler.sampling.max_new_tokens, rows = train.train_batch x sampler.n per step.
+M = sampler.sampling.max_new_tokens, rows = train.prompts_per_step x sampler.n per step.
 
     weights           W = N b                      (every tensor vLLM loads; the tied embedding once)
     KV per token      2 L Hkv D b                  (keys and values of every layer)
@@ -104,7 +104,7 @@ def engine_plan(cfg, gpu_name: str, train_bound_s: float | None) -> dict:
     kv_cache = budget - weights - res["total"]
     kv_rows = max(0, math.floor(kv_cache / kv_row))
     R = min(kv_rows, max_seqs)
-    rows = cfg.train.train_batch * cfg.sampler.n
+    rows = cfg.train.prompts_per_step * cfg.sampler.n
     d = {
         "gpu": gpu_name,
         "chip": chip._asdict(),

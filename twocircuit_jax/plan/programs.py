@@ -22,7 +22,7 @@ def usage(cfg, names) -> dict:
     """{name: Usage} for the programs `programs` returned."""
     t, s = cfg.train, cfg.sampler
     ticks = cfg.ticks_per_step * t.ppo_epochs
-    mini, step = t.mini_batch * s.n, t.train_batch * s.n
+    mini, step = t.prompts_per_update * s.n, t.prompts_per_step * s.n
     fires = ticks / cfg.anchor.cadence if cfg.anchor.enabled else 0.0
     probe = 1 / t.probe_every if t.probe_every else 0.0
     table = {
@@ -118,7 +118,7 @@ class _FirstArgs(NamedTuple):
 
 def generation_programs(cfg, params, free_bytes: float | None) -> dict:
     """{name: Generation}: the embedded sampler's calls in a GRPO step of `cfg` (none with `sampler.backend: vllm`,
-    whose engines run elsewhere: plan/engines.py). `generate`: the step's rollouts, train_batch prompts x n;
+    whose engines run elsewhere: plan/engines.py). `generate`: the step's rollouts, prompts_per_step x n;
     `generate_eval`: the held-out evaluation's chunk (train/evaluate.py CHUNK prompts, one sample, greedy unless
     train.eval_greedy is off), eval_size / CHUNK chunks every eval_every steps. `params`: the trainer's parameters
     as ShapeDtypeStructs with their shardings; `free_bytes`: the memory per device the resident state leaves, which
@@ -140,7 +140,7 @@ def generation_programs(cfg, params, free_bytes: float | None) -> dict:
         return None if free_bytes is None else js.rows_that_fit(cfg.model, free_bytes, P, N, n, shards, tensor)
 
     turns = cfg.env.max_turns if cfg.env.enabled else 1
-    out = {"generate": _generation(cfg, params, mesh, t.train_batch, s.n, turns, cap(s.n), False)}
+    out = {"generate": _generation(cfg, params, mesh, t.prompts_per_step, s.n, turns, cap(s.n), False)}
     if t.eval_size and t.eval_every:
         chunk = min(CHUNK, t.eval_size)
         evals = -(-t.eval_size // chunk) / t.eval_every

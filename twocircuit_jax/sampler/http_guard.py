@@ -47,15 +47,15 @@ class Limits(NamedTuple):
 
 
 def limits_for_run(run_cfg) -> Limits:
-    """The largest requests a trainer of `run_cfg` sends: a GRPO step (train_batch prompts, sampler.n each), a
-    multi-turn environment's turn (train_batch * n prompts, n = 1) and a held-out evaluation (up to 64 prompts per
+    """The largest requests a trainer of `run_cfg` sends: a GRPO step (train.prompts_per_step prompts, sampler.n each), a
+    multi-turn environment's turn (prompts_per_step * n prompts, n = 1) and a held-out evaluation (up to 64 prompts per
     call, or every eval problem at once in an environment), all at sampling.max_new_tokens and prompts of at most
     train.max_prompt_len tokens."""
     t, s = run_cfg.train, run_cfg.sampler
     return Limits(
         n=s.n,
         max_new_tokens=s.sampling.max_new_tokens,
-        prompts=max(t.train_batch * s.n, t.eval_size, 64),
+        prompts=max(t.prompts_per_step * s.n, t.eval_size, 64),
         prompt_len=t.max_prompt_len,
     )
 

@@ -55,7 +55,7 @@ def _with(tree, shardings):
 def _rows(cfg) -> tuple[int, int]:
     """(rows of a GRPO step's batch, rows of a mini-batch): one row per sample (and per turn of an environment)."""
     t = cfg.train
-    rows = t.train_batch * cfg.sampler.n * (cfg.env.max_turns if cfg.env.enabled else 1)
+    rows = t.prompts_per_step * cfg.sampler.n * (cfg.env.max_turns if cfg.env.enabled else 1)
     return rows, rows // cfg.ticks_per_step
 
 

@@ -219,11 +219,11 @@ def make_pipeline(run_cfg, model_cfg, mesh):
     if problem is not None:
         raise ConfigError("fast.pp_size", problem)
     pipeline = Pipeline(model_cfg, mesh, run_cfg.train.pipeline_microbatches)
-    rows, M, dp = run_cfg.train.mini_batch * run_cfg.sampler.n, pipeline.microbatches, dp_size(mesh)
+    rows, M, dp = run_cfg.train.prompts_per_update * run_cfg.sampler.n, pipeline.microbatches, dp_size(mesh)
     if rows % (M * dp):
         raise ConfigError(
             "train.pipeline_microbatches",
-            f"{M} microbatches (0 = mesh.stage) of a mini-batch's {rows} rows (train.mini_batch*sampler.n) must each "
+            f"{M} microbatches (0 = mesh.stage) of a mini-batch's {rows} rows (train.prompts_per_update*sampler.n) must each "
             f"split over the {dp} data-parallel replicas: {rows} must divide by {M}*{dp}",
         )
     return pipeline

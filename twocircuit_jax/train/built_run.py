@@ -83,10 +83,10 @@ class BuiltRun:
     def problems_for(self, gs: int) -> list:
         """Step gs's problems in a deterministic order: a fresh permutation per pass over the train set."""
         t = self.cfg.train
-        per_epoch = max(1, len(self.train_problems) // t.train_batch)
+        per_epoch = max(1, len(self.train_problems) // t.prompts_per_step)
         epoch, k = divmod(gs - 1, per_epoch)
         perm = np.random.default_rng(step_seed(t.seed, epoch, salt=17)).permutation(len(self.train_problems))
-        return [self.train_problems[i] for i in perm[k * t.train_batch : (k + 1) * t.train_batch]]
+        return [self.train_problems[i] for i in perm[k * t.prompts_per_step : (k + 1) * t.prompts_per_step]]
 
     def probe_due(self, gs: int) -> bool:
         """The dense probe and the fidelity gauge run at this step (train.probe_every)."""
@@ -136,9 +136,10 @@ def assemble(cfg, task, run_dir: str, *, resume: bool, allow_config_change: bool
     sampling = rollout_sampling(cfg)
     collector, task = make_collector(cfg, tokenizer, sampling, task)  # the task or the environment
     train_problems = list(task.train_problems())
-    if len(train_problems) < t.train_batch:
+    if len(train_problems) < t.prompts_per_step:
         raise ConfigError(
-            "train.train_batch", f"got {t.train_batch}; the task has only {len(train_problems)} training problems"
+            "train.prompts_per_step",
+            f"got {t.prompts_per_step}; the task has only {len(train_problems)} training problems",
         )
     eval_problems = heldout_problems(task, t.eval_size)  # a short generated split: an error
     collector.check_prompts(train_problems, eval_problems)  # exit 2 naming a too-long row
@@ -146,10 +147,10 @@ def assemble(cfg, task, run_dir: str, *, resume: bool, allow_config_change: bool
     model_cfg = check_vocab(model_cfg, tokenizer)
     mesh = pmesh.make_mesh(cfg.mesh)
     dp = pmesh.dp_size(mesh)
-    if (t.mini_batch * s.n) % dp:
+    if (t.prompts_per_update * s.n) % dp:
         raise ConfigError(
-            "train.mini_batch",
-            f"mini_batch*sampler.n = {t.mini_batch * s.n} rows must divide by "
+            "train.prompts_per_update",
+            f"prompts_per_update*sampler.n = {t.prompts_per_update * s.n} rows must divide by "
             f"the data-parallel size {dp} (mesh.data*mesh.fsdp)",
         )
     optimizer = make_optimizer(cfg.optim)

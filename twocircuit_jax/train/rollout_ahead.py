@@ -81,12 +81,12 @@ def share_from_zero(future: cf.Future) -> tuple:
 
 def host_bytes(cfg) -> dict:
     """Host bytes of the step-ahead rollouts held (`train.async_rollouts: 1`), from shapes: one step's packed batch
-    of train_batch x n rows of max_prompt_len + max_new_tokens tokens, as stored (masks uint8). Single-turn rows;
+    of prompts_per_step x n rows of max_prompt_len + max_new_tokens tokens, as stored (masks uint8). Single-turn rows;
     0 when async rollouts are off."""
     t, s = cfg.train, cfg.sampler
     if not t.async_rollouts:
         return {"rollout_ahead/bytes": 0}
-    rows, T = t.train_batch * s.n, t.max_prompt_len + s.sampling.max_new_tokens
+    rows, T = t.prompts_per_step * s.n, t.max_prompt_len + s.sampling.max_new_tokens
     out = {f"rollout_ahead/{k}": rows * T * b for k, b in _TOKEN_BYTES.items()}
     out.update({f"rollout_ahead/{k}": rows * b for k, b in _ROW_BYTES.items()})
     out["rollout_ahead/bytes"] = sum(out.values())
