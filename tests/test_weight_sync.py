@@ -356,7 +356,6 @@ def test_swap_words_writes_bit_patterns_and_returns_the_old_ones(dtype):
     replaced words come back, through the numpy view (CPU tensors), torch indexing (the GPU path, run here on CPU
     tensors) and a host array of words; writing the old words back restores the tensor."""
     torch = pytest.importorskip("torch")
-    from twocircuit_jax.sampler import vllm_server as vs
 
     rng = np.random.default_rng(0)
     wd = np.uint16 if dtype == "bfloat16" else np.uint32
@@ -365,8 +364,8 @@ def test_swap_words_writes_bit_patterns_and_returns_the_old_ones(dtype):
         ints = {2: torch.int16, 4: torch.int32}[param.element_size()]
         words = param.data.view(-1).view(ints).numpy().view(wd)
         before = words.copy()
-        flat = {"numpy": vs.word_view(param), "torch": vs.word_view(param), "host": words}[path]
-        swap = vs._swap_torch if path == "torch" else vs.swap_words
+        flat = {"numpy": wr.word_view(param), "torch": wr.word_view(param), "host": words}[path]
+        swap = wr.swap_words_torch if path == "torch" else wr.swap_words
         pos = np.sort(rng.choice(60, 17, replace=False))
         new = rng.integers(0, np.iinfo(wd).max, 17, dtype=wd)
         old = swap(flat, pos, new)

@@ -46,7 +46,7 @@ from twocircuit_jax.sampler.base import prompt_seed
 from twocircuit_jax.sampler.export import ExportError, read_meta, version_dir
 from twocircuit_jax.sampler.http_guard import TOKEN_ENV, Guard, Limits, is_loopback, limits_for_run, server_args
 from twocircuit_jax.sampler.vllm_pin import check_vllm_version
-from twocircuit_jax.sampler.weight_receive import WeightStore
+from twocircuit_jax.sampler.weight_receive import WeightStore, swap_words, word_view
 from twocircuit_jax.sampler.weight_words import DELTA, words
 
 
@@ -128,45 +128,6 @@ def _keep_plain_cpu_weights() -> None:
         import vllm._custom_ops as ops
 
         ops._supports_onednn = False
-
-
-_INT = {2: ("int16", "uint16"), 4: ("int32", "uint32")}  # word size -> (torch dtype, numpy dtype)
-
-
-def word_view(param):
-    """The parameter's storage as a flat tensor of signed integers of its width (no copy: writes reach the engine);
-    ExportError where there is none (another width, a non-contiguous tensor)."""
-    import torch
-
-    size = param.element_size()
-    if size not in _INT or not param.data.is_contiguous():
-        raise ExportError(f"engine tensor of dtype {param.dtype}, shape {tuple(param.shape)}: no in-place word view")
-    return param.data.view(-1).view(getattr(torch, _INT[size][0]))
-
-
-def swap_words(flat, pos, words):
-    """flat[pos] = words, returning the words that were there (numpy, unsigned): `flat` is a word_view of an engine
-    tensor or a host array of words; the words are unsigned integers of its width (bit patterns, no rounding). On
-    CPU through a numpy view of the storage (numpy's gather and scatter release the GIL, so several run at once);
-    on a GPU by torch indexing on its device."""
-    if isinstance(flat, np.ndarray):
-        a = flat
-    elif flat.device.type == "cpu":
-        a = flat.numpy().view(words.dtype)
-    else:
-        return _swap_torch(flat, pos, words)
-    old = a[pos]
-    a[pos] = words
-    return old
-
-
-def _swap_torch(flat, pos, words):
-    import torch
-
-    idx = torch.from_numpy(np.asarray(pos, np.int64)).to(flat.device)
-    old = flat[idx].cpu().numpy().view(words.dtype)
-    flat[idx] = torch.from_numpy(np.asarray(words).view(f"int{8 * words.itemsize}")).to(flat.device)
-    return old
 
 
 def _to_torch(a):

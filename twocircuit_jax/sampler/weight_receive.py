@@ -1,7 +1,9 @@
 """The sampler's side of the weight sync: `WeightStore` applies a version (sampler/weight_words.py: the format and
 the hashes) to a host copy of the served words, or, once `release`d (an engine that holds the words), only checks a
 delta and swaps its words into the engine's tensors (`read_delta`, `swap_in`: the hashes come from the words
-replaced, which are written back on a mismatch). `rebuild` turns a delta chain on disk into parameters.
+replaced, which are written back on a mismatch). `swap_words` does one such write into a host array or an engine
+tensor (`word_view`); sampler/engine_layout.py says where in the engine's tensors each word lives. `rebuild` turns
+a delta chain on disk into parameters.
 """
 
 from __future__ import annotations
@@ -21,12 +23,45 @@ from twocircuit_jax.sampler.weight_words import (
     words,
 )
 
+_INT = {2: ("int16", "uint16"), 4: ("int32", "uint32")}  # word size -> (torch dtype, numpy dtype)
 
-def swap_words(a: np.ndarray, pos: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """a[pos] = v; returns the words that were there."""
-    o = a[pos]
-    a[pos] = v
-    return o
+
+def word_view(param):
+    """An engine parameter's storage as a flat tensor of signed integers of its width (no copy: writes reach the
+    engine); ExportError where there is none (another width, a non-contiguous tensor)."""
+    import torch
+
+    size = param.element_size()
+    if size not in _INT or not param.data.is_contiguous():
+        raise ex.ExportError(f"engine tensor of dtype {param.dtype}, shape {tuple(param.shape)}: no in-place word view")
+    return param.data.view(-1).view(getattr(torch, _INT[size][0]))
+
+
+def swap_words(flat, pos: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """flat[pos] = new, returning the words that were there (numpy, unsigned): `flat` is a host array of words or a
+    word_view of an engine tensor; `new` holds unsigned integers of its width (bit patterns, no rounding). A CPU
+    tensor is written through a numpy view of its storage (numpy's gather and scatter release the GIL, so several
+    run at once on the thread pool); a tensor on a GPU by torch indexing on its device (swap_words_torch)."""
+    if isinstance(flat, np.ndarray):
+        a = flat
+    elif flat.device.type == "cpu":
+        a = flat.numpy().view(new.dtype)
+    else:
+        return swap_words_torch(flat, pos, new)
+    old = a[pos]
+    a[pos] = new
+    return old
+
+
+def swap_words_torch(flat, pos: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """swap_words by torch indexing on `flat`'s device: the path of an engine tensor on a GPU, which numpy cannot
+    view."""
+    import torch
+
+    idx = torch.from_numpy(np.asarray(pos, np.int64)).to(flat.device)
+    old = flat[idx].cpu().numpy().view(new.dtype)
+    flat[idx] = torch.from_numpy(np.asarray(new).view(f"int{8 * new.itemsize}")).to(flat.device)
+    return old
 
 
 class WeightStore:
