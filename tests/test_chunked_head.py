@@ -283,6 +283,7 @@ def test_chunked_head_temporaries_do_not_grow_with_the_sequence(entropy_grad):
     assert chunked < whole - WHOLE_F32
 
 
+@pytest.mark.tpu_compile
 def test_chunked_head_temporaries_on_tpu(monkeypatch):
     """The TPU compiler (a compile-only v5p chip, libtpu), Qwen2.5-1.5B's head at T = 4,096: the whole path holds
     more than one [T, V] fp32 array of temporaries, the chunked one (512) less than the bf16 copy of the weight and

@@ -63,6 +63,7 @@ def test_version_names_the_package_and_its_runtimes(capsys):
         assert re.search(r", vllm(-cpu)? \d", out), out
 
 
+@pytest.mark.tpu_compile
 @pytest.mark.slow
 def test_train_and_plan_write_no_tpu_runtime_lines(tmp_path):
     _no_tpu_here()

@@ -48,6 +48,7 @@ def test_without_a_mesh_the_constraint_is_the_identity():
     assert under(one, f) is f  # one device: nothing to constrain, the program is today's
 
 
+@pytest.mark.tpu_compile
 def test_flash_tpu_inside_a_data_manual_shard_map_compiles_for_tpu(monkeypatch):
     """The hierarchical gradient codec's case: shard_map manual over `data`, `fsdp` split by the partitioner, and
     `stage`/`tensor` automatic of size 1. The kernel's own shard_map takes every automatic axis (a Mosaic call under

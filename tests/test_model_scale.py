@@ -146,6 +146,7 @@ def test_flash_tpu_in_interpret_mode_equals_blockwise():
         kernel_vs_blockwise(attn.flash_tpu, 1e-5)
 
 
+@pytest.mark.tpu_compile
 def test_flash_tpu_compiles_sharded_for_tpu_v5e(monkeypatch):
     """A forward and backward with flash_tpu over a 2 x 4 (data, fsdp) mesh of compile-only TPU v5e devices: the
     kernel runs in a shard_map over the batch axes (a Mosaic kernel is not partitioned by XLA) and compiles."""

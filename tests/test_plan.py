@@ -49,6 +49,7 @@ def tiny_tpu(tmp_path_factory):
     return rc, buf.getvalue(), json.loads(path.read_text()), sets
 
 
+@pytest.mark.tpu_compile
 def test_tiny_fits_on_v5e_8(tiny_tpu):
     rc, out, p, _ = tiny_tpu
     assert rc == 0
@@ -72,6 +73,7 @@ def test_tiny_fits_on_v5e_8(tiny_tpu):
     assert p["host"]["anchor_batches"] == 2 and p["host"]["anchor_snapshots"] == 3  # delay//cadence+1, +current
 
 
+@pytest.mark.tpu_compile
 def test_peak_is_resident_plus_the_largest_transient(tiny_tpu):
     from twocircuit_jax.plan.report import RESIDENT_ARGS
 
@@ -92,6 +94,7 @@ def test_peak_is_resident_plus_the_largest_transient(tiny_tpu):
     assert res["reference_params"] == pytest.approx(4 * p["step"]["params"], abs=64)
 
 
+@pytest.mark.tpu_compile
 def test_roofline_matches_hand_arithmetic(tiny_tpu):
     _, _, p, sets = tiny_tpu
     chip = chips.CHIPS["v5e"]
@@ -138,6 +141,7 @@ def test_roofline_hand_numbers():
     assert roofline.mfu(f, 8, chip, 0.1) == pytest.approx(0.4608)
 
 
+@pytest.mark.tpu_compile
 def test_huge_vocab_does_not_fit_and_names_the_largest_buffer(capsys, tmp_path):
     # a 9M-token vocabulary over 32 rows per device of 20 tokens: float32 logits of 32 x 19 x 9M (20 GiB) alone are
     # past a v5e's 16 GiB, so the TPU compiler refuses the step; the plan names that buffer. (A long sequence does
@@ -162,6 +166,7 @@ def test_huge_vocab_does_not_fit_and_names_the_largest_buffer(capsys, tmp_path):
     assert f"{big['op']} {big['shape']}" in out
 
 
+@pytest.mark.tpu_compile
 def test_a_generation_that_cannot_fit_does_not_fit_and_names_its_buffer(capsys, tmp_path):
     """The rollouts' call is a program of the plan: 4,096 rows of 16 + 2,048 positions in one call (512 rows a
     device, 16 KV heads of 128 in one float32 layer: 34 MB of cache a row, 17 GB a device) are past a v5e's 16 GiB
@@ -240,6 +245,7 @@ def test_comm_bytes_memory_is_the_plans_report(capsys):
     assert m.group(2) == f"{ma.temp_size_in_bytes / 2**20:.1f}"
 
 
+@pytest.mark.tpu_compile
 def test_plan_with_the_mask_kernel_compiles_for_tpu(capsys, tmp_path):
     """The Pallas mask kernel inside the train step and the reference pass (built for TPU, under the circuit's
     shard_map) goes through the TPU compiler too: the plan fits, and the kernel's program differs from the jnp one."""

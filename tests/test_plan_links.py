@@ -15,7 +15,7 @@ from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.plan import links, targets
 from twocircuit_jax.plan.roofline import gbps_bytes
 
-pytestmark = pytest.mark.slow  # compiles for TPU
+pytestmark = [pytest.mark.slow, pytest.mark.tpu_compile]  # compiles for TPU
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")

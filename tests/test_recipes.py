@@ -81,7 +81,11 @@ def test_recipe_loads_with_its_shapes_and_mesh(path):
 # Every recipe: the embedded sampler's generation on the TPU ones, the vLLM engines on an H100 on the GPU ones, and the
 # anchor's programs on the two-circuit ones.
 @pytest.mark.slow  # four compiles, 15-40 s each on the 2-core machine: `make test-fast` skips them
-@pytest.mark.parametrize("path", RECIPES, ids=os.path.basename)
+@pytest.mark.parametrize(
+    "path",
+    [pytest.param(p, marks=pytest.mark.tpu_compile) if "v5e8" in os.path.basename(p) else p for p in RECIPES],
+    ids=os.path.basename,
+)
 def test_recipe_plans_from_shapes(path, capsys):
     name = os.path.basename(path)
     args = ["plan", "--config", path, "--topology", "cpu:8"]

@@ -17,6 +17,8 @@ from pallas_kernels.lowrank import lowrank_fused, project_reconstruct
 from pallas_kernels.powersgd import ef_project
 from pallas_kernels.prf_mask import MaskRows, prf_mask_kernel
 
+pytestmark = pytest.mark.tpu_compile
+
 S = jax.ShapeDtypeStruct
 KERNEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pallas_kernels")
 
