@@ -26,7 +26,6 @@ os.environ["XLA_FLAGS"] = _flags.strip()
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="twocircuit-jax-cache-")
-    os.environ["TWOCIRCUIT_TEST_CACHE_OWNER"] = str(os.getpid())
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -65,8 +64,8 @@ def chain_sum_base(tmp_path_factory):
 # --- which tests share an xdist worker (`make test`: `--dist loadgroup`) ---
 # A whole module is one unit, so its module-scoped fixtures are built once. The modules whose tests start a vLLM
 # engine (marked `vllm`) are one unit: two engines at once would take several GiB and both cores. The users of the
-# session fixture chain_sum_base are one unit, so the base is trained once. xdist hands the units out largest first
-# to whichever worker is nearly idle.
+# session fixture chain_sum_base are one unit, so the base is trained once. xdist hands the units out, those with the
+# most tests first, to whichever worker is nearly idle.
 VLLM_GROUP = "vllm"
 BASE_GROUP = "chain_sum_base"
 
@@ -118,5 +117,5 @@ def _bound_the_worker_memory():
 
 def pytest_unconfigure(config):
     """The run's compilation cache is removed by the process that made it (the controller under xdist)."""
-    if _OWN_CACHE and os.environ.get("TWOCIRCUIT_TEST_CACHE_OWNER") == str(os.getpid()):
+    if _OWN_CACHE:
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
