@@ -61,6 +61,125 @@ def computations(hlo_text: str):
     return comps, entry
 
 
+_KNOWN_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_WHILE_PARTS = re.compile(r"while\(%?([\w.\-]+)\).*?condition=%?([\w.\-]+), body=%?([\w.\-]+)")
+_INDEX = re.compile(r"index=(\d+)")
+_PASS_THROUGH = ("copy", "bitcast", "convert", "reshape")
+
+
+def _operands(rest: str) -> list:
+    """The operand names of one instruction: `rest` is the text after its opening parenthesis."""
+    depth, end = 1, len(rest)
+    for i, ch in enumerate(rest):
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth == 0:
+            end = i
+            break
+    return re.findall(r"%([\w.\-]+)", rest[:end])
+
+
+def _defs(lines: list) -> dict:
+    """{instruction name: (op, operands, line)} of one computation."""
+    out = {}
+    for line in lines:
+        m = INSTR.match(line)
+        if m:
+            out[m.group(1)] = (m.group(3), _operands(m.group(4)), line)
+    return out
+
+
+def _root(lines: list):
+    return next((ln for ln in lines if ln.lstrip().startswith("ROOT ")), None)
+
+
+def _through(defs: dict, name: str):
+    """Follow copies, bitcasts and converts back to the instruction that made the value: (op, operands, line)."""
+    for _ in range(64):
+        d = defs.get(name)
+        if d is None or d[0] not in _PASS_THROUGH or not d[1]:
+            return d
+        name = d[1][0]
+    return None
+
+
+def _constant(defs: dict, name: str):
+    d = _through(defs, name)
+    m = re.search(r"constant\((-?\d+)\)", d[2]) if d is not None and d[0] == "constant" else None
+    return int(m.group(1)) if m else None
+
+
+def _counter(defs: dict, name: str):
+    """The tuple index of a loop parameter's element that `name` reads, or None."""
+    d = _through(defs, name)
+    if d is None or d[0] != "get-tuple-element":
+        return None
+    src = defs.get(d[1][0]) if d[1] else None
+    m = _INDEX.search(d[2])
+    return int(m.group(1)) if (m and src is not None and src[0] == "parameter") else None
+
+
+def _derived_trip(comps: dict, caller: list, line: str):
+    """The trip count of one `while` from its text, for compilers that record none (TPU's compiled programs): the
+    condition is `counter < N` on one element of the loop's tuple, the body adds a constant step to that element,
+    and the loop's operand tuple starts it at a constant. Any other shape gives None (the loop stays unknown)."""
+    m = _WHILE_PARTS.search(line)
+    if m is None or m.group(2) not in comps or m.group(3) not in comps:
+        return None
+    operand, cond, body = m.groups()
+    cdefs = _defs(comps[cond])
+    root = _root(comps[cond])
+    r = INSTR.match(root) if root else None
+    if r is None or r.group(3) != "compare" or "direction=LT" not in root:
+        return None
+    ops = _operands(r.group(4))
+    if len(ops) != 2:
+        return None
+    k, limit = _counter(cdefs, ops[0]), _constant(cdefs, ops[1])
+    if k is None or limit is None:
+        return None
+    bdefs = _defs(comps[body])
+    broot = _root(comps[body])
+    b = INSTR.match(broot) if broot else None
+    if b is None or b.group(3) != "tuple":
+        return None
+    outs = _operands(b.group(4))
+    add = _through(bdefs, outs[k]) if k < len(outs) else None
+    if add is None or add[0] != "add" or len(add[1]) != 2:
+        return None
+    a0, a1 = add[1]
+    step = (
+        _constant(bdefs, a1) if _counter(bdefs, a0) == k else _constant(bdefs, a0) if _counter(bdefs, a1) == k else None
+    )
+    tup = _through(_defs(caller), operand)
+    if not step or step <= 0 or tup is None or tup[0] != "tuple" or k >= len(tup[1]):
+        return None
+    start = _constant(_defs(caller), tup[1][k])
+    if start is None:
+        return None
+    return max(0, -(-(limit - start) // step))
+
+
+def with_derived_trips(hlo_text: str) -> tuple:
+    """(the text with `known_trip_count` written on every `while` whose count the text lacks but its shape gives
+    (`_derived_trip`), how many loops still have none)."""
+    comps, _ = computations(hlo_text)
+    owner = {}
+    for name, lines in comps.items():
+        for ln in lines:
+            owner[ln] = name
+    out, unknown = [], 0
+    for line in hlo_text.splitlines():
+        if " while(" in line and not _KNOWN_TRIPS.search(line):
+            n = _derived_trip(comps, comps.get(owner.get(line), []), line)
+            if n is None:
+                unknown += 1
+            else:
+                line += f' backend_config={{"known_trip_count":{{"n":"{n}"}}}}'
+        out.append(line)
+    return "\n".join(out), unknown
+
+
 def _multiplicity(comps: dict, entry: str) -> dict:
     """How many times each computation runs per call of the entry (while bodies times their trip count)."""
     edges = {c: [] for c in comps}
@@ -68,7 +187,7 @@ def _multiplicity(comps: dict, entry: str) -> dict:
         for line in lines:
             trip = 1
             if " while(" in line:
-                m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+                m = _KNOWN_TRIPS.search(line)
                 if m is None:
                     raise ValueError(f"while loop without known_trip_count in {name}: cannot count its collectives")
                 trip = int(m.group(1))

@@ -14,7 +14,15 @@ import re
 import jax
 
 from twocircuit_jax.fast.bytes import COLLECTIVE_KINDS, collective_bytes_from_hlo, shape_bytes
-from twocircuit_jax.fast.hlo_bytes import INSTR, OP_NAME, PARTS, computations, memory_bytes, staged_bytes
+from twocircuit_jax.fast.hlo_bytes import (
+    INSTR,
+    OP_NAME,
+    PARTS,
+    computations,
+    memory_bytes,
+    staged_bytes,
+    with_derived_trips,
+)
 
 # Results that are no buffer of their own (views, tuples of other buffers, the inputs themselves); a while/call/
 # conditional returns its body's buffers, which are listed where the body makes them.
@@ -115,8 +123,8 @@ def _cost(compiled) -> dict:
 
 
 def _with_trips(hlo_text: str, n: int) -> str:
-    """The text with `n` as the trip count of every while loop whose count XLA did not record (TPU's compiled text
-    keeps none), so fast/hlo_bytes.py can walk it."""
+    """The text with `n` as the trip count of every while loop whose count neither XLA recorded nor its shape gives
+    (fast/hlo_bytes.py `with_derived_trips` has written the others), so fast/hlo_bytes.py can walk it."""
     out = []
     for line in hlo_text.splitlines():
         if " while(" in line and "known_trip_count" not in line:
@@ -126,10 +134,13 @@ def _with_trips(hlo_text: str, n: int) -> str:
 
 
 def collectives(hlo_text: str, replicas: int, islands=None) -> tuple:
-    """({part: bytes per data replica per call}, note, {part: those bytes that cross the slow link}). Loops without
-    a recorded trip count are walked twice, at 1 and at 2 trips: equal results mean no collective sits in them and
-    the count is exact; otherwise those collectives are counted once and the note says so (a lower bound).
+    """({part: bytes per data replica per call}, note, {part: those bytes that cross the slow link}). TPU's compiled
+    text records no trip counts; a loop of the usual shape (`i < N`, `i += step`, `i` from a constant: every
+    lax.scan and fori_loop) has its count read from its text. A loop still without one is walked twice, at 1 and
+    at 2 trips: equal results mean no collective sits in it and the count is exact; otherwise its collectives are
+    counted once and the note says so (a lower bound).
     `islands`: the island of each device id (parallel/mesh.py islands), None when there is one."""
+    hlo_text, _ = with_derived_trips(hlo_text)
     parts, slow = {}, {}
     for n in (1, 2):
         got = staged_bytes(_with_trips(hlo_text, n), replicas, islands)
