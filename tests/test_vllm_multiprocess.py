@@ -38,7 +38,9 @@ CFG = tiny_config(
     sampler=_sampler_section(ENGINES),
     optim={"lr": 1e-2},
     grpo={"kl_coef": 0.0, "entropy_coeff": 0.01},  # the random model earns no reward: the entropy term moves it
-    train={"steps": 3, "eval_size": 16, "checkpoint_every": 1},
+    # checkpoint_every 2: the first leg stops at step 2 on a checkpoint (with step 3's batch), the second leg's last
+    # step 3 is the final one; a checkpoint at step 1 as well would only cost both processes a save
+    train={"steps": 3, "eval_size": 16, "checkpoint_every": 2},
 )
 
 
