@@ -113,8 +113,9 @@ def test_staged_powersgd_counts_its_steady_state(comm_bytes, capsys, tmp_path):
     import yaml
     from tiny_run import NARROW_MODEL
 
+    # 2 layers, one a stage: the counts are per leaf and per stage, and each more layer adds only compile time
     cfg = {
-        "model": NARROW_MODEL,
+        "model": {**NARROW_MODEL, "num_layers": 2},
         "mesh": {"data": 2, "stage": 2},
         "sampler": {"n": 4},
         "fast": {"pp_size": 2, "grad_codec": {"type": "powersgd", "rank": 2}},
@@ -128,6 +129,7 @@ def test_staged_powersgd_counts_its_steady_state(comm_bytes, capsys, tmp_path):
     assert "steady state (compiled with start_after=0); its first 100 reductions send the plain mean" in out
     assert re.search(r"boundary_ratio=1\.00x", out), out
     dense, comp = (float(x) for x in re.search(r"grad_reduce_dense_bytes=(\d+) grad_reduce_bytes=(\d+)", out).groups())
-    # per stage: the embedding and final norm (1,616 values, reduced whole) plus the layers' P and Q or bias-free
-    # vectors; the dense twin sends the same ends plus each stage's two layers whole (2 x 2,592 values)
+    # per stage: the embedding and final norm (1,616 values, reduced whole) plus its layer's P and Q (576 values
+    # with its bias-free vectors); the dense twin sends the same ends plus each stage's layer whole (2,592 values):
+    # 2,192 against 4,208
     assert comp < 0.6 * dense, out
