@@ -24,7 +24,9 @@ B, T, NEW = 16, 12, 6
 
 
 def run_cfg(anchor=None, **fast):
-    return narrow_run_config(kl_coef=0.01, anchor=anchor, **fast)
+    # 3 blocks, pp_size 3: boundaries 0 and 1, the fewest that show a drift from one to the next; each more block
+    # unrolls into every gauge compiled here (five) and adds only compile time
+    return narrow_run_config(kl_coef=0.01, anchor=anchor, num_layers=3, pp_size=3, **fast)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +71,7 @@ def test_exact_circuits_read_one(setup):
         assert m["fidelity/grad_cos"] == m["fidelity/grad_cos_pre_merger"]
         for g in ("attn", "mlp", "embed", "norm"):
             assert abs(m[f"fidelity/grad_cos/{g}"] - 1.0) < 1e-4, (g, m)
-    assert [identity[f"fidelity/boundary_rel_err/{b}"] for b in (0, 1, 2)] == [0.0, 0.0, 0.0]
+    assert [identity[f"fidelity/boundary_rel_err/{b}"] for b in (0, 1)] == [0.0, 0.0]
 
 
 @pytest.mark.slow
@@ -77,8 +79,8 @@ def test_lossy_codec_lowers_the_cosine_and_shows_at_each_boundary(setup):
     cfg, mesh = setup[0], setup[1]
     m = fidelity(setup, FastCircuit(run_cfg(codec="prf_mask", p=0.9), cfg.model, mesh))
     assert m["fidelity/grad_cos"] < 0.9
-    errs = [m[f"fidelity/boundary_rel_err/{b}"] for b in (0, 1, 2)]
-    assert min(errs) > 0.1 and errs[0] < errs[2]  # the codec view drifts further from dense boundary by boundary
+    errs = [m[f"fidelity/boundary_rel_err/{b}"] for b in (0, 1)]
+    assert min(errs) > 0.1 and errs[0] < errs[1]  # the codec view drifts further from dense boundary by boundary
 
 
 def test_merger_moves_the_applied_gradient(setup):
