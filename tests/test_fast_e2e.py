@@ -18,7 +18,10 @@ CFG = tiny_config(
     model={"num_layers": 4},
     task={"train_size": 32},
     fast={"pp_size": 4, "codec": {"type": "prf_mask", "p": 0.95}},
-    train={"steps": 1, "prompts_per_step": 2, "checkpoint_every": 0},
+    # no held-out evaluation and no checkpoint: nothing here reads them (test_grpo_e2e.py checks both), and each
+    # would add its own programs and work to both runs
+    eval={"at_start": False, "at_end": False},
+    train={"steps": 1, "prompts_per_step": 2, "checkpoint_every": 0, "final_checkpoint": False},
 )
 
 
