@@ -12,10 +12,14 @@ from tiny_run import tiny_config
 
 pytestmark = pytest.mark.slow  # end-to-end runs: `make test-fast` skips them, `make test` (CI) runs them
 
+# No held-out evaluation and no checkpoint in this file's runs: nothing here reads them (test_grpo_e2e.py checks
+# both), and each adds its own programs and work to the run.
+NO_EVAL = {"at_start": False, "at_end": False}
 TINY = tiny_config(
     name="tiny",
     anchor={"enabled": True, "cadence": 4, "delay": 4, "projection": {"window": 2}, "swap": {"cadence": 2}},
-    train={"steps": 6},
+    eval=NO_EVAL,
+    train={"steps": 6, "final_checkpoint": False},
 )
 
 
@@ -36,7 +40,7 @@ def anchor_run(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(loop.GRPOTrainer, "run", keep)
         assert main(["train", "--config", str(tmp / "cfg.yaml"), "--out", str(tmp / "run"), "--no-progress"]) == 0
-    rows = [json.loads(l) for l in open(tmp / "run" / "metrics.jsonl")][1:]
+    rows = [json.loads(l) for l in open(tmp / "run" / "metrics.jsonl")]  # steps 1..6: no step-0 evaluation
     return rows, seen["trainer"]
 
 
@@ -91,6 +95,7 @@ def test_dense_reference_only_for_the_rows_the_anchor_keeps(tmp_path):
         grpo={"kl_coef": 0.05},
         fast={"codec": {"type": "prf_mask", "p": 0.5}},
         anchor={"enabled": True, "cadence": 4, "delay": 2, "projection": {"enabled": False, "window": 2}},
+        eval=NO_EVAL,
         train={"steps": 4},
     )
     cfg = load_config(data=data)
