@@ -60,9 +60,9 @@ def test_fast_and_anchor_circuits_on_multi_turn_rows(base, tmp_path):
         base,
         fast={"codec": {"type": "lowrank", "rank": 4}, "pp_size": 2},
         anchor={"enabled": True, "cadence": 2, "delay": 2, "projection": {"window": 2}},
-        # 2 steps: at two ticks a step, cadence 2 makes a fire due on each; no held-out evaluation (the test above
-        # checks it), nothing here reads one
-        train={"steps": 2, "eval_every": 0},
+        # 2 steps: at two ticks a step, cadence 2 makes a fire due on each; no held-out evaluation and no checkpoint
+        # (the test above checks both), nothing here reads them
+        train={"steps": 2, "eval_every": 0, "final_checkpoint": False},
         eval={"at_start": False, "at_end": False},
     )
     run = tmp_path / "tc"
