@@ -192,10 +192,13 @@ SCANNED = [
     {"scan_layers": True, "remat": "dots", "attention": "blockwise", "attention_block": 6},
 ]
 HOOK_SETS = [(), (1, 2), (0, 4)]
-# The hooked layers decide where a scanned stack splits into runs (model/qwen2.py run_layers): every hook set with
-# every scanned case. The unrolled loop calls the hook between layers whatever the set, outside the rematerialised
-# layer: the unrolled remat policies with the first and last layer hooked.
-CASES = [(k, h) for h in HOOK_SETS for k in SCANNED] + [({"remat": r}, (0, 4)) for r in ("full", "dots")]
+# The hooked layers decide where a scanned stack splits into runs (model/qwen2.py run_layers): one run of 5 layers,
+# runs of 2, 1 and 2 (a middle layer hooked), runs of 1 and 4 (first and last hooked). The split is the same code
+# whatever the remat policy and attention inside the scanned layer (which wraps each layer alone), and those are the
+# same code whatever the split: each hook set once, each with another scanned case, covers both. The unrolled loop
+# calls the hook between layers whatever the set, outside the rematerialised layer: the unrolled remat policies with
+# the first and last layer hooked.
+CASES = list(zip(SCANNED, HOOK_SETS)) + [({"remat": r}, (0, 4)) for r in ("full", "dots")]
 
 
 @pytest.mark.parametrize("knobs,hook_layers", CASES)
