@@ -1,6 +1,6 @@
 """Real pipeline stages (parallel/pipeline.py) on the 8-device fake mesh: the staged forward and train step equal the
-one-program ones (codec none: the plain step; each codec: its emulated path, same keys and basis; PowerSGD nested
-around the pipeline), what crosses a boundary in the compiled program is the codec's packed payload, and the layer
+one-program ones (no codec: the plain forward and gradient; each codec's step: its emulated path, same keys and
+basis; PowerSGD nested around the pipeline), what crosses a boundary in the compiled program is the codec's packed payload, and the layer
 stack is split over the stages."""
 
 import re
@@ -106,11 +106,14 @@ def _close(a, b, tol=2e-5):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
 
 
-@pytest.mark.slow  # 10 compiled steps of the 8-device mesh, about 80 s on one core: `make test` runs them
+@pytest.mark.slow  # 8 compiled steps of the 8-device mesh: `make test` runs them
+# No case of codec none without PowerSGD: its staged step is the lowrank case's (no gradient codec: XLA's implicit
+# mean, the same pipeline and train step) without the boundary hooks, and its wire (H = 16 values a row and token) and
+# stage-local ends are the PowerSGD case's (no activation codec); the plain staged forward and gradient are
+# test_eight_stages_and_microbatch_counts_agree's.
 @pytest.mark.parametrize(
     "codec,extra,width",
     [
-        ("none", {}, 16),
         ("prf_mask", {"p": 0.75}, 4),
         ("lowrank", {}, 3),
         ("sr_quant", {"quant_bits": 4, "quant_block": 8, "subset_k": 6}, 3),  # 6 subset codes of 4 bits
@@ -119,10 +122,11 @@ def _close(a, b, tol=2e-5):
 )
 def test_staged_step_equals_the_one_program_step(narrow, codec, extra, width):
     """data 2 x stage 4, 4 microbatches: loss, old log-probs and updated parameters of one tick equal the unstaged
-    8-replica step's (codec none: the plain step; a codec: its emulated path with the same PRF keys or basis).
-    Every collective-permute of the compiled staged step (the forward messages and their transposes, the backward
-    ones) carries the codec's payload: H = 16 values, k = 4 kept values (p = 0.75), r = 3 coefficients, or packed
-    quantizer codes (with their block scales in a permute of their own)."""
+    8-replica step's (an activation codec: its emulated path with the same PRF keys or basis; PowerSGD alone: the
+    plain forward, the gradient codec nested around the pipeline). Every collective-permute of the compiled staged
+    step (the forward messages and their transposes, the backward ones) carries the codec's payload: H = 16 values,
+    k = 4 kept values (p = 0.75), r = 3 coefficients, or packed quantizer codes (with their block scales in a permute
+    of their own)."""
     params, batch = narrow
     p0, m0, lp0, _ = one_step(run_cfg({"data": 8}, codec=codec, **extra), params, batch)
     p1, m1, lp1, hlo = one_step(run_cfg({"data": 2, "stage": 4}, codec=codec, **extra), params, batch)
