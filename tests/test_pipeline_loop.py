@@ -47,7 +47,10 @@ def straight(tmp_path_factory):
     return trainer, out
 
 
-def test_staged_loop_compiles_each_pass_once(straight):
+def test_staged_loop_compiles_each_pass_once_and_exports_whole_arrays(straight, tmp_path):
+    """The straight run's passes compiled once each, its traffic, its stage-split layer stack, and a weight export
+    of that stack holding the full arrays. (One test reads the run for all of these: under `make test` a test of the
+    module run apart from the others could have its worker build the run again.)"""
     trainer, out = straight
     rows = _rows(out)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
@@ -67,6 +70,13 @@ def test_staged_loop_compiles_each_pass_once(straight):
     # the layer stack lives split over the stages: one of the 2 layers per device
     q = trainer.state.params["layers"]["q_proj"]["kernel"]
     assert q.shape[0] == 2 and {s.data.shape[0] for s in q.addressable_shards} == {1}
+    # the export gathers the stage-split parameters: every leaf whole, equal to the trained one
+    params = trainer.state.params
+    version = export_weights(params, trainer.built.model_cfg, str(tmp_path / "export"), 1)
+    _, loaded = load_export(version)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
+        assert a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_staged_resume_is_exact(straight, tmp_path):
@@ -83,13 +93,3 @@ def test_staged_resume_is_exact(straight, tmp_path):
     assert main(["train", "--config", str(path), "--out", part, "--no-progress", "--resume"]) == 0
     assert [r["step"] for r in _rows(part)] == [0, 1, 2, 3]
     _same(_rows(part)[-1], _rows(out)[-1])
-
-
-def test_export_gathers_the_stage_split_parameters(straight, tmp_path):
-    trainer, _ = straight
-    params = trainer.state.params
-    version = export_weights(params, trainer.built.model_cfg, str(tmp_path / "export"), 1)
-    _, loaded = load_export(version)
-    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
-        assert a.shape == b.shape
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
