@@ -117,10 +117,13 @@ def test_hierarchical_powersgd_matches_data_only(data, fsdp, tensor, compress_em
 
 def test_reference_math_single_device():
     """The hierarchical step equals `powersgd_reference` (a Python loop over the replicas, one device) fed with each
-    data replica's own gradient of its rows: the same PowerSGD math, not just the same as the other mesh."""
+    data replica's own gradient of its rows: the same PowerSGD math, not just the same as the other mesh. (The
+    first parametrization's config and mesh, so the program is the one compiled there, read back from the compile
+    cache; the state enters at step 1, past the warm-up: a compressed reduce.)"""
     data, fsdp = 2, 4
-    cfg = PowerSGDConfig(rank=2, start_after=0, min_compression_rate=1.0)
+    cfg = PowerSGDConfig(rank=2, start_after=1, min_compression_rate=1.0)
     hier, codec, _, _, st = _step_fn(_mesh(data, fsdp), cfg)
+    st = st._replace(step=jnp.ones((), jnp.int32))
     params, batch = _params(), _batch()
     rows = B // data
     glob = {"token_count": jnp.sum(batch["response_mask"]) / data}
@@ -136,6 +139,7 @@ def test_reference_math_single_device():
     _close(got_st.e, want_st.e, 2e-5)
     _close(got_st.Q, want_st.Q, 2e-5)
     np.testing.assert_allclose(float(met["powersgd/error_norm"]), want_m["powersgd/error_norm"], atol=1e-6)
+    assert float(met["powersgd/compressed"]) == want_m["powersgd/compressed"] == 1.0
 
 
 def test_data_one_with_fsdp_is_refused():
