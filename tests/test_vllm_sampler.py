@@ -162,6 +162,17 @@ def test_stale_server_is_refused_and_reloaded(setup):
     assert r.weight_version == 4
 
 
+def test_killed_server_is_restarted(setup):
+    s, _, _ = setup
+    old = s.proc.pid
+    os.kill(old, signal.SIGKILL)
+    r = s.generate(PROMPTS, 2, SAMPLING, seed=1)
+    _check_rollout(r, 6, 8)
+    assert s.restarts == 1 and s.proc.pid != old
+    assert r.weight_version == 4  # the restarted engine reloaded the latest export
+    assert not psutil.pid_exists(old) or psutil.Process(old).status() == psutil.STATUS_ZOMBIE
+
+
 def _sparse_step(params, rng, frac=0.02, lr=1e-3, leaves=None):
     """A small update of a random `frac` of the words (of the named top-level entries only, if given)."""
     out = {}
@@ -182,12 +193,7 @@ def _same_rollout(a, b):
 def test_delta_sync_twenty_updates_restart_and_corrupt_delta(setup):
     """20 delta-synced versions, a killed server and a corrupted delta: the engine's weights always equal a full
     export of the same version (same hashes on the server; bit-identical samples and log-probs after a full
-    reload of the same version).
-
-    The killed server (after v18) is found dead by a generate, which restarts it: the restarted engine reloads the
-    latest version, v18, a delta on disk that it has no base for, so v18 is rewritten whole and loaded; the rows
-    come from v18 and the killed process is reaped. (One kill serves both the restart and the delta check: each
-    engine start costs ~17 s of CPU.)"""
+    reload of the same version)."""
     s, params, root = setup
     rng = np.random.default_rng(0)
     s.publisher.full_every = 8
@@ -205,27 +211,18 @@ def test_delta_sync_twenty_updates_restart_and_corrupt_delta(setup):
     restarts, resends = s.restarts, s.full_resends
     for v in range(10, 30):
         p = _sparse_step(p, rng)
-        if v == 19:  # the server dies; the next generate finds it dead: restart, reload v18 with no base for a delta
-            old = s.proc.pid
-            os.kill(old, signal.SIGKILL)
-            assert s.publisher.version == 18 and s.last_publish.kind == "delta"
-            r = s.generate(PROMPTS, 2, SAMPLING, seed=1)
-            _check_rollout(r, 6, 8)
-            assert s.restarts == restarts + 1 and s.proc.pid != old
-            assert r.weight_version == 18  # the restarted engine reloaded the latest export
-            assert s.full_resends == resends + 1 and s.last_load["version"] == 18 and not s.last_load["inplace"]
-            assert s.last_load["hashes"] == s.publisher.hashes
-            assert not psutil.pid_exists(old) or psutil.Process(old).status() == psutil.STATUS_ZOMBIE
+        if v == 19:
+            os.kill(s.proc.pid, signal.SIGKILL)  # the next update finds the server dead: restart, no base for a delta
         s.update_weights(p, v)
         kinds.append(s.last_publish.kind)
         assert s.last_load["version"] == v and s.last_load["hashes"] == s.publisher.hashes
-        # a delta is written into the engine's tensors (v19 too: onto the whole v18 the restarted server got)
-        assert s.last_load["inplace"] == (s.last_publish.kind == "delta")
+        # a delta is written into the engine's tensors (v19: the restarted server had no base and got it whole)
+        assert s.last_load["inplace"] == (s.last_publish.kind == "delta" and v != 19)
         want = [np.asarray(x, np.float32).view(np.uint32).ravel() for x in jax.tree.leaves(p)]
         assert all(np.array_equal(a.view(np.uint32).ravel(), b) for a, b in zip(s.publisher.published(), want))
         if v in (14, 22):
             check_exact(v)
-    assert s.restarts == restarts + 1 and s.full_resends == resends + 1  # after v18: restarted, v18 sent whole
+    assert s.restarts == restarts + 1 and s.full_resends == resends + 1  # v19: restarted, then sent whole
     assert kinds.count("delta") >= 15 and kinds[0] == "delta", kinds
     # a version that changes one tensor reloads one tensor
     s.publisher.full_every = 100
