@@ -115,11 +115,43 @@ def test_accumulated_step_equals_whole_minibatch_on_one_device_and_8_replicas(da
     _same(whole, _step(cfg, _mesh(8), params, batch, 1, agg=agg))
 
 
-def test_accumulated_step_on_an_fsdp_tensor_mesh(data):
-    """Parameters sharded over fsdp and tensor: the fp32 carry pinned to their shardings, the same step."""
+@pytest.mark.parametrize("shape", [(2, 2, 2), (2, 4, 1)], ids=["data2_fsdp2_tensor2", "data2_fsdp4"])
+def test_accumulated_step_on_an_fsdp_tensor_mesh(data, shape):
+    """Parameters sharded over fsdp (and tensor): the fp32 carry pinned to their shardings, the same step as the
+    whole mini-batch on one device: data 2 x fsdp 4 accumulates each data replica inside a shard_map manual over
+    `data` (micro_batch._per_data_replica); with tensor 2 the scan runs under the partitioner."""
     cfg, params, batch = data
-    mesh = pmesh.make_mesh(MeshConfig(2, 2, 2), jax.devices())
-    _same(_step(cfg, mesh, params, batch, 0), _step(cfg, mesh, params, batch, 2))  # 4 rows per device: K = 2
+    mesh = pmesh.make_mesh(MeshConfig(*shape), jax.devices())
+    mb = B // 8 // 2  # K = 2 micro-batches of every device's rows
+    _same(_step(cfg, _mesh(1), params, batch, 0), _step(cfg, mesh, params, batch, mb))
+
+
+def test_the_data_reduction_crosses_the_slow_link_once_per_pass(data):
+    """Two islands over `data` (dcn_data 2) x fsdp 4: the bytes that cross the slow link in a step with K = 2
+    micro-batches are those of the step without micro-batches (the gradient is summed over `data` once, after the
+    loop), while the in-island fsdp traffic runs per micro-batch. Before: the data reduction ran inside the loop,
+    K times."""
+    from twocircuit_jax.plan.measure import collectives
+
+    cfg, params, batch = data
+    mc = MeshConfig(1, 4, 1, dcn_data=2)
+    mesh = pmesh.make_mesh(mc, jax.devices())
+    islands = pmesh.islands(mc, mesh)
+    assert len(set(islands)) == 2
+    opt = make_optimizer(cfg.optim)
+    sh = state_shardings(init_state(params, opt), mesh)
+    b = jax.device_put(dict(batch), pmesh.batch_shardings(batch, mesh))
+    slow, fast = {}, {}
+    for mb in (0, 1):  # 2 rows per device: K = 1, 2
+        step = build_train_step(
+            make_grpo_loss(cfg.model, cfg.grpo, NEW, None), opt, sh, mesh, micro_batch=mb, donate=False
+        )
+        txt = step.lower(init_state(params, opt), circuit_state(None, params), b).compile().as_text()
+        parts, note, slow_parts = collectives(txt, 2, islands)
+        assert not note
+        slow[mb], fast[mb] = sum(slow_parts.values()), sum(parts.values()) - sum(slow_parts.values())
+    assert slow[0] > 0 and slow[1] <= slow[0] * 1.01, slow
+    assert fast[1] > fast[0], fast  # fsdp's gathers run per micro-batch: the loop is real and counted
 
 
 def _collectives_by_computation(compiled_text):

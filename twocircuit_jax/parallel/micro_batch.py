@@ -18,11 +18,14 @@ third output, the codec's per-boundary aux, is combined on its own: the leaves t
 
 micro_batch = 0 (or K = 1) returns the plain `jax.value_and_grad`: no scan, today's program exactly. Cost of K > 1:
 the parameters are read K times per pass and the fp32 gradient carry (4 bytes a parameter) lives through the scan.
-Communication: on a data-only mesh (parameters replicated) each replica accumulates its own rows inside a
-shard_map and the fp32 gradient is summed over replicas once, after the loop; fp32 on the wire, twice a bf16
-parameter's bytes (left to the partitioner, XLA:CPU and the TPU compiler both keep the all-reduce inside the loop:
-K a step). With parameters sharded (fsdp, tensor) the scan runs under the partitioner and pays that per-micro-batch
-reduce. Under a gradient codec each replica accumulates locally and the codec reduces once.
+Communication: the gradient is summed over data replicas once per pass, after the loop, never per micro-batch
+(left to the partitioner, XLA:CPU and the TPU compiler both keep that all-reduce inside the loop: K a pass, and
+`data` is the axis that crosses the slow link between islands). On a data-only mesh (parameters replicated) each
+replica accumulates its own rows inside a shard_map manual over every axis; with parameters sharded over fsdp, inside
+a shard_map manual over `data` alone, the fsdp gathers and reduce-scatters per micro-batch staying inside the
+island. fp32 on the wire, twice a bf16 parameter's bytes. With tensor > 1 and data > 1 the scan runs under the
+partitioner and pays the per-micro-batch data reduce (XLA's SPMD partitioner aborts on the vocab-split gathers inside
+a shard_map manual over `data`). Under a gradient codec each replica accumulates locally and the codec reduces once.
 """
 
 from __future__ import annotations
@@ -95,9 +98,9 @@ def split(batch: dict, k: int, mesh=None):
     return stacked, shared
 
 
-def _constrain(x, mesh, axis: int):
+def _constrain(x, mesh, axis: int, axes=pmesh.BATCH_AXES):
     spec = [None] * x.ndim
-    spec[axis] = pmesh.BATCH_AXES
+    spec[axis] = axes
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
 
 
@@ -144,8 +147,9 @@ def value_and_grad(loss_fn, micro_batch: int = 0, *, dp: int = 1, mesh=None):
     hold the batch's rows; inside a shard_map the rows are local: dp = 1). `mesh`: the SPMD path. On a data-only
     mesh (parameters replicated) each replica accumulates its own rows inside a shard_map and the gradient is
     summed over replicas once, after the loop (left to the partitioner, XLA all-reduces every micro-batch's
-    gradient inside the loop: K all-reduces); with parameters sharded (fsdp, tensor) the scan runs under the
-    partitioner, the carry on the parameter shardings. Gradients come back in the parameters' dtype, as
+    gradient inside the loop: K all-reduces); with parameters sharded over fsdp and data > 1, manual over `data`
+    alone (`_per_data_replica`): the data reduction once, after the loop; otherwise (data 1, or tensor > 1) the scan
+    runs under the partitioner, the carry on the parameter shardings. Gradients come back in the parameters' dtype, as
     unaccumulated; the aux combined by `reduce_aux` (summed or averaged leaf by leaf, as the codec declares)."""
     plain = plain_value_and_grad(loss_fn)
     if not micro_batch:
@@ -159,6 +163,8 @@ def value_and_grad(loss_fn, micro_batch: int = 0, *, dp: int = 1, mesh=None):
         batch = with_normalisers(batch)
         if mesh is not None and _replicated_params(mesh):
             return _per_replica(local, mesh, params, batch, rest)
+        if mesh is not None and mesh.shape["data"] > 1 and mesh.shape["tensor"] == 1:
+            return _per_data_replica(plain, micro_batch, mesh, params, batch, rest)
         stacked, shared = split(batch, k, mesh)
         pin = (lambda t: t) if mesh is None else _param_pin(params, mesh)
 
@@ -226,6 +232,53 @@ def _per_replica(local, mesh, params, batch, rest):
         mesh=mesh,
         in_specs=(jax.tree.map(lambda _: P(), params), batch_spec, jax.tree.map(lambda _: P(), rest)),
         out_specs=(P(), P(), metric_spec, P()),
+        check_vma=False,
+    )(params, batch, rest)
+    return (loss, metrics, aux), jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
+
+
+def _per_data_replica(plain, micro_batch, mesh, params, batch, rest):
+    """Parameters sharded (fsdp, tensor) and data > 1: a shard_map manual over `data` alone. Inside, each data
+    replica's scan is the partitioner's fsdp/tensor program over its own rows (rows split over `fsdp`, the fp32 carry
+    on the parameters' shardings), so the only collectives in the loop stay inside a replica (fsdp's gathers and
+    reduce-scatters, on the island's fast links when `data` is the axis that crosses the slow one); the gradient and
+    loss are summed over `data` once, after the loop. Metrics and aux combine as in `_per_replica`."""
+    fsdp = mesh.shape["fsdp"]
+
+    def body(params, batch, rest):
+        am = jax.sharding.get_abstract_mesh()
+        k = count(batch["response_mask"].shape[0], micro_batch, fsdp)
+        stacked, shared = split(batch, k)
+        row = lambda x, axis: _constrain(x, am, axis, ("fsdp",))  # noqa: E731
+        stacked = {n: row(x, 1) for n, x in stacked.items()}
+        sh = pmesh.param_shardings(params, am)
+        pin = lambda tree: jax.tree.map(jax.lax.with_sharding_constraint, tree, sh)  # noqa: E731
+
+        def step(acc, mb):
+            mb = {n: row(x, 0) for n, x in mb.items()}
+            (loss, metrics, aux), g = plain(params, {**shared, **mb}, *rest)
+            acc = pin(jax.tree.map(lambda a, x: a + x.astype(F32), acc, g))
+            return acc, (loss, metrics, aux, jnp.sum(mb["response_mask"].astype(F32)))
+
+        zeros = pin(jax.tree.map(lambda p: jnp.zeros(p.shape, F32), params))
+        acc, (losses, metrics, aux, tokens) = jax.lax.scan(step, zeros, stacked)
+        gather = lambda x: jax.lax.all_gather(x, "data", axis=0, tiled=True)  # noqa: E731  [K, ...] -> [D*K, ...]
+        rows = {n: join_rows(v) for n, v in metrics.items() if v.ndim > 1}
+        summary = {n: gather(v) for n, v in metrics.items() if n not in rows}
+        metrics = {**combine_metrics(summary, gather(tokens)), **rows}
+        aux = reduce_aux(jax.tree.map(gather, aux))
+        return pin(jax.lax.psum(acc, "data")), jax.lax.psum(jnp.sum(losses), "data"), metrics, aux
+
+    local = _local_accumulation(plain, micro_batch)
+    out_shape = jax.eval_shape(functools.partial(_metric_shapes, local), params, batch, rest)
+    batch_spec = jax.tree.map(lambda x: P("data") if jnp.ndim(x) else P(), batch)
+    metric_spec = {n: P("data") if v.ndim else P() for n, v in out_shape.items()}
+    acc, loss, metrics, aux = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(jax.tree.map(lambda _: P(), params), batch_spec, jax.tree.map(lambda _: P(), rest)),
+        out_specs=(P(), P(), metric_spec, P()),
+        axis_names={"data"},
         check_vma=False,
     )(params, batch, rest)
     return (loss, metrics, aux), jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
