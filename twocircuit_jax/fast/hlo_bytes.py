@@ -94,7 +94,8 @@ def _root(lines: list):
 
 
 def _through(defs: dict, name: str):
-    """Follow copies, bitcasts and converts back to the instruction that made the value: (op, operands, line)."""
+    """Follow copies, bitcasts, converts and reshapes back to the instruction that made the value: (op, operands,
+    line)."""
     for _ in range(64):
         d = defs.get(name)
         if d is None or d[0] not in _PASS_THROUGH or not d[1]:
@@ -119,15 +120,17 @@ def _counter(defs: dict, name: str):
     return int(m.group(1)) if (m and src is not None and src[0] == "parameter") else None
 
 
-def _derived_trip(comps: dict, caller: list, line: str):
+def _derived_trip(comps: dict, defs, caller: str, line: str):
     """The trip count of one `while` from its text, for compilers that record none (TPU's compiled programs): the
     condition is `counter < N` on one element of the loop's tuple, the body adds a constant step to that element,
-    and the loop's operand tuple starts it at a constant. Any other shape gives None (the loop stays unknown)."""
+    and the loop's operand tuple starts it at a constant. Any other shape gives None (the loop stays unknown).
+    `defs(name)`: `_defs` of computation `name`, each parsed once however many loops read it; `caller`: the
+    computation holding the `while`."""
     m = _WHILE_PARTS.search(line)
     if m is None or m.group(2) not in comps or m.group(3) not in comps:
         return None
     operand, cond, body = m.groups()
-    cdefs = _defs(comps[cond])
+    cdefs = defs(cond)
     root = _root(comps[cond])
     r = INSTR.match(root) if root else None
     if r is None or r.group(3) != "compare" or "direction=LT" not in root:
@@ -138,7 +141,7 @@ def _derived_trip(comps: dict, caller: list, line: str):
     k, limit = _counter(cdefs, ops[0]), _constant(cdefs, ops[1])
     if k is None or limit is None:
         return None
-    bdefs = _defs(comps[body])
+    bdefs = defs(body)
     broot = _root(comps[body])
     b = INSTR.match(broot) if broot else None
     if b is None or b.group(3) != "tuple":
@@ -151,10 +154,12 @@ def _derived_trip(comps: dict, caller: list, line: str):
     step = (
         _constant(bdefs, a1) if _counter(bdefs, a0) == k else _constant(bdefs, a0) if _counter(bdefs, a1) == k else None
     )
-    tup = _through(_defs(caller), operand)
+    if caller not in comps:
+        return None
+    tup = _through(defs(caller), operand)
     if not step or step <= 0 or tup is None or tup[0] != "tuple" or k >= len(tup[1]):
         return None
-    start = _constant(_defs(caller), tup[1][k])
+    start = _constant(defs(caller), tup[1][k])
     if start is None:
         return None
     return max(0, -(-(limit - start) // step))
@@ -168,10 +173,17 @@ def with_derived_trips(hlo_text: str) -> tuple:
     for name, lines in comps.items():
         for ln in lines:
             owner[ln] = name
+    parsed = {}
+
+    def defs(name):
+        if name not in parsed:
+            parsed[name] = _defs(comps[name])
+        return parsed[name]
+
     out, unknown = [], 0
     for line in hlo_text.splitlines():
         if " while(" in line and not _KNOWN_TRIPS.search(line):
-            n = _derived_trip(comps, comps.get(owner.get(line), []), line)
+            n = _derived_trip(comps, defs, owner.get(line), line)
             if n is None:
                 unknown += 1
             else:
