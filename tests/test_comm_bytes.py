@@ -107,7 +107,7 @@ def test_anchor_fires_count_on_the_config_side(comm_bytes, capsys):
 
 def test_staged_powersgd_counts_its_steady_state(comm_bytes, capsys, tmp_path):
     """mesh data 2 x stage 2 with PowerSGD (default warm-up, start_after 100): the count is of the compressed
-    reduction alone (compiled with start_after 0, and the output says so), the boundaries carry the dense
+    reduction alone (the train step's steady program, and the output says so), the boundaries carry the dense
     activation on both sides, and the gradient reduction is smaller than the dense twin's: each stage reduces its own
     layers' P and Q over `data`, and nothing of the layer stack is gathered over `stage`."""
     import yaml
@@ -126,7 +126,7 @@ def test_staged_powersgd_counts_its_steady_state(comm_bytes, capsys, tmp_path):
     path.write_text(yaml.safe_dump(cfg))
     assert comm_bytes.main(["--config", str(path), "--devices", "4"]) == 0
     out = capsys.readouterr().out
-    assert "steady state (compiled with start_after=0); its first 100 reductions send the plain mean" in out
+    assert "steady state (the train step's steady program); its first 100 reductions run the warm-up" in out
     assert re.search(r"boundary_ratio=1\.00x", out), out
     dense, comp = (float(x) for x in re.search(r"grad_reduce_dense_bytes=(\d+) grad_reduce_bytes=(\d+)", out).groups())
     # per stage: the embedding and final norm (1,616 values, reduced whole) plus its layer's P and Q (576 values

@@ -47,18 +47,18 @@ def _replica(g, i):
 _CACHE = {}
 
 
-def _sharded(cfg, state, interpret=False):
+def _sharded(cfg, state, interpret=False, phase=None):
     """jit(shard_map(powersgd_reduce)) -> f(g, state, skip=False) = (mean, new_state, metrics).
 
     Replicated outputs come back once per replica and are checked bit-identical (design §8 inv. 8) before the
-    first copy is returned. One compile per (cfg, tree, interpret); `skip` is traced so it reuses it.
+    first copy is returned. One compile per (cfg, tree, interpret, phase); `skip` is traced so it reuses it.
     """
-    key = (cfg, jax.tree.structure(state), interpret)
+    key = (cfg, jax.tree.structure(state), interpret, phase)
     if key not in _CACHE:
         specs = state_specs(state, AX)
 
         def body(g, st, skip):
-            mean, new, m = powersgd_reduce(_replica(g, 0), st, cfg, AX, skip=skip, interpret=interpret)
+            mean, new, m = powersgd_reduce(_replica(g, 0), st, cfg, AX, skip=skip, interpret=interpret, phase=phase)
             return jax.tree.map(lambda x: x[None], (mean, new.Q, new.step, m)), new.e
 
         _CACHE[key] = dispatch.jit(
@@ -174,6 +174,30 @@ def test_start_after_is_plain_mean_and_error_feedback_off():
     cfg_nf = dataclasses.replace(cfg, start_after=0, error_feedback=False)
     _, s3, _ = powersgd_reference([_replica(g, i) for i in range(R)], init_powersgd(cfg_nf, PARAMS, R), cfg_nf)
     assert all(float(jnp.abs(e).max()) == 0 for e in s3.e.values())
+
+
+def test_each_phase_alone_is_the_cond_at_its_step():
+    """The trainer's two train-step programs (step/programs.py PhasedTrainStep) build one phase each: the plain
+    phase gives what the one-program cond gives during the warm-up, the compressed phase what it gives after, bit
+    for bit (mean, Q, e, step and metrics); the compressed phase compresses even before `start_after` (the caller
+    owns the choice), and a phase outside the three is refused."""
+    cfg = PowerSGDConfig(rank=2, start_after=1)
+    state = init_powersgd(cfg, PARAMS, R)
+    g, g2 = _grads(8), _grads(9)
+    both = _sharded(cfg, state)
+    plain, comp = _sharded(cfg, state, phase="plain"), _sharded(cfg, state, phase="compressed")
+    out0, s1, m0 = both(g, state)
+    p0, ps1, pm0 = plain(g, state)
+    out1, s2, m1 = both(g2, s1)
+    c1, cs2, cm1 = comp(g2, s1)
+    assert float(m0["powersgd/compressed"]) == 0.0 and float(m1["powersgd/compressed"]) == 1.0
+    for a, b in ((out0, p0), (s1, ps1), (m0, pm0), (out1, c1), (s2, cs2), (m1, cm1)):
+        _close(a, b, 0)
+    early, _, em = comp(g, state)  # step 0 < start_after: the compressed phase compresses all the same
+    assert float(em["powersgd/compressed"]) == 1.0
+    assert float(jnp.abs(early["head"] - p0["head"]).max()) > 1e-3
+    with pytest.raises(ValueError, match="phase must be None, 'plain' or 'compressed'"):
+        powersgd_reduce(_replica(g, 0), state, cfg, AX, phase="warm")
 
 
 def test_kernel_path_matches_and_refuses_without_interpret():

@@ -20,7 +20,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.tpu_compile]  # compiles for TPU
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 SETS = ["mesh.dcn_data=2", "model.num_layers=2", "fast.pp_size=2"]
-SETS += ["fast.grad_codec={type: powersgd, rank: 2, start_after: 0}"]  # what crosses the slow link, compressed
+# what crosses the slow link, compressed; a warm-up of one reduce, so the plan compiles its program too
+SETS += ["fast.grad_codec={type: powersgd, rank: 2, start_after: 1}"]
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +71,20 @@ def test_slow_link_bytes_and_times(two_slices):
     assert links.step_at(p, gbps_bytes(1)) == pytest.approx(rows[2]["step_s"])
     assert 0 < s["slow_bytes"] < lk["dense_slow_bytes"]  # PowerSGD's factors against the dense gradient
     assert rows[2]["speedup"] > 1  # at 1 Gb/s the compressed step is the faster
+
+
+def test_the_warm_up_is_a_program_that_must_fit_but_does_not_count_in_a_step(two_slices):
+    """PowerSGD's warm-up (its plain mean) is a train-step program of its own (step/programs.py PhasedTrainStep): the
+    plan compiles it and counts it in the peak, not in the steady step's time or bytes; its slow-link bytes are the
+    dense gradient's, far above the compressed step's."""
+    rc, out, p = two_slices
+    warm, train = p["programs"]["train_step_warmup"], p["programs"]["train_step"]
+    assert warm["runs_per_step"] == 0 and train["runs_per_step"] > 0
+    assert warm["peak"] > 0 and p["peak"]["bytes"] >= warm["peak"]
+    assert warm["slow_bytes"] > 2 * train["slow_bytes"]
+    assert p["step"]["slow_bytes"] == pytest.approx(
+        sum(r["runs_per_step"] * r["slow_bytes"] for r in p["programs"].values())
+    )
 
 
 def test_bad_dcn_gbps_is_refused():

@@ -4,7 +4,8 @@ scripts/comm_bytes.py counts and the accelerator export tests lower) are the pro
 A real trainer on a tiny config runs one GRPO step with every jitted program it calls observed: the arguments it
 passes (shape, dtype, sharding) are recorded. The shapes-only assembly of the same config must list the same
 programs with the same abstract arguments, and each program lowered on its arguments must give the same StableHLO
-text (hashed): dense with separate ℓ_old and ℓ_ref passes; the PRF mask with PowerSGD; the anchor with a low-rank
+text (hashed): dense with separate ℓ_old and ℓ_ref passes; the PRF mask with PowerSGD (its warm-up and steady
+train steps, one step each); the anchor with a low-rank
 basis it owns, the probe, and its dense reference pass; the fused ℓ_old path under PowerSGD."""
 
 import dataclasses
@@ -17,6 +18,7 @@ from tiny_run import tiny_config
 
 from twocircuit_jax.config import load_config
 from twocircuit_jax.step.abstract_step import abstract_programs
+from twocircuit_jax.step.programs import PhasedTrainStep
 from twocircuit_jax.train import loop
 
 pytestmark = pytest.mark.slow  # builds a GRPOTrainer and runs a step
@@ -78,9 +80,12 @@ NAMES = ("train_step", "diagnostics", "logp_old", "logp_ref", "logp_dense", "log
 
 CASES = {
     "dense": dict(grpo={"kl_coef": 0.01}),
+    # a warm-up of one reduce: the train step is two programs (PhasedTrainStep), step 1 runs the plain mean's,
+    # step 2 the compressed one's
     "prf_powersgd": dict(
         grpo={"kl_coef": 0.01},
-        fast={"codec": {"type": "prf_mask", "p": 0.5}, "grad_codec": {"type": "powersgd", "rank": 2}},
+        fast={"codec": {"type": "prf_mask", "p": 0.5}, "grad_codec": {"type": "powersgd", "rank": 2, "start_after": 1}},
+        train={"steps": 2},
     ),
     "anchor_lowrank_probe": dict(
         grpo={"kl_coef": 0.01},
@@ -106,12 +111,20 @@ def test_the_trainer_runs_the_programs_built_from_shapes(tmp_path, case):
         assert tr.built.model_cfg == cfg.model  # the shapes side builds cfg.model
         programs = tr.built.programs
         observed = {n: _Observed(getattr(programs, n)) for n in NAMES if getattr(programs, n) is not None}
+        swap = dict(observed)
+        if isinstance(programs.train_step, PhasedTrainStep):  # each of its two programs observed on its own
+            ts = programs.train_step
+            observed["train_step_warmup"], observed["train_step"] = _Observed(ts.warmup), _Observed(ts.steady)
+            swap["train_step"] = PhasedTrainStep(
+                observed["train_step_warmup"], observed["train_step"], ts.warmup_reduces
+            )
         # every later call reads its programs from the built run: the spies go into a new one
-        tr.built = dataclasses.replace(tr.built, programs=programs._replace(**observed))
+        tr.built = dataclasses.replace(tr.built, programs=programs._replace(**swap))
         if tr.built.anchor is not None:
             observed["anchor_fire"] = _Observed(tr.built.anchor._fire_jit)
             tr.built.anchor._fire_jit = observed["anchor_fire"]
-        tr.step()
+        for _ in range(train["steps"]):
+            tr.step()
         ran = {n: o.calls[0] for n, o in observed.items() if o.calls}
         jax.clear_caches()  # a cached lowering keeps the spelling of the shardings of the call that made it
         real = {n: _fingerprint(observed[n].jitted, *ran[n]) for n in ran}

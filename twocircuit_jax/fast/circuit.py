@@ -360,12 +360,13 @@ class FastCircuit:
         return {k: out[k] for k in ("comm/bytes_compressed", "comm/bytes_dense", "comm/bytes_ratio")}
 
     # --- gradient codec ---------------------------------------------------------------------------------------
-    def grad_fn(self, param_shardings, micro_batch: int = 0):
+    def grad_fn(self, param_shardings, micro_batch: int = 0, phase: str | None = None):
         """None: XLA's implicit dp mean. A gradient codec: a shard_map over the batch axes around value_and_grad,
         accumulated over micro-batches of `micro_batch` rows per device (train.micro_batch_per_device; 0 = one pass). Manual
         over `data` only (hierarchical), a replica's rows are its fsdp x tensor devices' rows: its micro-batch is
-        that many devices' micro-batches, which the partitioner splits over them again."""
+        that many devices' micro-batches, which the partitioner splits over them again. `phase`: the codec's warm-up
+        or steady reduction alone (fast/grad_fn.py make_codec_grad_fn)."""
         if self.grad_codec is None:
             return None
         group = dp_size(self.mesh) // self.grad_replicas
-        return make_codec_grad_fn(self.grad_codec, self.mesh, micro_batch=micro_batch * group)
+        return make_codec_grad_fn(self.grad_codec, self.mesh, micro_batch=micro_batch * group, phase=phase)

@@ -58,10 +58,11 @@ def global_normalisers(response_mask, axes) -> dict:
     return {"token_count": tokens / n_rep, "seq_count": seqs / n_rep}
 
 
-def make_codec_grad_fn(codec, mesh, *, axes=BATCH_AXES, micro_batch: int = 0):
+def make_codec_grad_fn(codec, mesh, *, axes=BATCH_AXES, micro_batch: int = 0, phase: str | None = None):
     """factory(loss_fn) -> fn(params, batch, cs) -> (mean grads, loss, metrics, aux, cs with the next cs.grad);
     `codec` is the registered gradient codec (fast/codecs/base.GradCodec). `micro_batch` > 0: each replica accumulates its
-    gradient over micro-batches of that many of its rows (parallel/micro_batch.py) and the codec reduces the sum once."""
+    gradient over micro-batches of that many of its rows (parallel/micro_batch.py) and the codec reduces the sum once.
+    `phase`: the codec's warm-up ("plain") or steady ("compressed") reduction alone; None, the codec picks on device."""
 
     hier = getattr(codec, "replica_axes", None)
     axes = hier or axes
@@ -84,7 +85,7 @@ def make_codec_grad_fn(codec, mesh, *, axes=BATCH_AXES, micro_batch: int = 0):
                 cs = unpack(cs)
                 batch = dict(batch, **global_normalisers(batch["response_mask"], axes))
                 (loss, metrics, aux), grads = accumulate.value_and_grad(loss_fn, micro_batch)(params, batch, cs)
-                mean, new_state, pm = codec.reduce(grads, cs.grad, axes)
+                mean, new_state, pm = codec.reduce(grads, cs.grad, axes, phase=phase)
                 metrics = _reduce_metrics(dict(metrics), axes)
                 metrics.update(pm)
                 return mean, jax.lax.pmean(loss, axes), metrics, _reduce_aux(aux, axes), new_state

@@ -27,6 +27,9 @@ def usage(cfg, names) -> dict:
     probe = 1 / t.probe_every if t.probe_every else 0.0
     table = {
         "train_step": Usage(ticks, mini, True),
+        # the gradient codec's warm-up (its first start_after reduces of a run): it must fit, but a steady step
+        # does not run it
+        "train_step_warmup": Usage(0, mini, True),
         "logp_old": Usage(1, step, False),
         "diagnostics": Usage(1, 0, False),  # [B, T] scalars only: no model flops
         "logp_ref": Usage(1, step, False),

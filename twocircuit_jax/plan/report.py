@@ -27,6 +27,7 @@ from twocircuit_jax.plan.programs import generation_programs, programs, usage
 # the program's own inputs, made for it (a mini-batch slice, the snapshot weights the anchor replays).
 RESIDENT_ARGS = {
     "train_step": (0, 1),  # state, circuit state (the mini-batch is sliced from the step batch for the call)
+    "train_step_warmup": (0, 1),
     "logp_old": (0, 1, 2),  # live params, the step's rows, circuit state
     "logp_ref": (0, 1, 2),  # reference params, the step's rows, circuit state
     "logp_dense": (0, 1, 2),

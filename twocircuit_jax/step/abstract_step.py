@@ -123,20 +123,30 @@ def abstract_assembly(cfg, devices, *, lowering_platform: str | None = None) -> 
     return Assembly(mesh, state, state_sh, circuits, programs, place(batch), place(passes))
 
 
+def _steady(train_step):
+    """The program a run's ticks execute past a gradient codec's warm-up (step/programs.py PhasedTrainStep)."""
+    from twocircuit_jax.step.programs import PhasedTrainStep
+
+    return train_step.steady if isinstance(train_step, PhasedTrainStep) else train_step
+
+
 def abstract_programs(cfg, devices, *, lowering_platform: str | None = None) -> dict[str, Program]:
     """{name: Program(jitted, args)} for every program a run of `cfg` executes (the loop's own objects):
-    train_step always; logp_old and diagnostics unless the train forward is the ℓ_old pass; logp_ref with a KL
+    train_step always (past a gradient codec's warm-up; train_step_warmup, the warm-up's plain mean, when the
+    codec has one); logp_old and diagnostics unless the train forward is the ℓ_old pass; logp_ref with a KL
     term; logp_dense, probe_sums and fidelity with the probe; anchor_fire with the anchor, and logp_anchor_ref
     when its dense ℓ_ref is a pass of its own (the codec acts on the reference pass)."""
     from twocircuit_jax.parallel import mesh as pmesh
-    from twocircuit_jax.step.programs import anchor_ref_own_pass
+    from twocircuit_jax.step.programs import PhasedTrainStep, anchor_ref_own_pass
 
     a = abstract_assembly(cfg, devices, lowering_platform=lowering_platform)
     p, c, cs, params = a.programs, a.circuits, a.circuits.cs, a.state.params
     from twocircuit_jax.step.train_step import reference_copy
 
     ref = reference_copy(params, cfg.model.compute_dtype)  # the loop's frozen copy (step/train_step.py)
-    out = {"train_step": Program(p.train_step, (a.state, cs, a.batch))}
+    out = {"train_step": Program(_steady(p.train_step), (a.state, cs, a.batch))}
+    if isinstance(p.train_step, PhasedTrainStep):  # the gradient codec's warm-up: a program of its own
+        out["train_step_warmup"] = Program(p.train_step.warmup, (a.state, cs, a.batch))
     lp = a.step_rows["tokens"]
     full = jax.ShapeDtypeStruct(lp.shape, jnp.float32, sharding=lp.sharding)  # a [B, T] fp32 over the step's rows
     if not p.fused_old_pass:
@@ -164,7 +174,10 @@ def abstract_programs(cfg, devices, *, lowering_platform: str | None = None) -> 
 
 
 def abstract_train_step(cfg, devices, *, lowering_platform: str | None = None) -> AbstractStep:
-    """The train step alone (Program `train_step` of `abstract_programs`), with the fast circuit and the mesh."""
+    """The train step alone (Program `train_step` of `abstract_programs`: past a gradient codec's warm-up), with
+    the fast circuit and the mesh."""
     a = abstract_assembly(cfg, devices, lowering_platform=lowering_platform)
     args = (a.state, a.circuits.cs, a.batch)
-    return AbstractStep(a.programs.train_step, args, a.circuits.fast, a.state.params, a.state_sh.params, a.mesh)
+    return AbstractStep(
+        _steady(a.programs.train_step), args, a.circuits.fast, a.state.params, a.state_sh.params, a.mesh
+    )

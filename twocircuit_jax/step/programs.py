@@ -8,7 +8,8 @@ from shapes is the program a run executes, not a look-alike:
                                                  state with its shardings (arrays; ShapeDtypeStructs with
                                                  `abstract=True`, nothing allocated)
   build_programs(cfg, model_cfg, mesh, optimizer, state_sh, circuits)
-                                                 the loss and every jitted program: the train step (with the fused
+                                                 the loss and every jitted program: the train step (two programs,
+                                                 `PhasedTrainStep`, when the gradient codec has a warm-up; with the fused
                                                  ℓ_old diagnostics when the step's one forward is the old pass, the
                                                  replica gather under a gradient codec, the anchor's merger), the
                                                  ℓ_old, ℓ_ref, dense and anchor ℓ_ref^dense passes, the diagnostics,
@@ -118,10 +119,37 @@ class StagedComm:
             self.parts = step_comm(train_step, args, self.replicas, self.ticks)
 
 
+class PhasedTrainStep:
+    """The train step of a gradient codec with a warm-up (PowerSGD's `start_after`): two programs, the warm-up's
+    plain mean and the steady compressed reduction, called like one. A single program would hold both reductions
+    in a `lax.cond`, and XLA keeps both branches' buffers: at Qwen2.5-1.5B on a v5e-8 that is 8.72 GiB of
+    temporaries against 7.66, the difference between fitting and not (docs/scale.md). Each program compiles on its
+    first call, so a run that resumes past the warm-up never compiles the plain one. The choice reads the codec's
+    reduce count from the device (a host sync before the call) during the warm-up only: the count only grows, so
+    once the steady program has run it runs for good."""
+
+    def __init__(self, warmup, steady, warmup_reduces: int):
+        self.warmup, self.steady, self.warmup_reduces = warmup, steady, int(warmup_reduces)
+        self._steady = False
+
+    def program_for(self, cs):
+        """The program a call with circuit state `cs` runs."""
+        if not self._steady:
+            self._steady = int(cs.grad.step) >= self.warmup_reduces
+        return self.steady if self._steady else self.warmup
+
+    def __call__(self, state, cs, batch):
+        return self.program_for(cs)(state, cs, batch)
+
+    def lower(self, state, cs, batch):
+        return self.program_for(cs).lower(state, cs, batch)
+
+
 class Programs(NamedTuple):
     fused_old_pass: bool  # the train step's forward is the old-log-prob pass (fuses_old_pass)
     loss_fn: Any  # the GRPO loss the train step differentiates
-    train_step: Any  # (state, cs, mini-batch) -> (state, cs, metrics), state and cs donated
+    train_step: Any  # (state, cs, mini-batch) -> (state, cs, metrics), state and cs donated; a PhasedTrainStep
+    # when the gradient codec has a warm-up
     diagnostics: Any  # (ℓ_old, ℓ_sampler, response mask, full mask, truncated, entropy) -> (TIS weights, metrics)
     logp_old: Any  # (params, rows, cs) -> (ℓ_old, entropy, codec aux): the codec's view when it acts on ℓ_old
     logp_ref: Any  # (ref params, rows, cs) -> ...: ℓ_ref in the codec's view when it acts on the reference
@@ -159,7 +187,7 @@ def build_programs(cfg, model_cfg, mesh, optimizer, state_sh, circuits: Circuits
             mesh=mesh,
         )
         fidelity = dispatch.jit(under(mesh, fid))
-    train_step = build_train_step(
+    step_of = lambda grad_fn: build_train_step(  # noqa: E731
         loss_fn,
         optimizer,
         state_sh,
@@ -171,6 +199,15 @@ def build_programs(cfg, model_cfg, mesh, optimizer, state_sh, circuits: Circuits
         skip_nonfinite=cfg.train.skip_nonfinite,
         micro_batch=mb,
     )
+    warmup = fc.grad_codec.warmup_reduces if (fc and fc.grad_codec is not None) else 0
+    if warmup > 0:  # the warm-up's plain mean and the compressed reduction as two programs (PhasedTrainStep)
+        train_step = PhasedTrainStep(
+            step_of(fc.grad_fn(state_sh.params, micro_batch=mb, phase="plain")),
+            step_of(fc.grad_fn(state_sh.params, micro_batch=mb, phase="compressed")),
+            warmup,
+        )
+    else:
+        train_step = step_of(grad_fn)
     rows = dict(micro_batch=mb, mesh=mesh)  # the forward-only passes hold one micro-batch's activations too
     return Programs(
         fused_old_pass=fused_old_pass,

@@ -218,7 +218,14 @@ class GradCodec:
         shard_map view over the batch axes."""
         return self.state_specs(state, axes)
 
-    def reduce(self, grads, state, axes):
+    @property
+    def warmup_reduces(self) -> int:
+        """Reduces at the start that take the plain mean (0: none). > 0: the trainer compiles the warm-up and the
+        steady reduction as two train-step programs (step/programs.py `PhasedTrainStep`) and `reduce` is called with
+        `phase` "plain" or "compressed"; None leaves the choice to the codec on device."""
+        return 0
+
+    def reduce(self, grads, state, axes, phase=None):
         raise NotImplementedError
 
     def wire_bytes(self, params_like, state=None) -> dict:
