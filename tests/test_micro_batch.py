@@ -119,7 +119,7 @@ def test_accumulated_step_equals_whole_minibatch_on_one_device_and_8_replicas(da
 def test_accumulated_step_on_an_fsdp_tensor_mesh(data, shape):
     """Parameters sharded over fsdp (and tensor): the fp32 carry pinned to their shardings, the same step as the
     whole mini-batch on one device: data 2 x fsdp 4 accumulates each data replica inside a shard_map manual over
-    `data` (micro_batch._per_data_replica); with tensor 2 the scan runs under the partitioner."""
+    `data` (micro_batch._over_replicas); with tensor 2 the scan runs under the partitioner."""
     cfg, params, batch = data
     mesh = pmesh.make_mesh(MeshConfig(*shape), jax.devices())
     mb = B // 8 // 2  # K = 2 micro-batches of every device's rows

@@ -30,8 +30,6 @@ a shard_map manual over `data`). Under a gradient codec each replica accumulates
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -145,16 +143,14 @@ def value_and_grad(loss_fn, micro_batch: int = 0, *, dp: int = 1, mesh=None):
     """`plain_value_and_grad(loss_fn)`: fn(params, batch, *rest) -> ((loss, metrics, aux), grads) of a loss that
     returns (loss, metrics, aux), accumulated over micro-batches of `micro_batch` rows per replica (`dp` replicas
     hold the batch's rows; inside a shard_map the rows are local: dp = 1). `mesh`: the SPMD path. On a data-only
-    mesh (parameters replicated) each replica accumulates its own rows inside a shard_map and the gradient is
-    summed over replicas once, after the loop (left to the partitioner, XLA all-reduces every micro-batch's
-    gradient inside the loop: K all-reduces); with parameters sharded over fsdp and data > 1, manual over `data`
-    alone (`_per_data_replica`): the data reduction once, after the loop; otherwise (data 1, or tensor > 1) the scan
-    runs under the partitioner, the carry on the parameter shardings. Gradients come back in the parameters' dtype, as
+    mesh (parameters replicated) each replica accumulates its own rows inside a shard_map manual over every axis;
+    with parameters sharded over fsdp and data > 1, manual over `data` alone; either way the gradient is summed over
+    the replicas once, after the loop (`_over_replicas`). Otherwise (data 1, or tensor > 1) the scan runs under the
+    partitioner, the carry on the parameter shardings. Gradients come back in the parameters' dtype, as
     unaccumulated; the aux combined by `reduce_aux` (summed or averaged leaf by leaf, as the codec declares)."""
     plain = plain_value_and_grad(loss_fn)
     if not micro_batch:
         return plain
-    local = _local_accumulation(plain, micro_batch)
 
     def fn(params, batch, *rest):
         k = count(batch["response_mask"].shape[0], micro_batch, dp)
@@ -162,45 +158,31 @@ def value_and_grad(loss_fn, micro_batch: int = 0, *, dp: int = 1, mesh=None):
             return plain(params, batch, *rest)
         batch = with_normalisers(batch)
         if mesh is not None and _replicated_params(mesh):
-            return _per_replica(local, mesh, params, batch, rest)
+            return _over_replicas(plain, micro_batch, mesh, pmesh.BATCH_AXES, params, batch, rest)
         if mesh is not None and mesh.shape["data"] > 1 and mesh.shape["tensor"] == 1:
-            return _per_data_replica(plain, micro_batch, mesh, params, batch, rest)
+            return _over_replicas(plain, micro_batch, mesh, "data", params, batch, rest)
         stacked, shared = split(batch, k, mesh)
+        rows = (lambda x, axis: x) if mesh is None else (lambda x, axis: _constrain(x, mesh, axis))
         pin = (lambda t: t) if mesh is None else _param_pin(params, mesh)
-
-        def body(acc, mb):
-            if mesh is not None:
-                mb = {n: _constrain(x, mesh, 0) for n, x in mb.items()}
-            (loss, metrics, aux), g = plain(params, {**shared, **mb}, *rest)
-            acc = pin(jax.tree.map(lambda a, x: a + x.astype(F32), acc, g))
-            return acc, (loss, metrics, aux, jnp.sum(mb["response_mask"].astype(F32)))
-
-        zeros = pin(jax.tree.map(lambda p: jnp.zeros(p.shape, F32), params))
-        acc, (losses, metrics, aux, tokens) = jax.lax.scan(body, zeros, stacked)
+        acc, (losses, metrics, aux, tokens) = _accumulate(plain, params, stacked, shared, rest, rows, pin)
         grads = jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
         return (jnp.sum(losses), combine_metrics(metrics, tokens), reduce_aux(aux)), grads
 
     return fn
 
 
-def _local_accumulation(plain, micro_batch):
-    """(params, rows, rest) -> (fp32 gradient sum, loss sum, metrics stacked [K], aux stacked [K], tokens [K]) over
-    this replica's rows (all of them when unsharded)."""
+def _accumulate(plain, params, stacked, shared, rest, rows, pin):
+    """The scan over micro-batches: (fp32 gradient sum, (losses, metrics, aux, response tokens), each stacked [K]).
+    `rows(x, axis)` places a micro-batch's rows (axis 0) or the stack's (axis 1); `pin` the fp32 carry."""
 
-    def fn(params, batch, rest):
-        k = count(batch["response_mask"].shape[0], micro_batch)
-        stacked, shared = split(batch, k)
+    def body(acc, mb):
+        mb = {n: rows(x, 0) for n, x in mb.items()}
+        (loss, metrics, aux), g = plain(params, {**shared, **mb}, *rest)
+        acc = pin(jax.tree.map(lambda a, x: a + x.astype(F32), acc, g))
+        return acc, (loss, metrics, aux, jnp.sum(mb["response_mask"].astype(F32)))
 
-        def body(acc, mb):
-            (loss, metrics, aux), g = plain(params, {**shared, **mb}, *rest)
-            acc = jax.tree.map(lambda a, x: a + x.astype(F32), acc, g)
-            return acc, (loss, metrics, aux, jnp.sum(mb["response_mask"].astype(F32)))
-
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, F32), params)
-        acc, (losses, metrics, aux, tokens) = jax.lax.scan(body, zeros, stacked)
-        return acc, jnp.sum(losses), metrics, aux, tokens
-
-    return fn
+    zeros = pin(jax.tree.map(lambda p: jnp.zeros(p.shape, F32), params))
+    return jax.lax.scan(body, zeros, stacked)
 
 
 def _replicated_params(mesh) -> bool:
@@ -208,86 +190,48 @@ def _replicated_params(mesh) -> bool:
     return all(mesh.shape[a] == 1 for a in mesh.axis_names if a != "data")
 
 
-def _per_replica(local, mesh, params, batch, rest):
-    """`local` inside a shard_map manual over every axis: the fp32 gradient and loss summed over replicas once
-    (the loss is normalised by the global counts, so the sum is the global value); the per-micro-batch metrics and
-    aux of every replica gathered ([R*K] scalars, tiny; the aux is small: a sketch per boundary) and combined as
-    over micro-batches, exactly; per-row outputs stay with their rows."""
-    axes = pmesh.BATCH_AXES
+def _over_replicas(plain, micro_batch, mesh, axes, params, batch, rest):
+    """The scan inside a shard_map over the replicas of `axes`, whose gradient and loss are summed once, after the
+    loop (the loss is normalised by the global counts, so the sum is the global value); the per-micro-batch metrics
+    and aux of every replica gathered ([R*K] scalars, tiny; the aux is small: a sketch per boundary) and combined as
+    over micro-batches, exactly; per-row outputs stay with their rows.
+
+    axes = BATCH_AXES (a data-only mesh): manual over every axis, each replica's rows and parameters local.
+    axes = "data" (parameters sharded over fsdp): manual over `data` alone. Inside, each data replica's scan is the
+    partitioner's fsdp program over its own rows (rows split over `fsdp`, the fp32 carry on the parameters'
+    shardings), so the only collectives in the loop stay inside a replica (fsdp's gathers and reduce-scatters, on the
+    island's fast links when `data` is the axis that crosses the slow one)."""
+    partial = axes == "data"
 
     def body(params, batch, rest):
-        acc, loss, metrics, aux, tokens = local(params, batch, rest)
+        rows, pin, dp = (lambda x, axis: x), (lambda t: t), 1
+        if partial:
+            am = jax.sharding.get_abstract_mesh()
+            rows = lambda x, axis: _constrain(x, am, axis, ("fsdp",))  # noqa: E731
+            pin, dp = _param_pin(params, am), mesh.shape["fsdp"]
+        stacked, shared = split(batch, count(batch["response_mask"].shape[0], micro_batch, dp))
+        stacked = {n: rows(x, 1) for n, x in stacked.items()}
+        acc, (losses, metrics, aux, tokens) = _accumulate(plain, params, stacked, shared, rest, rows, pin)
         gather = lambda x: jax.lax.all_gather(x, axes, axis=0, tiled=True)  # noqa: E731  [K, ...] -> [R*K, ...]
-        rows = {n: join_rows(v) for n, v in metrics.items() if v.ndim > 1}
-        summary = {n: gather(v) for n, v in metrics.items() if n not in rows}
-        metrics = {**combine_metrics(summary, gather(tokens)), **rows}
+        per_row = {n: join_rows(v) for n, v in metrics.items() if v.ndim > 1}
+        summary = {n: gather(v) for n, v in metrics.items() if n not in per_row}
+        metrics = {**combine_metrics(summary, gather(tokens)), **per_row}
         aux = reduce_aux(jax.tree.map(gather, aux))
-        return jax.lax.psum(acc, axes), jax.lax.psum(loss, axes), metrics, aux
+        return pin(jax.lax.psum(acc, axes)), jax.lax.psum(jnp.sum(losses), axes), metrics, aux
 
-    out_shape = jax.eval_shape(functools.partial(_metric_shapes, local), params, batch, rest)
+    # which metrics are per-row (split over the replicas like the batch) and which are scalars (replicated)
+    (_, whole, _), _ = jax.eval_shape(lambda p, b, r: plain(p, b, *r), params, batch, rest)
+    metric_spec = {n: P(axes) if v.ndim else P() for n, v in whole.items()}
     batch_spec = jax.tree.map(lambda x: P(axes) if jnp.ndim(x) else P(), batch)
-    metric_spec = {n: P(axes) if v.ndim else P() for n, v in out_shape.items()}
     acc, loss, metrics, aux = jax.shard_map(
         body,
         mesh=mesh,
         in_specs=(jax.tree.map(lambda _: P(), params), batch_spec, jax.tree.map(lambda _: P(), rest)),
         out_specs=(P(), P(), metric_spec, P()),
+        axis_names={"data"} if partial else set(mesh.axis_names),
         check_vma=False,
     )(params, batch, rest)
     return (loss, metrics, aux), jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
-
-
-def _per_data_replica(plain, micro_batch, mesh, params, batch, rest):
-    """Parameters sharded (fsdp, tensor) and data > 1: a shard_map manual over `data` alone. Inside, each data
-    replica's scan is the partitioner's fsdp/tensor program over its own rows (rows split over `fsdp`, the fp32 carry
-    on the parameters' shardings), so the only collectives in the loop stay inside a replica (fsdp's gathers and
-    reduce-scatters, on the island's fast links when `data` is the axis that crosses the slow one); the gradient and
-    loss are summed over `data` once, after the loop. Metrics and aux combine as in `_per_replica`."""
-    fsdp = mesh.shape["fsdp"]
-
-    def body(params, batch, rest):
-        am = jax.sharding.get_abstract_mesh()
-        k = count(batch["response_mask"].shape[0], micro_batch, fsdp)
-        stacked, shared = split(batch, k)
-        row = lambda x, axis: _constrain(x, am, axis, ("fsdp",))  # noqa: E731
-        stacked = {n: row(x, 1) for n, x in stacked.items()}
-        sh = pmesh.param_shardings(params, am)
-        pin = lambda tree: jax.tree.map(jax.lax.with_sharding_constraint, tree, sh)  # noqa: E731
-
-        def step(acc, mb):
-            mb = {n: row(x, 0) for n, x in mb.items()}
-            (loss, metrics, aux), g = plain(params, {**shared, **mb}, *rest)
-            acc = pin(jax.tree.map(lambda a, x: a + x.astype(F32), acc, g))
-            return acc, (loss, metrics, aux, jnp.sum(mb["response_mask"].astype(F32)))
-
-        zeros = pin(jax.tree.map(lambda p: jnp.zeros(p.shape, F32), params))
-        acc, (losses, metrics, aux, tokens) = jax.lax.scan(step, zeros, stacked)
-        gather = lambda x: jax.lax.all_gather(x, "data", axis=0, tiled=True)  # noqa: E731  [K, ...] -> [D*K, ...]
-        rows = {n: join_rows(v) for n, v in metrics.items() if v.ndim > 1}
-        summary = {n: gather(v) for n, v in metrics.items() if n not in rows}
-        metrics = {**combine_metrics(summary, gather(tokens)), **rows}
-        aux = reduce_aux(jax.tree.map(gather, aux))
-        return pin(jax.lax.psum(acc, "data")), jax.lax.psum(jnp.sum(losses), "data"), metrics, aux
-
-    local = _local_accumulation(plain, micro_batch)
-    out_shape = jax.eval_shape(functools.partial(_metric_shapes, local), params, batch, rest)
-    batch_spec = jax.tree.map(lambda x: P("data") if jnp.ndim(x) else P(), batch)
-    metric_spec = {n: P("data") if v.ndim else P() for n, v in out_shape.items()}
-    acc, loss, metrics, aux = jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(jax.tree.map(lambda _: P(), params), batch_spec, jax.tree.map(lambda _: P(), rest)),
-        out_specs=(P(), P(), metric_spec, P()),
-        axis_names={"data"},
-        check_vma=False,
-    )(params, batch, rest)
-    return (loss, metrics, aux), jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
-
-
-def _metric_shapes(local, params, batch, rest):
-    """One micro-batch's metrics (shapes only: which entries are per-row), traced on the whole batch."""
-    _, _, metrics, _, _ = local(params, batch, rest)
-    return {n: v[0] for n, v in metrics.items()}
 
 
 def _param_pin(params, mesh):
