@@ -85,7 +85,8 @@ def make_codec_grad_fn(codec, mesh, *, axes=BATCH_AXES, micro_batch: int = 0, ph
                 cs = unpack(cs)
                 batch = dict(batch, **global_normalisers(batch["response_mask"], axes))
                 (loss, metrics, aux), grads = accumulate.value_and_grad(loss_fn, micro_batch)(params, batch, cs)
-                mean, new_state, pm = codec.reduce(grads, cs.grad, axes, phase=phase)
+                phased = {} if phase is None else {"phase": phase}  # only a codec with a warm-up takes a phase
+                mean, new_state, pm = codec.reduce(grads, cs.grad, axes, **phased)
                 metrics = _reduce_metrics(dict(metrics), axes)
                 metrics.update(pm)
                 return mean, jax.lax.pmean(loss, axes), metrics, _reduce_aux(aux, axes), new_state

@@ -40,6 +40,8 @@ hands it to the codec. Contract (`state` is `cs.grad`):
   state_specs(state, axes) -> PartitionSpec pytree   how shard_map splits the state over the batch axes
   reduce(grads, state, axes) -> (mean, state, metrics)   inside shard_map: this replica's grads in, the
                                       replica-invariant mean estimate out; metrics are scalars
+  warmup_reduces -> int               reduces that take the plain mean first (0, the default: none); > 0: the
+                                      train step is two programs, and `reduce` takes `phase="plain"` or "compressed"
   wire_bytes(params_like, state=None) -> dict   logical per-replica bytes of one reduction (host; `state` lets a
                                       codec with a warm-up say which branch the last reduction took)
 """
@@ -222,10 +224,10 @@ class GradCodec:
     def warmup_reduces(self) -> int:
         """Reduces at the start that take the plain mean (0: none). > 0: the trainer compiles the warm-up and the
         steady reduction as two train-step programs (step/programs.py `PhasedTrainStep`) and `reduce` is called with
-        `phase` "plain" or "compressed"; None leaves the choice to the codec on device."""
+        `phase` "plain" or "compressed" (the fidelity probe's program passes none: the codec picks on device)."""
         return 0
 
-    def reduce(self, grads, state, axes, phase=None):
+    def reduce(self, grads, state, axes):
         raise NotImplementedError
 
     def wire_bytes(self, params_like, state=None) -> dict:
