@@ -300,3 +300,37 @@ def test_cross_circuit_rules_name_the_field(tmp_path, sets, field):
         load_config(str(p), sets)
     assert field in str(e.value)
     load_config(str(p))  # the base itself is valid
+
+
+def test_the_fire_reads_its_weights_in_the_compute_dtype_with_the_same_result(tiny):
+    """The fire's snapshot crosses to the device in the compute dtype (anchor/circuit.py `fire_weights`: half the
+    bytes in the fire's arguments at bf16 compute, what lets Qwen2.5-1.5B fire over two v5e-8 slices) and the fire
+    widens it back: the merger's EMA, the moments and the metrics equal, bit for bit, those of the same fire fed the
+    fp32 weights; the shapes-only tools give the fire the same argument."""
+    from twocircuit_jax.anchor.circuit import fire_weights
+    from twocircuit_jax.anchor.loss import anchor_batch_keys
+    from twocircuit_jax.step.abstract_step import abstract_programs
+
+    _, mesh, _, _, _, batch, _ = tiny
+    cfg = load_config(data={**TINY, "model": {**MODEL, "compute_dtype": "bfloat16"}})
+    params = jax.device_put(
+        init_params(cfg.model, jax.random.PRNGKey(1)),
+        pmesh.param_shardings(jax.eval_shape(lambda: init_params(cfg.model, jax.random.PRNGKey(1))), mesh),
+    )
+    circ = AnchorCircuit(cfg, cfg.model, params)
+    host = jax.device_get(params)
+    narrow = fire_weights(host, cfg.model.compute_dtype)
+    assert {str(x.dtype) for x in jax.tree.leaves(host)} == {"float32"}
+    assert {str(x.dtype) for x in jax.tree.leaves(narrow)} == {"bfloat16"}
+    b = {k: v for k, v in batch(3).items() if k in anchor_batch_keys(cfg.grpo)}
+    outs = []
+    for weights in (host, narrow):
+        carry = {"merger": circ.init_merger_state(), "moments": circ.init_moments()}
+        carry, metrics, _ = circ.fire_program(jax.device_put(weights, circ.param_sh), b, carry, None)
+        outs.append(jax.device_get((carry, metrics)))
+    assert any(np.abs(v).max() > 0 for v in outs[0][0]["merger"].m.values())  # a real gradient reached M
+    wide, thin = (jax.tree_util.tree_flatten_with_path(o)[0] for o in outs)
+    for (path, a), (_, c) in zip(wide, thin):
+        assert np.array_equal(np.asarray(a), np.asarray(c)), jax.tree_util.keystr(path)
+    shapes = abstract_programs(cfg, jax.devices())["anchor_fire"].args[0]
+    assert {str(x.dtype) for x in jax.tree.leaves(shapes)} == {"bfloat16"}

@@ -41,6 +41,23 @@ from twocircuit_jax.parallel.host import to_global
 from twocircuit_jax.parallel.mesh_context import under
 
 
+def fire_weights(weights, compute_dtype: str):
+    """The fire's weights as they cross to the device: each floating leaf in the compute dtype where that is
+    narrower (host arrays, or ShapeDtypeStructs for the shapes-only tools; step/train_step.py reference_copy's
+    rule). `_fire_fn` widens them back; the fire's result is the same."""
+    dt = jnp.dtype({"float32": jnp.float32, "bfloat16": jnp.bfloat16}[compute_dtype])
+
+    def one(x):
+        narrower = jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits > jnp.finfo(dt).bits
+        if not narrower:
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, dt, sharding=x.sharding)
+        return x.astype(dt) if isinstance(x, jax.Array) else np.asarray(x).astype(dt)
+
+    return jax.tree.map(one, weights)
+
+
 def _new_step() -> dict:
     """Per-step accumulators: fire ticks, swap ρs, (delay, staleness) pairs, skip flags (device int32 scalars)."""
     return {"fire_ticks": [], "rhos": [], "replays": [], "skips": []}
@@ -63,6 +80,7 @@ class AnchorCircuit:
         self.param_sh = jax.tree.map(lambda x: x.sharding, params)
         self.rep = NamedSharding(jax.tree.leaves(self.param_sh)[0].mesh, P())
         self.dtype = model_cfg.param_dtype  # the sampler's dtype: snapshots are exactly the generating weights
+        self.compute_dtype = model_cfg.compute_dtype  # what the fire's weights cross to the device in (_fire)
         self.tps = run_cfg.ticks_per_step * run_cfg.train.ppo_epochs
         self.buffer = ReplayBuffer(a.cadence, a.delay, self.dtype, ticks_per_step=self.tps)
         self.window = SnapshotWindow.from_config(a.projection) if a.projection.enabled else None
@@ -114,8 +132,9 @@ class AnchorCircuit:
     # --- circuit state and the jitted pieces ----------------------------------------------------------------
     @property
     def fire_program(self):
-        """The fire's jitted program: (snapshot params, fire batch, carry {merger, moments}, basis or None) ->
-        (carry, metrics, sketch). step/programs.py hands it to the shapes-only tools."""
+        """The fire's jitted program: (snapshot weights in the compute dtype (`fire_weights`), fire batch, carry
+        {merger, moments}, basis or None) -> (carry, metrics, sketch). step/programs.py hands it to the shapes-only
+        tools."""
         return self._fire_jit
 
     def init_merger_state(self):
@@ -149,6 +168,12 @@ class AnchorCircuit:
         return a.swap.cadence > 0 and tau % a.swap.cadence == 0 and self.fires > 0
 
     def _fire_fn(self, grad_fn, params, batch, carry, basis):
+        # The weights arrive in the compute dtype (`fire_weights`) and are widened back to the parameters' dtype
+        # here. The forward casts every weight to the compute dtype first (model/qwen2.py), so it reads the same
+        # values, and the gradient is taken with respect to the wide copy: its cotangents add up in the parameters'
+        # dtype, as with the wide weights themselves. The compiler folds the widen-then-narrow pair, so the wide
+        # copy is not materialised; half the bytes cross to the device and sit in the fire's arguments.
+        params = jax.tree.map(lambda x, like: x.astype(like.dtype), params, self._params_like)
         grads, metrics, sketch = grad_fn(params, batch, basis)  # the sketch is summed over the global batch
         out = dict(carry)
         if carry.get("merger") is not None:
@@ -235,7 +260,7 @@ class AnchorCircuit:
             else:
                 self.warmup_fires += 1
         carry = {"merger": cs.merger, "moments": cs.moments}
-        dev = to_global(weights, self.param_sh)  # host → device, params-sized
+        dev = to_global(fire_weights(weights, self.compute_dtype), self.param_sh)  # host → device, in compute dtype
         carry, fm, sketch = self._fire_jit(dev, fire_batch, carry, basis if self.owns_q else None)  # serialised on CPU
         # Nothing above may fail after this point: state changes only now.
         if window is not None:

@@ -33,7 +33,7 @@ RESIDENT_ARGS = {
     "logp_dense": (0, 1, 2),
     "fidelity": (0, 1, 2, 3),  # params, reference params, a mini-batch of the step, circuit state
     "anchor_fire": (1, 2, 3),  # a kept mini-batch, the merger and moments (circuit state), the basis; its weights
-    # are a host snapshot put on device for the fire
+    # are a host snapshot put on device for the fire, in the compute dtype
     "logp_anchor_ref": (0, 1, 2),
     "generate": (0,),  # the live params (the sampler's gathered compute-dtype copy is the call's own temporary)
     "generate_eval": (0,),

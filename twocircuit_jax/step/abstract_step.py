@@ -160,6 +160,7 @@ def abstract_programs(cfg, devices, *, lowering_platform: str | None = None) -> 
         out["probe_sums"] = Program(p.probe_sums, (full,) * 6, {"estimator": cfg.grpo.kl_estimator})
         out["fidelity"] = Program(p.fidelity, (params, ref, a.batch, cs))
     if c.anchor is not None:
+        from twocircuit_jax.anchor.circuit import fire_weights
         from twocircuit_jax.anchor.loss import anchor_batch_keys
 
         mini = {k: a.batch[k] for k in ("tokens", "attention_mask", "sample_id")}
@@ -169,7 +170,8 @@ def abstract_programs(cfg, devices, *, lowering_platform: str | None = None) -> 
         fire = {k: fire[k] for k in anchor_batch_keys(cfg.grpo)}
         fire = _with(fire, pmesh.batch_shardings(fire, a.mesh))
         basis = cs.codec if c.anchor.owns_q else None
-        out["anchor_fire"] = Program(p.anchor_fire, (params, fire, {"merger": cs.merger, "moments": cs.moments}, basis))
+        carry = {"merger": cs.merger, "moments": cs.moments}
+        out["anchor_fire"] = Program(p.anchor_fire, (fire_weights(params, cfg.model.compute_dtype), fire, carry, basis))
     return out
 
 
