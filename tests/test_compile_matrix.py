@@ -61,14 +61,17 @@ def lower_all(cfg, compile_step=False) -> dict:
     progs = abstract_programs(cfg, jax.devices())
     for name, prog in progs.items():
         low = prog.lower()
-        if compile_step and name == "train_step":
+        if compile_step and name.startswith("train_step"):  # with PowerSGD's warm-up, both of its programs
             low.compile()
     return progs
 
 
 def _expected(cfg) -> set:
+    """PowerSGD with its default warm-up (start_after 100) adds the warm-up's own train step (step/programs.py
+    PhasedTrainStep)."""
     staged, anchor = cfg.mesh.stage > 1, cfg.anchor.enabled
     out = {"train_step"} | ({"logp_old", "diagnostics"} if staged else set())
+    out |= {"train_step_warmup"} if cfg.fast.grad_codec_type == "powersgd" else set()
     return out | ({"anchor_fire"} if anchor else set())
 
 
