@@ -91,6 +91,22 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.xdist_group(groups[item.nodeid.split("::")[0]]))
 
 
+def pytest_xdist_node_collection_finished(node, ids):
+    """xdist's scheduler reads each test's group back from the `@group` its worker appended to the test's id. pytest
+    9.2 stopped that append from taking effect (pytest-xdist issue 1386): every test then is a unit of its own, one
+    module's tests run on both workers with a module fixture each, and two engines start at once. The test extras
+    pin pytest below 9.2; a run whose ids carry no group stops here, before any test runs."""
+    if node.config.getoption("dist") == "loadgroup" and ids and not any("@" in i for i in ids):
+        import xdist
+
+        pytest.exit(
+            f"--dist loadgroup would not group the tests: pytest {pytest.__version__} with pytest-xdist "
+            f"{xdist.__version__} drops the group from each test's id ({ids[0]}). Install the test extras' "
+            "pytest: pip install -e '.[test]' (pyproject.toml pins it below 9.2)",
+            returncode=4,
+        )
+
+
 # A worker's resident size past which the compiled programs are dropped after a module (bytes).
 RSS_LIMIT = float(os.environ.get("TWOCIRCUIT_TEST_RSS_GB", "4")) * 2**30
 

@@ -52,3 +52,40 @@ def test_make_test_distributes_by_those_groups():
     for target in ("test", "test-fast"):
         body = re.search(rf"^{target}: lint\n\t(.*)$", make, re.M).group(1)
         assert body.startswith("$(PYTEST)"), body
+
+
+PROBE = """
+import os, pytest
+{mark}
+
+@pytest.mark.parametrize("i", range(3))
+def test_where(i):
+    with open(os.path.join(os.path.dirname(__file__), "ran.txt"), "a") as fh:
+        fh.write(f"{{__name__}} {{os.environ['PYTEST_XDIST_WORKER']}}\\n")
+"""
+
+
+def test_a_run_under_xdist_keeps_each_group_on_one_worker(tmp_path):
+    """The distribution itself, not only the marks: a child `pytest -n 2 --dist loadgroup` of three small modules
+    under this suite's conftest, two of them engine modules. Each module runs on one worker and both engine modules on
+    the same one (a pytest whose ids lose xdist's group suffix hands the tests out one by one, or the conftest stops
+    the run)."""
+    with open(os.path.join(ROOT, "tests", "conftest.py")) as src:
+        (tmp_path / "conftest.py").write_text(src.read())
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    vllm: an engine module\n")
+    for name, mark in (
+        ("test_engine_a", "pytestmark = pytest.mark.vllm"),
+        ("test_engine_b", "pytestmark = pytest.mark.vllm"),
+        ("test_plain", ""),
+    ):
+        (tmp_path / f"{name}.py").write_text(PROBE.format(mark=mark))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider", "."]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    workers: dict[str, set] = {}
+    for line in (tmp_path / "ran.txt").read_text().splitlines():
+        module, worker = line.split()
+        workers.setdefault(module, set()).add(worker)
+    assert sorted(workers) == ["test_engine_a", "test_engine_b", "test_plain"]
+    assert all(len(w) == 1 for w in workers.values()), workers
+    assert workers["test_engine_a"] == workers["test_engine_b"], workers
