@@ -36,6 +36,7 @@ from twocircuit_jax.anchor.swap import (
     update_anchor_moments,
 )
 from twocircuit_jax.config.base import ConfigError
+from twocircuit_jax.model.qwen2 import as_computed
 from twocircuit_jax.parallel import dispatch, mesh as pmesh, micro_batch as accumulate
 from twocircuit_jax.parallel.host import to_global
 from twocircuit_jax.parallel.mesh_context import under
@@ -43,13 +44,12 @@ from twocircuit_jax.parallel.mesh_context import under
 
 def fire_weights(weights, compute_dtype: str):
     """The fire's weights as they cross to the device: each floating leaf in the compute dtype where that is
-    narrower (host arrays, or ShapeDtypeStructs for the shapes-only tools; step/train_step.py reference_copy's
-    rule). `_fire_fn` widens them back; the fire's result is the same."""
-    dt = jnp.dtype({"float32": jnp.float32, "bfloat16": jnp.bfloat16}[compute_dtype])
+    narrower (model/qwen2.py as_computed), as host arrays or as ShapeDtypeStructs for the shapes-only tools.
+    `_fire_fn` widens them back; the fire's result is the same."""
 
     def one(x):
-        narrower = jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits > jnp.finfo(dt).bits
-        if not narrower:
+        dt = as_computed(x.dtype, compute_dtype)
+        if dt == x.dtype:
             return x
         if isinstance(x, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(x.shape, dt, sharding=x.sharding)

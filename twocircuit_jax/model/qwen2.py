@@ -26,6 +26,14 @@ def dtype_of(name: str):
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
 
 
+def as_computed(dtype, compute_dtype: str):
+    """The dtype a weight of `dtype` is read in under `compute_dtype`: every use casts a floating weight to the
+    compute dtype first, so a copy in the compute dtype, where that is narrower, gives the same forward."""
+    dt = jnp.dtype(dtype_of(compute_dtype))
+    floating = jnp.issubdtype(dtype, jnp.floating)
+    return dt if floating and jnp.finfo(dtype).bits > jnp.finfo(dt).bits else jnp.dtype(dtype)
+
+
 def rms_norm(x, scale, eps):
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
