@@ -206,3 +206,23 @@ def test_sweep_resume_checks_each_arms_config_unless_allowed(tmp_path, capsys):
     assert [json.loads(x)["step"] for x in open(out / "a" / "metrics.jsonl")] == [0, 1, 2]
     assert (out / "a" / "sweep_done.json").is_file()
     assert yaml.safe_load(open(out / "a" / "config.yaml"))["optim"]["lr"] == 0.002
+
+
+def test_the_corrections_at_hidden_128_pair_with_the_tuned_ladder_arms():
+    """Verdict 4 at hidden 128 reads its uncorrected arm and its dense twin from the ladder sweep: each correction
+    arm is the ladder's tuned low-rank arm with that one knob set, and the ladder's dense arm at the same rate is its
+    low-rank arm without the codec and the anchor."""
+    _, ladder = load_sweep(os.path.join(ROOT, "configs", "sweeps", "ladder_lr.yaml"))
+    _, fixes = load_sweep(os.path.join(ROOT, "configs", "sweeps", "mismatch_corrections.yaml"))
+    ladder, fixes = dict(ladder), dict(fixes)
+    none = _flat(to_dict(ladder["w128_lowrank_lr5e-5"]))
+    dense = _flat(to_dict(ladder["w128_dense_lr5e-5"]))
+    assert none["model.hidden_size"] == 128 and none["optim.lr"] == 5e-5 and none["fast.codec.type"] == "lowrank"
+    assert {k for k in none if dense.get(k) != none[k]} - {"name"} <= {"anchor.enabled"} | {
+        k for k in none if k.startswith("fast.codec")
+    }
+    knobs = {"w128_tis": {"grpo.tis"}, "w128_geometric": {"grpo.is_mask"}, "w128_icepop": {"grpo.is_mask"}}
+    for arm, listed in knobs.items():
+        got = _flat(to_dict(fixes[arm]))
+        changed = {k for k in set(got) | set(none) if got.get(k) != none.get(k)} - {"name"}
+        assert changed and all(any(k == c or k.startswith(c + ".") for c in listed) for k in changed), (arm, changed)
