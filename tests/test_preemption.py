@@ -15,6 +15,8 @@ import pytest
 import yaml
 from tiny_run import tiny_config
 
+from twocircuit_jax.train.checkpoint import committed_steps
+
 pytestmark = pytest.mark.slow  # real training processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -166,3 +168,108 @@ def test_sigterm_mid_step_past_the_grace_period_exits_143_and_resumes(tmp_path):
     resumed = subprocess.run(_argv(cfg, run, "--no-progress", "--resume"), env=env, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [json.loads(x)["step"] for x in open(run / "metrics.jsonl")] == list(range(6))
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (its children, theirs, ...), read from ps."""
+    table = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True, check=True).stdout
+    kids = {}
+    for line in table.splitlines():
+        p, pp = map(int, line.split())
+        kids.setdefault(pp, []).append(p)
+    out, todo = [], list(kids.get(pid, []))
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += kids.get(p, [])
+    return out
+
+
+def _alive(pids) -> list[int]:
+    """The pids still running (a zombie counts as gone: it has exited and holds nothing)."""
+    out = []
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    out.append(p)
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def _steps(run) -> list[int]:
+    path = run / "metrics.jsonl"
+    return [json.loads(x)["step"] for x in open(path)] if path.is_file() else []
+
+
+def test_a_parallel_sweep_stops_whole_on_sigterm_or_on_its_parents_death_and_resumes(tmp_path):
+    """`sweep --jobs 2`: a SIGTERM to the sweep's process group (a preemptor's) reaches each running arm once; each
+    saves at its step's end, the sweep exits 0 naming where they stopped, and no process of it is left (before: the
+    parent died on the signal and its two workers, having saved, idled for good on a dead parent's queue). A parent
+    SIGKILLed mid-run: its arms notice, save and exit on their own. The third arm, waiting for a free job, never
+    starts. `--resume` then finishes all three."""
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump({**CFG, "train": {**CFG["train"], "steps": 400}}))
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump({"base": "base.yaml", "arms": {"a": {}, "b": {}, "c": {}}}))
+    out = tmp_path / "s"
+    argv = [sys.executable, "-m", "twocircuit_jax.cli", "sweep", "--config", str(tmp_path / "sweep.yaml")]
+    argv += ["--out", str(out), "--jobs", "2"]
+
+    def start(*extra):  # a session of its own: its process group is the sweep's, as a job's under a scheduler
+        return subprocess.Popen(
+            argv + list(extra),
+            env=_env(),
+            start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def until(p, cond, what):
+        deadline = time.time() + 300
+        while not cond():
+            assert p.poll() is None and time.time() < deadline, (what, p.communicate()[1][-3000:])
+            time.sleep(0.1)
+
+    def checkpoints(arm):
+        return committed_steps(out / arm / "checkpoints")
+
+    p = start()
+    until(p, lambda: all(len(_steps(out / arm)) >= 2 for arm in "ab"), "both arms past step 1")
+    procs = _descendants(p.pid)
+    assert len(procs) >= 2, procs
+    os.killpg(p.pid, signal.SIGTERM)
+    stdout, stderr = p.communicate(timeout=300)
+    assert p.returncode == 0, stderr[-3000:]
+    assert "sweep: SIGTERM: no new arms; waiting for a, b to save" in stderr, stderr[-3000:]
+    assert "continue with --resume" in stdout and not (out / "c").exists(), stdout  # c waited for a free job
+    deadline = time.time() + 30  # the parent waited for its runs; their own exits may lag a moment
+    while _alive(procs) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _alive(procs), subprocess.run(["ps", "-f", "-p", ",".join(map(str, procs))], capture_output=True)
+    first = {}
+    for arm in "ab":
+        assert not (out / arm / "sweep_done.json").exists()
+        first[arm] = checkpoints(arm)[-1]
+        assert f"arm {arm} stopped at step {first[arm]}" in stdout and _steps(out / arm)[-1] == first[arm]
+
+    p = start("--resume")
+    until(p, lambda: all(_steps(out / arm)[-1] > first[arm] for arm in "ab"), "both arms resumed")
+    procs = _descendants(p.pid)
+    p.kill()
+    p.wait()
+    deadline = time.time() + 300
+    while _alive(procs) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _alive(procs)
+    for arm in "ab":  # each arm saved the step it was in when its parent died
+        assert checkpoints(arm)[-1] > first[arm] and _steps(out / arm)[-1] == checkpoints(arm)[-1]
+    assert not (out / "c").exists()
+
+    end = max(_steps(out / arm)[-1] for arm in "ab") + 1
+    done = subprocess.run(
+        argv + ["--resume", "--set", f"train.steps={end}"], env=_env(), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for arm in "abc":
+        assert (out / arm / "sweep_done.json").is_file() and _steps(out / arm) == list(range(end + 1))

@@ -14,7 +14,8 @@ arm's final reward, held-out accuracy, reference KL and sampler-trainer gap, rea
 
 `--arms a,b` runs a subset. `--jobs N` runs up to N arms at once, each in its own process with its output in
 OUT/ARM.log: on a machine whose cores one arm cannot fill (a CPU, a small model) the sweep finishes sooner, at the
-cost of memory N times one arm's. `--resume` continues an interrupted sweep: a finished arm (its folder holds
+cost of memory N times one arm's. SIGTERM or SIGINT to such a sweep stops it whole: no new arm starts, each running
+arm saves at its step's end, and the sweep exits 0 (`_run_parallel`). `--resume` continues an interrupted sweep: a finished arm (its folder holds
 `sweep_done.json`) is read, not rerun; an arm with checkpoints resumes from its latest; the rest start fresh (an arm
 killed before its first checkpoint has its partial files removed first).
 
@@ -36,7 +37,6 @@ import multiprocessing
 import os
 import re
 import sys
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from typing import NamedTuple
 
 import yaml
@@ -351,53 +351,138 @@ def run_sweep(
                 return []
     if jobs > 1:
         rest = [u for u in todo if u.key not in rows]
-        rows.update(_run_parallel(rest, plans, out_dir, jobs, last_k, allow_config_change))
+        ran = _run_parallel(rest, plans, out_dir, jobs, last_k, allow_config_change)
+        if ran is None:  # stopped by a signal: the arms saved where they were; no table for a partial sweep
+            return []
+        rows.update(ran)
     ordered = [rows[u.key] for u in todo]
     print(format_table(ordered), flush=True)
     _merge_summary(os.path.join(out_dir, SUMMARY), ordered, [a for a, _ in all_arms])
     return ordered
 
 
+def _child(conn, args: tuple) -> None:
+    """A `--jobs N` run's process: one unit, its row (or its exception) sent back on `conn`.
+
+    Its own process group, so a signal meant for the sweep (Ctrl-C at a terminal, `kill -- -PGID`, a preemptor's
+    SIGTERM) reaches the parent alone, which forwards it exactly once (`_run_parallel`): a child that got the group's
+    SIGINT and the parent's copy too would take the second as "stop now" (train/faults.py). A daemon thread watches
+    the parent: if it dies without forwarding (SIGKILL), the child sends itself SIGTERM, so it saves at the step's
+    end and exits instead of training on, or idling, as an orphan."""
+    import signal
+    import threading
+    import time
+
+    os.setpgrp()
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True, name="sweep-parent-watch").start()
+    try:
+        msg = ("row", _run_unit(*args))
+    except BaseException as e:  # noqa: BLE001 -- sent to the parent, which raises it naming the run's log
+        msg = ("error", e)
+    try:
+        try:
+            conn.send(msg)
+        except Exception:  # an exception that does not pickle still reaches the parent, as its text
+            conn.send(("error", RuntimeError(f"{type(msg[1]).__name__}: {msg[1]}")))
+    except OSError:
+        pass  # the parent is gone: the run's folder holds what it saved
+    finally:
+        conn.close()
+
+
 def _run_parallel(
     todo: list[Unit], plans, out_dir, jobs, last_k: int = LAST_K, allow_config_change: bool = False
-) -> dict:
-    """Up to `jobs` runs at once, each in a fresh (spawned) process: JAX state is not shared across a fork. The first
-    run to fail stops new runs from starting; those running finish, then the failure is raised naming its log."""
-    rows, failed = {}, None
+) -> dict | None:
+    """Up to `jobs` runs at once, each in a fresh spawned process (JAX state is not shared across a fork, and a fresh
+    process per run gives each its memory back). The first run to fail stops new runs from starting; those running
+    finish, then the failure is raised naming its log.
+
+    SIGTERM and SIGINT to this process (or to its process group) start no new run and are forwarded once to each
+    running one, whose trainer saves at its step's end (train/faults.py StopSignals); an arm stopped by a signal of
+    its own starts no new run either. This process waits for the running ones, says where each stopped, and returns
+    None: the sweep is stopped, `--resume` goes on. A second SIGINT is forwarded too (the runs stop at once)."""
+    import signal
+    import threading
+    from multiprocessing.connection import wait as wait_any
+
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-        pending = {}
-        queue = list(todo)
-        while queue or pending:
-            while queue and len(pending) < jobs and failed is None:
+    received: list[int] = []  # signals to forward, appended by the handler; the loop forwards them
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            old[sig] = signal.signal(sig, lambda signum, frame: received.append(signum))
+    rows, failed, stopped = {}, None, []
+    running = {}  # key -> (process, our end of its pipe, its log)
+    forwarded = 0
+    queue = list(todo)
+    try:
+        while queue or running:
+            while queue and len(running) < jobs and failed is None and not received and not stopped:
                 u = queue.pop(0)
                 run_dir, log = os.path.join(out_dir, u.key), os.path.join(out_dir, f"{u.key}.log")
                 os.makedirs(os.path.dirname(log), exist_ok=True)  # OUT/ARM for OUT/ARM/seed_K.log
                 print(f"sweep: arm {u.key} -> {run_dir} (log: {log})", flush=True)
-                fut = pool.submit(_run_unit, u, run_dir, plans[u.key], False, log, last_k, allow_config_change)
-                pending[fut] = (u.key, log)
-            if not pending:
+                ours, theirs = ctx.Pipe(duplex=False)
+                args = (u, run_dir, plans[u.key], False, log, last_k, allow_config_change)
+                proc = ctx.Process(target=_child, args=(theirs, args), name=f"sweep {u.key}")
+                proc.start()
+                theirs.close()
+                running[u.key] = (proc, ours, log)
+            if not running:
                 break
-            done, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for fut in done:
-                key, log = pending.pop(fut)
+            while forwarded < len(received):  # each signal reaches each running run once
+                if forwarded == 0:
+                    name, names = signal.Signals(received[0]).name, ", ".join(running)
+                    print(f"sweep: {name}: no new arms; waiting for {names} to save", file=sys.stderr, flush=True)
+                for proc, _, _ in running.values():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(proc.pid, received[forwarded])
+                forwarded += 1
+            ready = wait_any([c for _, c, _ in running.values()], timeout=0.5)
+            for key in [k for k, (_, c, _) in running.items() if c in ready]:
+                proc, conn, log = running.pop(key)
                 try:
-                    rows[key] = fut.result()
-                    if "preempted_at" in rows[key]:  # stopped by a signal: no new arms; --resume goes on
-                        failed = failed or (
-                            key,
-                            log,
-                            RuntimeError(f"stopped by a signal at step {rows[key]['preempted_at']}"),
-                        )
+                    kind, value = conn.recv()
+                except EOFError:  # ended without a word: killed, or stopped before its trainer could save
+                    kind, value = "lost", None
+                conn.close()
+                proc.join()
+                if kind == "row" and "preempted_at" in value:  # stopped by a signal with a checkpoint: resumable
+                    rows[key] = value
+                    stopped.append(f"{key} at step {value['preempted_at']}")
+                    print(f"sweep: arm {key} stopped at step {value['preempted_at']}", flush=True)
+                elif kind == "row":
+                    rows[key] = value
                     print(f"sweep: arm {key} finished", flush=True)
-                except Exception as e:  # noqa: BLE001 -- reported with the run's log, re-raised below
+                elif received and (kind == "lost" or isinstance(value, KeyboardInterrupt)):
+                    # the stop reached it before its trainer held the signals (or a second Ctrl-C): nothing saved
+                    stopped.append(f"{key} before its first checkpoint")
+                    print(f"sweep: arm {key} stopped (exit {proc.exitcode}) before saving", flush=True)
+                else:
+                    e = value if kind == "error" else RuntimeError(f"its process ended with exit {proc.exitcode}")
                     print(f"sweep: arm {key} failed: {e} (see {log})", file=sys.stderr, flush=True)
                     failed = failed or (key, log, e)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
     if failed:
         key, log, e = failed
         if isinstance(e, ConfigError):  # bad input found by the arm (its resume's config check): exit 2, as --jobs 1
             raise ConfigError(e.path, f"{e.message} (sweep arm {key}; its output: {log})", e.source) from None
         raise RuntimeError(f"sweep arm {key} failed: {e} (its output: {log})") from e
+    if received or stopped:
+        print(
+            f"sweep: stopped by a signal ({'; '.join(stopped) or 'no arm was running'}); continue with --resume",
+            flush=True,
+        )
+        return None
     return rows
 
 
