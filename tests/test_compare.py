@@ -335,3 +335,55 @@ def test_select_marks_the_candidate_with_the_highest_mean_auc(tmp_path, capsys):
     assert "Best by mean AUC accuracy: lr2." in out and "| lr2 | 0,1 | 0.4300 |" in out and "seed_2 (step 2" in out
     assert main(["compare", "--select", "--ladder", "1,2", *specs[:2]]) == 2
     assert "--select" in capsys.readouterr().err
+
+
+def _archiver():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "archive_runs.py")
+    spec = importlib.util.spec_from_file_location("archive_runs", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_an_archived_sweep_reads_as_its_runs_and_is_never_overwritten(tmp_path, capsys):
+    """scripts/archive_runs.py keeps a finished run's config, summaries and gzipped metrics: `compare` prints the
+    same verdict from the archive as from the runs, the sweep's finished-arm path (`--resume`) reads the same
+    summary from it, an unfinished run is left out, and a second archive of changed metrics is refused whole."""
+    from twocircuit_jax.train.sweep import DONE, _final, run_summary
+
+    a, b = _planted(3, 0.05)
+    sweep = tmp_path / "runs" / "sw"
+    for arm, finals in (("dense", a), ("compressed", b)):
+        for i in range(3):
+            _arm(sweep, arm, [finals[i]], seeds=[i])
+            run = sweep / arm / f"seed_{i}"
+            (run / DONE).write_text("{}")
+            (run / "summary.json").write_text("{}")
+    verdict = ["compare", "--last-k", "2"]
+    assert main(verdict + [f"{sweep}:dense", f"{sweep}:compressed"]) == 0
+    from_runs = capsys.readouterr().out
+    _write_run(str(sweep / "dense" / "seed_3"), 3, 0.4, upto=10)  # unfinished: no sweep_done.json
+    dest = tmp_path / "docs" / "sw"
+    arch = _archiver()
+    assert arch.main([str(sweep), str(dest)]) == 0
+    assert "archived 6 runs" in capsys.readouterr().out
+    assert not (dest / "dense" / "seed_3").exists() and not (dest / "dense" / "seed_0" / "metrics.jsonl").exists()
+    assert sorted(os.listdir(dest / "dense" / "seed_0")) == sorted(
+        [DONE, "config.yaml", "metrics.jsonl.gz", "summary.json"]
+    )
+    assert main(verdict + [f"{dest}:dense", f"{dest}:compressed"]) == 0
+    assert capsys.readouterr().out == from_runs.replace(str(sweep), str(dest)) and "paired, 3 seeds" in from_runs
+    for i in range(3):
+        run, kept = sweep / "compressed" / f"seed_{i}", dest / "compressed" / f"seed_{i}"
+        assert run_summary(str(kept)) == run_summary(str(run)) and _final(str(kept)) == _final(str(run))
+    assert arch.main([str(sweep), str(dest)]) == 0 and "archived 0 runs" in capsys.readouterr().out
+    # the metrics of one run change (a rerun that did not reproduce): refused, naming it, nothing written
+    before = {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()}
+    _write_run(str(sweep / "compressed" / "seed_2"), 2, 0.9)
+    (sweep / "dense" / "seed_3" / DONE).write_text("{}")  # and a newly finished run, which must not land either
+    (sweep / "dense" / "seed_3" / "summary.json").write_text("{}")
+    assert arch.main([str(sweep), str(dest)]) == 2
+    assert "compressed/seed_2" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()} == before

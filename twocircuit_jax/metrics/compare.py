@@ -32,7 +32,7 @@ import numpy as np
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.metrics import stats
 from twocircuit_jax.metrics.plot import draw_bands
-from twocircuit_jax.metrics.runs import ACC, GAP, GRAD_COS, Run, load_run
+from twocircuit_jax.metrics.runs import ACC, GAP, GRAD_COS, Run, load_run, metrics_file
 
 SEED_DIR = re.compile(r"seed_(\d+)$")  # a sweep's run folder for one seed: SWEEP/ARM/seed_K
 METRICS = (
@@ -95,9 +95,9 @@ def run_scalars(run: Run, last_k: int = 3) -> dict:
 
 def _run_folders(folder: str) -> list[str]:
     """A folder's runs: itself if it is one, else its subfolders that are, seed_K ones in seed order."""
-    if os.path.isfile(os.path.join(folder, "metrics.jsonl")):
+    if metrics_file(folder):
         return [folder]
-    subs = [d for d in os.listdir(folder) if os.path.isfile(os.path.join(folder, d, "metrics.jsonl"))]
+    subs = [d for d in os.listdir(folder) if metrics_file(os.path.join(folder, d))]
     key = lambda d: (0, int(m.group(1)), d) if (m := SEED_DIR.match(d)) else (1, 0, d)  # noqa: E731
     return [os.path.join(folder, d) for d in sorted(subs, key=key)]
 
@@ -110,7 +110,7 @@ def parse_group(spec: str, include_unfinished: bool = False) -> Group:
         label, body = spec.split("=", 1)
     if "," in body:
         paths = [p for p in body.split(",") if p]
-        bad = [p for p in paths if not os.path.isfile(os.path.join(p, "metrics.jsonl"))]
+        bad = [p for p in paths if not metrics_file(p)]
         if bad:
             raise ConfigError(f"group {spec!r}", f"{bad[0]} is not a run folder (no metrics.jsonl)")
     else:

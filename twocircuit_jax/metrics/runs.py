@@ -1,9 +1,11 @@
 """Run folders as `twocircuit plot` and `twocircuit compare` read them: each run's `metrics.jsonl` and `config.yaml`
-only, so finished runs, runs still in progress and copies from another machine read alike. A sweep folder
+only, so finished runs, runs still in progress and copies from another machine read alike. An archived run
+(scripts/archive_runs.py: docs/results/) holds `metrics.jsonl.gz` instead and reads the same. A sweep folder
 (subfolders that are runs, ARM or ARM/seed_K) is expanded into its arms. No plotting here."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -14,6 +16,23 @@ import yaml
 
 from twocircuit_jax.config.base import ConfigError, registered
 from twocircuit_jax.config.sections import ActivationCodecConfig
+
+METRICS = "metrics.jsonl"  # what the trainer writes (metrics/logger.py)
+ARCHIVED = METRICS + ".gz"  # an archived run's copy of it (scripts/archive_runs.py)
+
+
+def metrics_file(run_dir: str) -> str | None:
+    """The run folder's metrics file (metrics.jsonl, else an archive's metrics.jsonl.gz), or None: not a run."""
+    for name in (METRICS, ARCHIVED):
+        path = os.path.join(run_dir, name)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def open_metrics(path: str):
+    """A text handle on a metrics file, gzipped or not."""
+    return gzip.open(path, "rt") if path.endswith(".gz") else open(path)
 
 
 def codec_order() -> tuple:
@@ -100,8 +119,8 @@ class Run:
 
 def load_run(path: str, name: str | None = None) -> Run:
     """Read one run folder. A torn line (a run still writing) is skipped, as the trainer's own logger does."""
-    mpath, cpath = os.path.join(path, "metrics.jsonl"), os.path.join(path, "config.yaml")
-    if not os.path.isfile(mpath):
+    mpath, cpath = metrics_file(path), os.path.join(path, "config.yaml")
+    if mpath is None:
         raise ConfigError(path, "not a run folder: no metrics.jsonl")
     if not os.path.isfile(cpath):
         raise ConfigError(path, "run folder without config.yaml")
@@ -113,7 +132,7 @@ def load_run(path: str, name: str | None = None) -> Run:
     if not isinstance(cfg, dict):
         raise ConfigError(cpath, "expected a YAML mapping")
     rows = []
-    with open(mpath) as fh:
+    with open_metrics(mpath) as fh:
         for line in fh:
             try:
                 rec = json.loads(line)
@@ -130,7 +149,7 @@ def _arms(folder: str) -> list[str]:
     folder gives its seed_K). summary.json's arm order first (the sweep file's order), then by name; seeds in order."""
 
     def runs_in(d: str) -> list[str]:
-        return [x for x in os.listdir(d) if os.path.isfile(os.path.join(d, x, "metrics.jsonl"))]
+        return [x for x in os.listdir(d) if metrics_file(os.path.join(d, x))]
 
     def by_seed(x: str):
         m = re.fullmatch(r"seed_(\d+)", x)
@@ -164,7 +183,7 @@ def expand_runs(paths: list[str]) -> list[Run]:
     """Runs for the given paths, sweep folders expanded to `SWEEP/ARM`. Raises ConfigError on the first bad path."""
     runs = []
     for p in paths:
-        if os.path.isfile(os.path.join(p, "metrics.jsonl")):
+        if metrics_file(p):
             runs.append(load_run(p))
         elif os.path.isdir(p) and (arms := _arms(p)):
             sweep = os.path.basename(os.path.normpath(p))

@@ -165,10 +165,12 @@ def load_seeded(path: str, seeds: list[int], overrides=None, arms: list[str] | N
     return out
 
 
-def _final(metrics_path: str) -> dict:
+def _final(run_dir: str) -> dict:
     """The last value of each column over the arm's metrics.jsonl (None if never logged)."""
+    from twocircuit_jax.metrics.runs import metrics_file, open_metrics
+
     out = {c: None for c, _ in COLUMNS}
-    with open(metrics_path) as fh:
+    with open_metrics(metrics_file(run_dir)) as fh:
         for line in fh:
             row = json.loads(line)
             for col, key in COLUMNS:
@@ -180,10 +182,11 @@ def _final(metrics_path: str) -> dict:
 def run_summary(run_dir: str, trainer: dict | None = None, last_k: int = LAST_K) -> dict:
     """A run folder's summary.json: the trainer's summary (when this process ran it), the held-out accuracy's
     final / last-k mean / AUC (metrics/stats.py) and the last evaluation's size and binomial standard error."""
+    from twocircuit_jax.metrics.runs import metrics_file, open_metrics
     from twocircuit_jax.metrics.stats import accuracy_summary
 
     steps, acc, last = [], [], {}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+    with open_metrics(metrics_file(run_dir)) as fh:  # an archived run (docs/results/) holds metrics.jsonl.gz
         for line in fh:
             row = json.loads(line)
             if "eval/accuracy" in row:
@@ -292,7 +295,7 @@ def _run_unit(
             with open(os.path.join(run_dir, DONE)) as fh:
                 trainer = json.load(fh)
         _write_json(os.path.join(run_dir, SUMMARY), run_summary(run_dir, trainer, last_k))
-    return {"arm": u.arm, "seed": u.seed, "run_dir": run_dir, **_final(os.path.join(run_dir, "metrics.jsonl"))}
+    return {"arm": u.arm, "seed": u.seed, "run_dir": run_dir, **_final(run_dir)}
 
 
 def run_sweep(
