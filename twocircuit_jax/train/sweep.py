@@ -15,9 +15,11 @@ arm's final reward, held-out accuracy, reference KL and sampler-trainer gap, rea
 `--arms a,b` runs a subset. `--jobs N` runs up to N arms at once, each in its own process with its output in
 OUT/ARM.log: on a machine whose cores one arm cannot fill (a CPU, a small model) the sweep finishes sooner, at the
 cost of memory N times one arm's. SIGTERM or SIGINT to such a sweep stops it whole: no new arm starts, each running
-arm saves at its step's end, and the sweep exits 0 (`_run_parallel`). `--resume` continues an interrupted sweep: a finished arm (its folder holds
-`sweep_done.json`) is read, not rerun; an arm with checkpoints resumes from its latest; the rest start fresh (an arm
-killed before its first checkpoint has its partial files removed first).
+arm saves at its step's end, and the sweep exits 0 (`_run_parallel`).
+
+`--resume` continues an interrupted sweep: a finished arm (its folder holds `sweep_done.json`) is read, not rerun;
+an arm with checkpoints resumes from its latest; the rest start fresh (an arm killed before its first checkpoint has
+its partial files removed first).
 
 Seeds. `--seeds 0-4` (or `0,2,5`, or `seeds: 0-4` / `seeds: [0, 1, 2]` in the sweep file; the flag wins) runs every
 arm once per seed, each into OUT/ARM/seed_K (its log, with --jobs, OUT/ARM/seed_K.log). Seed K sets `train.seed`
