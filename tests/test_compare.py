@@ -317,7 +317,9 @@ def test_unfinished_runs_are_left_out_and_named_unless_asked_for(tmp_path, capsy
 
 def test_select_marks_the_candidate_with_the_highest_mean_auc(tmp_path, capsys):
     """Three candidates over 2 seeds: the best by mean AUC is marked even where another ends higher on one seed;
-    a run still going is left out and named; --select with --ladder is refused."""
+    a run still going is left out and named; the seeds one candidate has beyond the others (the chosen arm's
+    later seeds) are named and not counted; candidates with no seed in common, and --select with --ladder, are
+    refused."""
     sweep = tmp_path / "grid"
     _arm(sweep, "lr1", [0.40, 0.42])  # AUC of each run: final - 0.05
     _arm(sweep, "lr2", [0.50, 0.46])
@@ -333,6 +335,15 @@ def test_select_marks_the_candidate_with_the_highest_mean_auc(tmp_path, capsys):
     assert main(["compare", "--select", *specs]) == 0
     out = capsys.readouterr().out
     assert "Best by mean AUC accuracy: lr2." in out and "| lr2 | 0,1 | 0.4300 |" in out and "seed_2 (step 2" in out
+    _arm(sweep, "lr1", [0.99, 0.99], seeds=[2, 3])  # later seeds of lr1, far above: the grid's choice stands
+    assert main(["compare", "--select", *specs]) == 0
+    out = capsys.readouterr().out
+    assert "| lr1 | 0,1 | 0.3600 |" in out and "Best by mean AUC accuracy: lr2." in out
+    assert "Not counted, as not every candidate has them: lr1 (seeds 2,3)." in out
+    _arm(tmp_path / "other", "lr8", [0.5], seeds=[7])
+    assert main(["compare", "--select", specs[0], f"{tmp_path / 'other'}:lr8"]) == 2
+    err = capsys.readouterr().err
+    assert "share no seed" in err and "lr8: 7" in err and "lr1: 0,1,2,3" in err
     assert main(["compare", "--select", "--ladder", "1,2", *specs[:2]]) == 2
     assert "--select" in capsys.readouterr().err
 

@@ -147,8 +147,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--select",
         action="store_true",
-        help="groups are the candidates of one choice (e.g. one arm at several learning rates): each one's seed "
-        "means, the best by mean AUC accuracy marked",
+        help="groups are the candidates of one choice (e.g. one arm at several learning rates): their means over "
+        "the seeds all of them have, the best by mean AUC accuracy marked",
     )
     c.add_argument(
         "--include-unfinished",

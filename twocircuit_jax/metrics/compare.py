@@ -308,14 +308,20 @@ SELECT_KEYS = ("auc_accuracy", "final_accuracy", "last_k_accuracy", "gain_over_b
 
 
 def select(groups: list[Group], last_k: int = 3) -> list[dict]:
-    """The candidates of one choice (an arm at several learning rates, say), one row each: its seeds and their
-    mean of each of SELECT_KEYS. The best is the highest mean AUC accuracy (the curve's average height: a run
-    that learns early and holds counts above one that ends level with it after a dip); ties go to the first."""
+    """The candidates of one choice (an arm at several learning rates, say), one row each: the seeds every
+    candidate has and their mean of each of SELECT_KEYS (a candidate's other seeds, run later at the chosen value,
+    are listed in `extra_seeds` and not counted, so the choice stays the one the grid made). The best is the highest
+    mean AUC accuracy (the curve's average height: a run that learns early and holds counts above one that ends
+    level with it after a dip); ties go to the first. Raises ConfigError when the candidates share no seed."""
+    shared = set.intersection(*(set(g.seeds()) for g in groups)) if groups else set()
+    if not shared:
+        have = "; ".join(f"{g.label}: {','.join(map(str, sorted(g.seeds()))) or 'none'}" for g in groups)
+        raise ConfigError("--select", f"the candidates share no seed to compare them on ({have})")
     rows = []
     for g in groups:
-        row = {"label": g.label, "seeds": sorted(g.seeds())}
+        row = {"label": g.label, "seeds": sorted(shared), "extra_seeds": sorted(set(g.seeds()) - shared)}
         for key in SELECT_KEYS:
-            vals = list(_by_seed(g, key, last_k).values())
+            vals = [v for s, v in _by_seed(g, key, last_k).items() if s in shared]
             row[key] = float(np.mean(vals)) if vals else None
         rows.append(row)
     scored = [r for r in rows if r["auc_accuracy"] is not None]
@@ -336,7 +342,9 @@ def select_markdown(rows: list[dict], last_k: int) -> str:
         cells = [r["label"], ",".join(map(str, r["seeds"])), *(fmt(r[k]) for k in SELECT_KEYS), "**best**" * r["best"]]
         lines.append("| " + " | ".join(cells) + " |")
     best = next((r["label"] for r in rows if r["best"]), None)
-    return "\n".join(lines) + f"\n\nBest by mean AUC accuracy: {best}.\n"
+    extra = [f"{r['label']} (seeds {','.join(map(str, r['extra_seeds']))})" for r in rows if r["extra_seeds"]]
+    note = f"\nNot counted, as not every candidate has them: {'; '.join(extra)}.\n" if extra else ""
+    return "\n".join(lines) + f"\n\nBest by mean AUC accuracy: {best}.\n" + note
 
 
 def run_select(specs: list[str], out: str = "", last_k: int = 3, include_unfinished: bool = False) -> str:
