@@ -1,7 +1,6 @@
 """Crash safety: checkpoint commits are durable (fsync before the rename), a resume falls back past an unreadable
 newest checkpoint, and scripts/chaos.py's killed-and-resumed run ends bit for bit where an uninterrupted one does."""
 
-import importlib.util
 import json
 import os
 import shutil
@@ -12,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
+from scripts_module import load_script
 from tiny_run import tiny_config
 
 from twocircuit_jax.cli import main
@@ -22,10 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _chaos():
-    spec = importlib.util.spec_from_file_location("chaos", os.path.join(ROOT, "scripts", "chaos.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("chaos")
 
 
 def test_every_file_and_folder_is_fsynced_before_the_commit_rename(tmp_path, monkeypatch):

@@ -17,11 +17,11 @@ dense twin (scripts/comm_bytes.py `dense_twin`: no codecs). Checked:
 """
 
 import contextlib
-import importlib.util
 import os
 import tempfile
 
 import pytest
+from scripts_module import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,9 +88,7 @@ def compiled(tmp_path_factory):
 
     from twocircuit_jax.config.run import load_config
 
-    spec = importlib.util.spec_from_file_location("comm_bytes", os.path.join(ROOT, "scripts", "comm_bytes.py"))
-    cb = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cb)
+    cb = load_script("comm_bytes")
     path = tmp_path_factory.mktemp("codec_fsdp") / "config.yaml"
     path.write_text(yaml.safe_dump(CONFIG))
     cfg = load_config(str(path))

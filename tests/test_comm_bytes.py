@@ -7,11 +7,11 @@ dp=2 still has a real cross-device reduction in the HLO. At dp 4 or 8, XLA:CPU's
 train step stalls on the 2-core test machine (`scripts/comm_bytes.py --devices 4`: no result in 150 s; at 8 none in
 240 s); at dp=2 each compile takes seconds."""
 
-import importlib.util
 import os
 import re
 
 import pytest
+from scripts_module import load_script
 
 pytestmark = pytest.mark.slow  # end-to-end runs: `make test-fast` skips them, `make test` (CI) runs them
 
@@ -21,10 +21,7 @@ TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 
 @pytest.fixture(scope="module")
 def comm_bytes():
-    spec = importlib.util.spec_from_file_location("comm_bytes", os.path.join(ROOT, "scripts", "comm_bytes.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("comm_bytes")
 
 
 # tiny at 2 layers (pp_size 2: one boundary): every asserted quantity is per leaf or per boundary, and the layers

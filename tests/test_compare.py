@@ -6,6 +6,7 @@ import os
 import numpy as np
 import pytest
 import yaml
+from scripts_module import load_script
 
 from twocircuit_jax.cli import main
 from twocircuit_jax.metrics import stats
@@ -349,13 +350,7 @@ def test_select_marks_the_candidate_with_the_highest_mean_auc(tmp_path, capsys):
 
 
 def _archiver():
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "archive_runs.py")
-    spec = importlib.util.spec_from_file_location("archive_runs", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("archive_runs")
 
 
 def test_an_archived_sweep_reads_as_its_runs_and_is_never_overwritten(tmp_path, capsys):

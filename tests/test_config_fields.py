@@ -1,10 +1,10 @@
 """Every config field takes effect or is refused: docs/config.md lists them all (with the modules that read each),
 and a field that no module outside config/ reads fails here."""
 
-import importlib.util
 import os
 
 import pytest
+from scripts_module import load_script
 
 from twocircuit_jax.config import ConfigError, load_config
 
@@ -12,10 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _doc():
-    spec = importlib.util.spec_from_file_location("config_doc", os.path.join(ROOT, "scripts", "config_doc.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("config_doc")
 
 
 def test_every_field_is_read_somewhere_or_refused():

@@ -4,23 +4,20 @@ and the GRPO script's configs load through the real config checks. The GRPO --cp
 full train run with an interpreted kernel takes minutes of CPU here (run it by hand:
 `python scripts/device_grpo.py --cpu-smoke --out /tmp/g --steps 1`)."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
 import yaml
+from scripts_module import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "device_check.sh")
 
 
 def _script(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(name)
 
 
 def test_shell_script_parses_and_fails_without_a_gpu(tmp_path):

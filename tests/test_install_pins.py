@@ -5,7 +5,6 @@ The server's start-up check of the vLLM version is tested here as the pure funct
 scripts/check_extras.py's reading of a pip report (which packages belong to which CUDA major) on real package names.
 Whether the index resolves each extra set to one CUDA major is scripts/check_extras.py's job (it needs the index)."""
 
-import importlib.util
 import os
 import re
 import tomllib
@@ -13,6 +12,7 @@ from importlib import metadata
 
 import pytest
 from packaging.requirements import Requirement
+from scripts_module import load_script
 
 from twocircuit_jax.sampler.vllm_pin import VLLM_VERSION, check_vllm_version, release
 
@@ -103,10 +103,7 @@ def test_server_version_check():
 
 
 def _check_extras():
-    spec = importlib.util.spec_from_file_location("check_extras", os.path.join(ROOT, "scripts", "check_extras.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("check_extras")
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,6 @@
 exit 0 and one line saying where; `--resume` then ends bit for bit where the uninterrupted run does. And a sweep arm
 killed before its first checkpoint restarts on `sweep --resume` instead of failing."""
 
-import importlib.util
 import json
 import os
 import re
@@ -13,6 +12,7 @@ import time
 
 import pytest
 import yaml
+from scripts_module import load_script
 from tiny_run import tiny_config
 
 from twocircuit_jax.train.checkpoint import committed_steps
@@ -25,10 +25,7 @@ CFG = tiny_config(grpo={"format_penalty": -1.0}, train={"steps": 6, "checkpoint_
 
 
 def _chaos():
-    spec = importlib.util.spec_from_file_location("chaos", os.path.join(ROOT, "scripts", "chaos.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("chaos")
 
 
 def _env(point=None):

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hf_models import TINY_VLLM
+from scripts_module import load_script
 
 from twocircuit_jax.model import init_params
 from twocircuit_jax.model.hf_io import hf_names_touched, to_hf_state_dict
@@ -291,13 +292,7 @@ def test_a_tied_model_is_served_untied_only_where_the_engine_reloads_whole_modul
 
 
 def _bench_export():
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_export.py")
-    spec = importlib.util.spec_from_file_location("bench_export", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_script("bench_export")
 
 
 def test_bench_export_runs_and_a_delta_writes_less(tmp_path, capsys):
