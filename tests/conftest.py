@@ -1,22 +1,38 @@
 """Test-session setup, the same under plain pytest and under `make test` (pytest-xdist, `-n 2 --dist loadgroup`).
 
 Set here, once, before jax is imported anywhere, and inherited by xdist's workers and by every child process a test
-starts: 8 simulated CPU devices, XLA's LLVM optimisation level 0, and one JAX persistent compilation cache per run.
+starts: 8 simulated CPU devices, XLA's LLVM optimisation level 0 and its older CPU fusion emitters, and one JAX
+persistent compilation cache per run (the garbage collector's thresholds are this process's and its workers').
 The groups of pytest_collection_modifyitems decide which tests share a worker."""
 
+import gc
 import os
 import shutil
 import tempfile
 
-# 8 fake devices, and LLVM optimisation level 0 unless XLA_FLAGS sets a level: the suite is dominated by compiles of
-# small programs that run a few times, so compiling faster beats running faster (on the 2-core machine 889-929 s of
-# pytest at level 0 against 1183-1192 s at the default level, every test passing at both: the same HLO, only LLVM's
-# machine-code optimisation differs). Benchmarks, demos and runs compile at level 1 on CPU (parallel/dispatch.py).
+# Python's cyclic garbage collector, at its default thresholds (700, 10, 10), runs thousands of times in a test module
+# that traces and compiles programs (JAX builds millions of small objects): 3.5 s of tests/test_micro_batch.py's 53 s.
+# At (10000, 10, 10) it runs a tenth as often, 0.8 s; reference counting frees nearly everything anyway, and the
+# module fixture below collects in full before dropping a big worker's caches.
+gc.set_threshold(10_000, 10, 10)
+
+# 8 fake devices, and two settings that make XLA:CPU compile faster, each unless XLA_FLAGS sets it: the suite is
+# dominated by compiles of small programs that run a few times, so compiling faster beats running faster.
+# - LLVM optimisation level 0 (on the 2-core machine 889-929 s of pytest at level 0 against 1183-1192 s at the default
+#   level: the same HLO, only LLVM's machine-code optimisation differs).
+# - XLA:CPU's older fusion emitters (`--xla_cpu_use_fusion_emitters=false`): XLA compiles each fused loop straight to
+#   LLVM instead of through its MLIR fusion emitters: about half the compile time (two tests of
+#   tests/test_micro_batch.py, side by side: 19.8 s of backend compiles against 10.8 s, 34 s of CPU against 22 s;
+#   the whole suite: docs/speed.md). The programs compute the same functions; a fused loop's float rounding may differ
+#   by a few ulp, which matters only to checks of two different programs' bit equality (tests/test_anchor_circuit.py).
+# Benchmarks, demos and runs compile with XLA's defaults and level 1 on CPU (parallel/dispatch.py).
 _flags = os.environ.get("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in _flags:
     _flags += " --xla_force_host_platform_device_count=8"
 if "--xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0"
+if "--xla_cpu_use_fusion_emitters" not in _flags:
+    _flags += " --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = _flags.strip()
 # JAX's persistent compilation cache: dozens of tests build trainers of the same tiny models, and each build
 # jit-compiles the same programs again; the cache turns the repeats into a file read (three end-to-end files: 155 s

@@ -254,8 +254,11 @@ def test_merger_none_and_cold_merger_leave_the_step_bit_identical(tiny):
     step = jit_train_step(make_train_step(loss_fn, opt, grad_transform=sig.grad_transform), None, donate=False)
     p_cold, m_cold = run(step, cs)
     assert float(m_cold["merger/rel_change"]) == 0.0
+    # the same update to float32 rounding: the merged gradient is the raw one bit for bit (rel_change 0 above), but the
+    # two programs fuse differently, and the embedding's gradient, a scatter-add, sums in an order that follows the
+    # fusion (the test suite's XLA:CPU legacy emitters, tests/conftest.py: up to 8 ulp on 24 of its 3,200 values)
     for c, d in zip(jax.tree.leaves(p_cold), jax.tree.leaves(dense)):
-        assert np.array_equal(c, d)
+        np.testing.assert_array_max_ulp(c, d, maxulp=16)
     cs, _ = _drive(sig, cs, lambda gs: moved(state, gs), batch, 2)  # fires on tick 2
     p_hot, m_hot = run(step, cs)
     assert step._cache_size() == 1
