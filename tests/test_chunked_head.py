@@ -1,5 +1,5 @@
 """The chunked LM head (model/head.py): log-probs, entropies and token accuracy without the [B, T, V] logits equal
-today's whole-logits path (grpo/loss.py token_logprobs / token_entropy of qwen2._head), values and gradients, and
+today's whole-logits path (grpo/loss.py token_logprobs / token_entropy of qwen2.lm_head), values and gradients, and
 its compiled temporaries do not grow with the sequence."""
 
 import dataclasses
@@ -39,7 +39,7 @@ def _head_case(tied: bool, dtype: str):
 
 def _whole(cfg, params, h, tokens, entropy_grad):
     """Today's path: whole logits, the entropy a constant to autodiff unless entropy_grad."""
-    logits = qwen2._head(cfg, params, h)
+    logits = qwen2.lm_head(cfg, params, h)
     return token_logprobs(logits, tokens), token_entropy(logits if entropy_grad else jax.lax.stop_gradient(logits))
 
 
@@ -116,7 +116,7 @@ def test_next_token_nll_and_sft_loss_equal_whole_logits():
     """The SFT reads (log-prob, argmax hit) chunked equal the whole logits', and the SFT loss and its gradient equal
     today's (log_softmax of whole logits)."""
     cfg, params, h, tokens, _, _ = _head_case(False, "float32")
-    logits = qwen2._head(cfg, params, h)
+    logits = qwen2.lm_head(cfg, params, h)
     logp, hit = head.next_token_nll(cfg, params, h, tokens, chunk=3)
     np.testing.assert_allclose(np.asarray(logp), np.asarray(token_logprobs(logits, tokens)), rtol=1e-6, atol=1e-5)
     want_hit = jnp.pad((jnp.argmax(logits[:, :-1], -1) == tokens[:, 1:]).astype(jnp.float32), ((0, 0), (1, 0)))

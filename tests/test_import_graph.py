@@ -173,3 +173,51 @@ def test_the_layer_check_catches_an_upward_import(tmp_path):
     found = upward(import_graph(modules(str(tmp_path))), layers)
     assert list(found) == [("twocircuit_jax.parallel.pipe", "twocircuit_jax.fast.wire")]
     assert layer_of("twocircuit_jax.fast.wire", layers) < layer_of("twocircuit_jax.parallel.pipe", layers)
+
+
+def private_imports(mods: dict) -> list[str]:
+    """'importer: module._name' for each private name (one leading underscore) a module of the package takes from
+    another: `from M import _name`, or `m._name` where `m` is bound to a package module by an import. A private
+    name is its module's own business; another module that needs it needs a public name."""
+    found = []
+    for name, path in mods.items():
+        tree = ast.parse(open(path).read(), path)
+        aliases = {}  # local name -> package module it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                if node.module.split(".")[0] not in PACKAGES:
+                    continue
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    if full in mods:
+                        aliases[a.asname or a.name] = full
+                    elif a.name.startswith("_") and not a.name.startswith("__") and node.module != name:
+                        found.append(f"{name}: {node.module}.{a.name}")
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.asname and a.name in mods:
+                        aliases[a.asname] = a.name
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and aliases[node.value.id] != name
+            ):
+                found.append(f"{name}: {aliases[node.value.id]}.{node.attr}")
+    return sorted(set(found))
+
+
+def test_no_module_takes_another_modules_private_name(tmp_path):
+    assert private_imports(modules()) == []
+    # the check itself, on a hand-made package: both forms are found, a module's own and a dunder are not
+    pkg = tmp_path / "twocircuit_jax"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def _f(): pass\n__all__ = []\n")
+    (pkg / "b.py").write_text("from twocircuit_jax.a import _f, __all__\nimport twocircuit_jax.a as a\na._f()\n")
+    (pkg / "c.py").write_text("from twocircuit_jax import a\nx = a._f\ndef _own(): pass\n_own()\n")
+    got = private_imports(modules(str(tmp_path)))
+    assert got == ["twocircuit_jax.b: twocircuit_jax.a._f", "twocircuit_jax.c: twocircuit_jax.a._f"], got

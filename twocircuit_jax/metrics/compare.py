@@ -153,7 +153,7 @@ def parse_group(spec: str, include_unfinished: bool = False) -> Group:
     return group
 
 
-def _by_seed(group: Group, key: str, last_k: int) -> dict:
+def by_seed(group: Group, key: str, last_k: int) -> dict:
     vals = {run_seed(r): run_scalars(r, last_k)[key] for r in group.runs}
     return {s: v for s, v in vals.items() if v is not None}
 
@@ -167,7 +167,7 @@ def compare(groups: list[Group], last_k: int = 3, n_resamples: int = stats.N_RES
     base, rows = groups[0], []
     for other in groups[1:]:
         for name, key in METRICS:
-            a, b = _by_seed(base, key, last_k), _by_seed(other, key, last_k)
+            a, b = by_seed(base, key, last_k), by_seed(other, key, last_k)
             row = {"a": base.label, "b": other.label, "metric": name, "key": key}
             row["iqm_a"] = stats.bootstrap_ci(stats.iqm, list(a.values()), **kw) if a else None
             row["iqm_b"] = stats.bootstrap_ci(stats.iqm, list(b.values()), **kw) if b else None
@@ -243,7 +243,7 @@ def write_figure(groups: list[Group], path: str, n_resamples: int = stats.N_RESA
 def profiles(groups: list[Group], n_points: int = 101, n_resamples: int = stats.N_RESAMPLES) -> tuple:
     """(taus [T], {label: (point, lo, hi)}): each group's performance profile of final accuracy on one grid
     spanning every group's runs, with its 95% bootstrap band; groups that never evaluated are left out."""
-    finals = {g.label: [v for v in _by_seed(g, "final_accuracy", 1).values()] for g in groups}
+    finals = {g.label: [v for v in by_seed(g, "final_accuracy", 1).values()] for g in groups}
     finals = {k: v for k, v in finals.items() if v}
     if not finals:
         return np.zeros(0), {}
@@ -321,7 +321,7 @@ def select(groups: list[Group], last_k: int = 3) -> list[dict]:
     for g in groups:
         row = {"label": g.label, "seeds": sorted(shared), "extra_seeds": sorted(set(g.seeds()) - shared)}
         for key in SELECT_KEYS:
-            vals = [v for s, v in _by_seed(g, key, last_k).items() if s in shared]
+            vals = [v for s, v in by_seed(g, key, last_k).items() if s in shared]
             row[key] = float(np.mean(vals)) if vals else None
         rows.append(row)
     scored = [r for r in rows if r["auc_accuracy"] is not None]

@@ -15,7 +15,7 @@ from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.metrics import stats
 from twocircuit_jax.metrics.compare import (
     Group,
-    _by_seed,
+    by_seed,
     check_options,
     compare,
     left_out_note,
@@ -60,7 +60,7 @@ def ladder(xs: list[float], groups: list[Group], last_k: int = 3, n_resamples: i
             row[key] = by_key[key]["diff"]
         for _, key in LEVELS:
             for side, g in (("a", a), ("b", b)):
-                vals = list(_by_seed(g, key, last_k).values())
+                vals = list(by_seed(g, key, last_k).values())
                 row[f"{key}_{side}"] = stats.bootstrap_ci(stats.iqm, vals, **kw) if vals else None
         rows.append(row)
     return rows

@@ -47,7 +47,7 @@ def _head_params(params) -> dict:
 def _chunk_stats(cfg, ends, h, nxt, entropy: bool, entropy_grad: bool, hit: bool):
     """h [B, c, H] (before the final norm), nxt [B, c] the tokens its positions predict -> {name: [B, c] fp32}.
     The same expressions as grpo/loss.py token_logprobs / token_entropy on the same logits."""
-    logits = qwen2._head(cfg, ends, h)  # [B, c, V] fp32
+    logits = qwen2.lm_head(cfg, ends, h)  # [B, c, V] fp32
     picked = jnp.take_along_axis(logits, nxt[..., None], axis=-1)[..., 0]
     out = {"logp": picked - jax.nn.logsumexp(logits, axis=-1)}
     if entropy:
@@ -84,14 +84,14 @@ def chunks_logits(cfg, T: int, chunk=None) -> bool:
 
 
 def head_stats(cfg, params, h, tokens, entropy_grad: bool = False, chunk=None) -> TokenStats:
-    """TokenStats of the logits `qwen2._head(cfg, params, h)` without making them whole.
+    """TokenStats of the logits `qwen2.lm_head(cfg, params, h)` without making them whole.
 
     h [B, T, H]: the last layer's output before the final norm (compute dtype); tokens [B, T] int. chunk: positions
     per chunk (None: `cfg.logits_chunk`); 0, or a chunk that covers all T - 1 predicting positions, takes today's
     whole-logits path (`token_stats`), bit for bit. `entropy_grad`: whether the entropy carries a gradient (an
     entropy bonus); without it the backward has no entropy term at all."""
     if not chunks_logits(cfg, tokens.shape[1], chunk):
-        return token_stats(qwen2._head(cfg, params, h), tokens, entropy_grad)
+        return token_stats(qwen2.lm_head(cfg, params, h), tokens, entropy_grad)
     chunk = cfg.logits_chunk if chunk is None else int(chunk)
     out = _scan_chunks(cfg, params, h, tokens, chunk, entropy=True, entropy_grad=entropy_grad, hit=False)
     return TokenStats(out["logp"], out["entropy"])
@@ -102,7 +102,7 @@ def next_token_nll(cfg, params, h, tokens, chunk=None):
     the next token's log-prob and whether it is the argmax of its logits (the token accuracy; a constant to
     autodiff). The supervised loss's reads."""
     if not chunks_logits(cfg, tokens.shape[1], chunk):
-        logits = qwen2._head(cfg, params, h)
+        logits = qwen2.lm_head(cfg, params, h)
         hit = jnp.argmax(logits[:, :-1], axis=-1) == tokens[:, 1:]
         return token_logprobs(logits, tokens), jnp.pad(hit.astype(jnp.float32), ((0, 0), (1, 0)))
     chunk = cfg.logits_chunk if chunk is None else int(chunk)

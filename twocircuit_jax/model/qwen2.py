@@ -132,13 +132,13 @@ def layer_params(params, i: int):
     return jax.tree.map(lambda a: a[i], params["layers"])
 
 
-def _head(cfg, params, x):
+def lm_head(cfg, params, x):
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     w = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
     return (x @ w.astype(x.dtype)).astype(jnp.float32)
 
 
-def _embed(cfg, params, tokens):
+def embed_tokens(cfg, params, tokens):
     return embed_lookup(params["embed"], tokens).astype(dtype_of(cfg.compute_dtype))
 
 
@@ -210,7 +210,7 @@ def decoder_with_aux(
     hook_layers: Sequence[int] = (),
 ):
     """The hidden state leaving the last layer [B, T, H] (compute dtype, before the final norm) and {layer: aux}
-    from `hook` applied to the hidden state leaving `hook_layers`. The LM head is the caller's: `_head` for whole
+    from `hook` applied to the hidden state leaving `hook_layers`. The LM head is the caller's: `lm_head` for whole
     logits, or a chunked head that never holds [B, T, V] (the train passes)."""
     B, T = tokens.shape
     if attention_mask is None:
@@ -218,7 +218,7 @@ def decoder_with_aux(
     if positions is None:
         positions = default_positions(attention_mask)
     cos, sin, mask = layer_inputs(cfg, attention_mask, positions)
-    x = _embed(cfg, params, tokens)
+    x = embed_tokens(cfg, params, tokens)
     return run_layers(cfg, params["layers"], x, cos, sin, mask, hook=hook, hook_layers=hook_layers)
 
 
@@ -236,7 +236,7 @@ def forward_with_aux(
     x, aux = decoder_with_aux(
         cfg, params, tokens, attention_mask, positions=positions, hook=hook, hook_layers=hook_layers
     )
-    return _head(cfg, params, x), aux
+    return lm_head(cfg, params, x), aux
 
 
 def forward(cfg: ModelConfig, params, tokens, attention_mask=None, *, positions=None, hook=None, hook_layers=()):
@@ -304,7 +304,7 @@ def decode_step(cfg: ModelConfig, params, cache: KVCache, tokens, token_mask, la
     q_slots = slot + jnp.arange(Tq)
     allowed = (jnp.arange(S)[None, :] <= q_slots[:, None])[None] & valid[:, None, :]
     bias = jnp.where(allowed, 0.0, _NEG).astype(jnp.float32)
-    x = _embed(cfg, params, tokens)
+    x = embed_tokens(cfg, params, tokens)
     layers = split_layers(params) if layers is None else layers
     ks, vs = [], []
     for i in range(cfg.num_layers):
@@ -314,7 +314,7 @@ def decode_step(cfg: ModelConfig, params, cache: KVCache, tokens, token_mask, la
     new = KVCache(
         tuple(ks), tuple(vs), valid, slot + Tq, cache.next_pos + jnp.sum(token_mask.astype(jnp.int32), axis=1)
     )
-    return _head(cfg, params, x[:, -1:] if last_only else x), new
+    return lm_head(cfg, params, x[:, -1:] if last_only else x), new
 
 
 def param_count(m) -> int:

@@ -180,7 +180,7 @@ class Pipeline:
                 state, outs, auxes = carry
                 # Only the first stage embeds (a per-device branch: the other stages skip the lookup).
                 inp = jax.lax.cond(
-                    s == 0, lambda st: qwen2._embed(cfg, ends, pick(rows_mb["tokens"], i)), lambda st: st, state
+                    s == 0, lambda st: qwen2.embed_tokens(cfg, ends, pick(rows_mb["tokens"], i)), lambda st: st, state
                 )
                 y = stage_layers(inp, pick(rows_mb, i - s))
                 new_state = jnp.zeros_like(y)

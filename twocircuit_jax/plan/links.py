@@ -78,13 +78,13 @@ def summary(plan: dict, gbps: tuple, dense: dict | None = None) -> dict:
 
 
 def render(links: dict) -> str:
-    from twocircuit_jax.plan.table import _sec, size
+    from twocircuit_jax.plan.table import seconds, size
 
     def gb(x):
         return "-" if x is None else f"{x:.3g} Gb/s"
 
     def sec(x):
-        return "-" if x is None else _sec(x)
+        return "-" if x is None else seconds(x)
 
     dense = "dense_slow_bytes" in links
     out = [

@@ -13,7 +13,7 @@ def size(b) -> str:
     return f"{b:.0f} B"
 
 
-def _sec(s) -> str:
+def seconds(s) -> str:
     return f"{s * 1e3:.3f} ms" if s < 1 else f"{s:.2f} s"
 
 
@@ -43,7 +43,7 @@ def render(plan: dict, k: int = 5) -> str:
             row.append(size(r.get("slow_bytes")))
         if chip:
             rl = r.get("roofline")
-            row.append(f"{_sec(rl['bound_s'])} ({rl['limit']})" if rl else "refused (HBM)")
+            row.append(f"{seconds(rl['bound_s'])} ({rl['limit']})" if rl else "refused (HBM)")
         table.append(row)
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     out += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in table]
@@ -84,8 +84,8 @@ def render(plan: dict, k: int = 5) -> str:
         if s.get("dcn_gbps"):
             out.append(f"slow-link bytes at {s['dcn_gbps']:g} Gbit/s per device (--dcn-gbps), fast-link bytes at ICI")
         out.append(
-            f"roofline lower bound: tick {_sec(s['tick_bound_s'])}, step {_sec(s['step_bound_s'])} "
-            f"(generation {_sec(s['generation_bound_s'])} at the length cap, training {_sec(s['train_bound_s'])}); "
+            f"roofline lower bound: tick {seconds(s['tick_bound_s'])}, step {seconds(s['step_bound_s'])} "
+            f"(generation {seconds(s['generation_bound_s'])} at the length cap, training {seconds(s['train_bound_s'])}); "
             f"MFU at most {100 * s['mfu_bound']:.1f}%"
         )
     notes = [f"{n}: {r['note']}" for n, r in plan["programs"].items() if r["note"]]
