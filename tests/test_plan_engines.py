@@ -152,7 +152,7 @@ def test_render_names_the_numbers():
     cfg = load_config(QWEN_1P5B, ["sampler.dtype=bfloat16"])
     text = engines.render_engines(engines.engine_plan(cfg, "h100-80gb", 170.9))
     assert "h100-80gb" in text and "28,672 B/token" in text and "81 at once" in text
-    assert "engines: 3 keep generation within the training bound 170.9 s" in text
+    assert "engines: 3 keep generation within the training bound 170.90 s" in text
 
 
 def test_unknown_chip():
@@ -197,3 +197,12 @@ def test_cli_plan_prints_and_writes_the_engines(tmp_path, capsys):
     assert f"{e['kv_bytes_per_token']:,} B/token" in out
     assert e["concurrent_rows"] == 1024 and e["wave_rows"] == 16 and e["waves"] == 1  # all of the step in one wave
     assert "decode step" in out and "at 16 rows" in out and "16 rows in 1 wave," in out
+
+
+def test_one_duration_format_serves_the_plan_table_and_the_engine_report():
+    from twocircuit_jax.plan.table import seconds
+
+    assert seconds(2.5e-4) == "250.00 µs"
+    assert seconds(0.0123) == "12.300 ms"
+    assert seconds(170.9) == "170.90 s"
+    assert seconds(11382.814) == "11,382.81 s"

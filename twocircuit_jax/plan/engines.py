@@ -41,7 +41,7 @@ import math
 from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.model.qwen2 import param_count
 from twocircuit_jax.plan.chips import GPUS, GiB, GpuChip
-from twocircuit_jax.plan.table import size
+from twocircuit_jax.plan.table import seconds, size
 
 # vLLM's LLM-class defaults by device (vllm/engine/arg_utils.py, _set_default_max_num_seqs_and_batched_tokens_args,
 # vLLM 0.32): GPUs of 70 GiB or more other than the A100 get max_num_seqs 1024 and max_num_batched_tokens 16384,
@@ -159,12 +159,6 @@ def engine_plan(cfg, gpu_name: str, train_bound_s: float | None) -> dict:
     return d
 
 
-def _sec(s: float) -> str:
-    if s < 1e-3:
-        return f"{s * 1e6:.2f} µs"
-    return f"{s * 1e3:.3f} ms" if s < 1 else f"{s:,.1f} s"
-
-
 def render_engines(d: dict) -> str:
     """A few lines of `engine_plan`'s result for the plan's console report."""
     P, M = d["prompt_tokens"], d["new_tokens"]
@@ -182,18 +176,18 @@ def render_engines(d: dict) -> str:
         return "\n".join(out)
     s = d["decode_step"]
     out.append(
-        f"  decode step {_sec(s['bound_s'])} at {d['wave_rows']:,} rows ({s['limit']}); prefill "
-        f"{_sec(d['prefill_s'])} per wave (flops bound)"
+        f"  decode step {seconds(s['bound_s'])} at {d['wave_rows']:,} rows ({s['limit']}); prefill "
+        f"{seconds(d['prefill_s'])} per wave (flops bound)"
     )
     out.append(
         f"  one engine: {d['step_rows']:,} rows in {d['waves']:,} wave{'s' * (d['waves'] > 1)}, "
-        f"{_sec(d['generation_s'])} per step "
+        f"{seconds(d['generation_s'])} per step "
         f"(every row runs all {M:,} new tokens)"
     )
     if d["engines"] is not None:
         out.append(
-            f"  engines: {d['engines']:,} keep generation within the training bound {_sec(d['train_bound_s'])} "
-            f"({d['engine_rows']:,} rows each, {_sec(d['engines_generation_s'])})"
+            f"  engines: {d['engines']:,} keep generation within the training bound {seconds(d['train_bound_s'])} "
+            f"({d['engine_rows']:,} rows each, {seconds(d['engines_generation_s'])})"
         )
     else:
         out.append(f"  engines: {d['note']}")

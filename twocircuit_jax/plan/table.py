@@ -14,7 +14,10 @@ def size(b) -> str:
 
 
 def seconds(s) -> str:
-    return f"{s * 1e3:.3f} ms" if s < 1 else f"{s:.2f} s"
+    """A duration for the plan's reports: µs below a millisecond, ms below a second, else seconds."""
+    if s < 1e-3:
+        return f"{s * 1e6:.2f} µs"
+    return f"{s * 1e3:.3f} ms" if s < 1 else f"{s:,.2f} s"
 
 
 def _flop(f) -> str:
