@@ -203,3 +203,27 @@ SLURM = {
 )
 def test_resolve_sources(kw, env, want):
     assert resolve(_args(**kw), env) == want
+
+
+@pytest.mark.parametrize("process_id", [None, 1])
+def test_only_process_0_removes_a_run_folder_on_bad_input(tmp_path, monkeypatch, process_id):
+    """A run that ends on bad input removes the --out it made. Of two processes only process 0 makes it, after every
+    process has checked it; process 1, ending on bad input while process 0 writes there (the folder appearing under
+    it, here in the local-path check), must leave it: it did not make it. One process alone removes it."""
+    from twocircuit_jax.config.base import ConfigError
+    from twocircuit_jax.train import setup
+
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(CFG))
+    out = tmp_path / "run"
+
+    def appears_then_fails(_cfg):
+        out.mkdir()
+        (out / ".twocircuit.json").write_text('{"kind": "run", "files": []}')  # process 0's marker
+        raise ConfigError("data.path", "missing (for this test)")
+
+    monkeypatch.setattr(setup, "check_local_paths", appears_then_fails)
+    flags = [] if process_id is None else ["--coordinator", f"127.0.0.1:{_free_port()}", "--num-processes", "2"]
+    flags += [] if process_id is None else ["--process-id", str(process_id)]
+    assert main(["train", "--config", str(cfg), "--out", str(out), "--no-progress", *flags]) == 2
+    assert out.is_dir() is (process_id is not None)

@@ -216,6 +216,7 @@ def _stop_types():
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    args.out_owner = True  # may remove --out on bad input if it made it (train: process 0 of several only)
     created = None
     out = getattr(args, "out", "")
     if args.cmd in ("train", "sft", "sweep") and out and not os.path.exists(out):
@@ -227,7 +228,9 @@ def main(argv=None) -> int:
             check_out(out, args.overwrite)  # someone else's folder: refused before any work
         return _dispatch(args)
     except _bad_input_types() as e:
-        if created and os.path.isdir(created) and not getattr(args, "resume", False):
+        # A folder this command made is removed again; in a run of several processes only process 0 makes it, so
+        # only process 0 may remove it (train sets out_owner): another process's bad input never deletes it.
+        if created and os.path.isdir(created) and not getattr(args, "resume", False) and args.out_owner:
             shutil.rmtree(created, ignore_errors=True)
         print(f"twocircuit {args.cmd}: error: {e}", file=sys.stderr)
         return BAD_INPUT
@@ -352,6 +355,7 @@ def _train(args) -> int:
     from twocircuit_jax.parallel import distributed
 
     launch = distributed.resolve(args)  # flags and environment checked before anything starts
+    args.out_owner = launch.source == "single"  # several processes: process 0, once known (below)
     cfg = load_config(args.config, args.set)
     from twocircuit_jax.sampler import placement
     from twocircuit_jax.train.setup import check_local_paths
@@ -362,15 +366,19 @@ def _train(args) -> int:
     from twocircuit_jax.train import faults
     from twocircuit_jax.train.loop import GRPOTrainer
 
+    args.out_owner = distributed.is_primary()
     if distributed.is_primary() and os.path.isfile(os.path.join(args.out, faults.LOCK_FILE)):
         faults.lock_run_folder(args.out)  # a live trainer there: exit 2 before --overwrite could remove its files
     if not args.resume:
-        _claim_run_folder(args.out, args.overwrite, distributed.is_primary())
+        _check_run_folder(args.out, args.overwrite)
     if launch.source != "single":
         from jax.experimental import multihost_utils
 
-        # Every process has looked at --out before any writes into it (process 0 creates files there first).
+        # Every process has looked at --out before process 0 writes into it: a process that looked while process 0
+        # was writing its marker would see a folder no project wrote, refuse it, and stop the run.
         multihost_utils.sync_global_devices("twocircuit_out_checked")
+    if not args.resume and distributed.is_primary():
+        _claim_run_folder(args.out)
     summary = GRPOTrainer(
         cfg,
         args.out,
@@ -383,10 +391,10 @@ def _train(args) -> int:
     return 0
 
 
-def _claim_run_folder(out: str, overwrite: bool, primary: bool) -> None:
-    """A fresh run's --out: empty or new; someone else's non-empty folder only with --overwrite, and then none of
-    the names a run writes may be there (they would be mixed with this run's); a previous run's folder only with
-    --overwrite, which removes that run's own files (outdir.RUN_FILES) and keeps everything else."""
+def _check_run_folder(out: str, overwrite: bool) -> None:
+    """A fresh run's --out, read only (every process): empty or new; someone else's non-empty folder only with
+    --overwrite, and then none of the names a run writes may be there (they would be mixed with this run's); a
+    previous run's folder only with --overwrite."""
     from twocircuit_jax import outdir
     from twocircuit_jax.config.base import ConfigError
 
@@ -396,10 +404,16 @@ def _claim_run_folder(out: str, overwrite: bool, primary: bool) -> None:
         raise ConfigError("--out", f"{out} holds {present[0]}, which twocircuit did not write; choose a new folder")
     if present and not overwrite:
         raise ConfigError("--out", f"{out} holds a run; use --resume, --overwrite (replaces that run) or a new folder")
-    if primary:
-        outdir.remove_run_files(out)
-        os.makedirs(out, exist_ok=True)
-        outdir.write_marker(out, "run", outdir.RUN_FILES)
+
+
+def _claim_run_folder(out: str) -> None:
+    """Process 0, after every process checked --out: a previous run's own files (outdir.RUN_FILES) removed,
+    everything else kept, and the folder marked as a run's."""
+    from twocircuit_jax import outdir
+
+    outdir.remove_run_files(out)
+    os.makedirs(out, exist_ok=True)
+    outdir.write_marker(out, "run", outdir.RUN_FILES)
 
 
 def _eval(args) -> int:
