@@ -3,7 +3,7 @@
     python scripts/archive_runs.py runs/ladder_lr docs/results/ladder_lr
 
 Each finished run under SWEEP (its folder holds sweep_done.json) is copied to DEST at the same relative path:
-config.yaml, summary.json, sweep_done.json and metrics.jsonl gzipped (metrics.jsonl.gz, about a sixth of its size;
+config.yaml, summary.json, sweep_done.json, provenance.json (when the run has one) and metrics.jsonl gzipped (metrics.jsonl.gz, about a sixth of its size;
 written with no timestamp, so the same run gives the same bytes). Checkpoints, TensorBoard events and logs are left
 out. `twocircuit compare` and `plot` read an archived run as they read the run (metrics/runs.py), and a `sweep
 --resume` into a copy of the archive reads its finished arms instead of rerunning them, so a sweep longer than one
@@ -27,6 +27,7 @@ import sys
 
 DONE = "sweep_done.json"
 COPIED = ("config.yaml", "summary.json", DONE)
+OPTIONAL = ("provenance.json",)  # a run from before the trainer wrote it has none
 
 
 def finished_runs(sweep: str) -> list[str]:
@@ -67,7 +68,7 @@ def archive(sweep: str, dest: str) -> tuple[list[str], list[str]]:
             kept.append(rel)
             continue
         os.makedirs(os.path.join(dest, rel), exist_ok=True)
-        for f in COPIED:
+        for f in COPIED + tuple(f for f in OPTIONAL if os.path.isfile(os.path.join(sweep, rel, f))):
             shutil.copyfile(os.path.join(sweep, rel, f), os.path.join(dest, rel, f))
         tmp = os.path.join(dest, rel, "metrics.jsonl.gz.tmp")
         with open(tmp, "wb") as fh:

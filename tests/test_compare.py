@@ -1,6 +1,7 @@
 """Verdict statistics (metrics/stats.py) against hand-computed values, and `twocircuit compare` on synthetic run
 folders with planted effects (written by the trainer's own MetricsLogger): no training, seconds."""
 
+import json
 import os
 
 import numpy as np
@@ -349,6 +350,34 @@ def test_select_marks_the_candidate_with_the_highest_mean_auc(tmp_path, capsys):
     assert "--select" in capsys.readouterr().err
 
 
+def _provenance(run, sha: str) -> None:
+    with open(os.path.join(run, "provenance.json"), "w") as fh:
+        json.dump({"base_model": "artifacts/base", "base_model_sha256": sha}, fh)
+
+
+def test_compare_names_a_paired_seed_whose_runs_started_from_different_bases(tmp_path, capsys):
+    """provenance.json's fingerprints: one base for every pair says nothing; a seed whose two runs started from
+    different bases (one rebuilt on another machine) is named, in `compare` and in `compare --ladder`."""
+    a, b = _planted(3, 0.0)
+    dense, comp = _arm(tmp_path, "dense", a), _arm(tmp_path, "comp", b)
+    for arm in (dense, comp):
+        for i in range(3):
+            _provenance(os.path.join(arm, f"seed_{i}"), "a" * 64)
+    specs = [f"dense={dense}", f"comp={comp}"]
+    assert main(["compare", *specs]) == 0
+    assert "different bases" not in capsys.readouterr().out
+    _provenance(os.path.join(comp, "seed_1"), "b" * 64)
+    os.remove(os.path.join(dense, "seed_2", "provenance.json"))  # a run from before the record: nothing said
+    _provenance(os.path.join(comp, "seed_2"), "c" * 64)
+    want = f"comp vs dense: the pair's runs started from different bases at seed 1 ({'a' * 12} vs {'b' * 12})."
+    assert main(["compare", *specs]) == 0
+    assert want in capsys.readouterr().out
+    assert main(["compare", "--ladder", "64,128", *specs, f"dense128={dense}", f"comp128={comp}"]) == 0, (
+        capsys.readouterr().err
+    )
+    assert want in capsys.readouterr().out
+
+
 def _archiver():
     return load_script("archive_runs")
 
@@ -367,6 +396,7 @@ def test_an_archived_sweep_reads_as_its_runs_and_is_never_overwritten(tmp_path, 
             run = sweep / arm / f"seed_{i}"
             (run / DONE).write_text("{}")
             (run / "summary.json").write_text("{}")
+            _provenance(run, "a" * 64)
     verdict = ["compare", "--last-k", "2"]
     assert main(verdict + [f"{sweep}:dense", f"{sweep}:compressed"]) == 0
     from_runs = capsys.readouterr().out
@@ -377,7 +407,7 @@ def test_an_archived_sweep_reads_as_its_runs_and_is_never_overwritten(tmp_path, 
     assert "archived 6 runs" in capsys.readouterr().out
     assert not (dest / "dense" / "seed_3").exists() and not (dest / "dense" / "seed_0" / "metrics.jsonl").exists()
     assert sorted(os.listdir(dest / "dense" / "seed_0")) == sorted(
-        [DONE, "config.yaml", "metrics.jsonl.gz", "summary.json"]
+        [DONE, "config.yaml", "metrics.jsonl.gz", "provenance.json", "summary.json"]
     )
     assert main(verdict + [f"{dest}:dense", f"{dest}:compressed"]) == 0
     assert capsys.readouterr().out == from_runs.replace(str(sweep), str(dest)) and "paired, 3 seeds" in from_runs

@@ -5,6 +5,7 @@ the best checkpoint, applies its mitigations one per rollback, and ends at the b
 Its actions survive a resume."""
 
 import json
+import os
 
 import collapse_task  # noqa: F401  (registers task.type synthetic_collapse)
 import pytest
@@ -120,3 +121,15 @@ def test_the_stop_action_ends_the_run_cleanly_at_the_alarm(base, tmp_path):
     assert rows[-1]["step"] == actions[0]["step"] and rows[-1]["guard/action"] == 2.0  # nothing logged after it
     meta = json.loads(open(f"{d}/checkpoints/step_{actions[0]['step']:08d}/meta.json").read())
     assert meta["guard"]["actions"] == actions  # the state it stopped in is saved, with the action
+
+
+def test_a_run_records_the_base_it_started_from_by_content(runs, base):
+    """provenance.json: the base_model path and the sha256 of its files; `compare` reads the fingerprint back."""
+    from twocircuit_jax import provenance
+    from twocircuit_jax.metrics.runs import load_run
+
+    want = provenance.folder_sha256(base)
+    for d, _ in runs.values():
+        with open(os.path.join(d, "provenance.json")) as fh:
+            assert json.load(fh) == {"base_model": base, "base_model_sha256": want}
+        assert load_run(d).base_sha == want

@@ -99,7 +99,7 @@ def install(tmp: str, path: str, kind: str, overwrite: bool = False) -> str:
 
 # What a training run writes at the top of its folder (train/loop.py, metrics/logger.py, train/guard.py, setup.py);
 # TensorBoard's event files start with RUN_EVENTS.
-RUN_FILES = ("config.yaml", "metrics.jsonl", "guard.jsonl", "checkpoints", "sampler")
+RUN_FILES = ("config.yaml", "metrics.jsonl", "guard.jsonl", "checkpoints", "sampler", "provenance.json")
 RUN_EVENTS = "events.out.tfevents."
 
 

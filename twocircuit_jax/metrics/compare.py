@@ -212,6 +212,25 @@ def markdown(rows: list[dict], last_k: int, n_resamples: int) -> str:
     return "\n".join(out) + "\n"
 
 
+def base_note(pairs: list[tuple[Group, Group]]) -> str:
+    """The lines that name each paired seed whose two runs started from different bases (their provenance.json
+    sha256s differ: a base rebuilt on another machine), "" when none did; runs without the record say nothing."""
+    lines = []
+    for a, b in pairs:
+        sha_a = {run_seed(r): r.base_sha for r in a.runs if r.base_sha}
+        sha_b = {run_seed(r): r.base_sha for r in b.runs if r.base_sha}
+        bad = [
+            f"seed {s} ({sha_a[s][:12]} vs {sha_b[s][:12]})"
+            for s in sorted(sha_a.keys() & sha_b.keys())
+            if sha_a[s] != sha_b[s]
+        ]
+        if bad:
+            lines.append(f"{b.label} vs {a.label}: the pair's runs started from different bases at {', '.join(bad)}.")
+    if not lines:
+        return ""
+    return "\n" + "\n".join(lines) + "\nTheir difference mixes the arms' with the bases'; rerun the pair on one base.\n"
+
+
 def left_out_note(groups: list[Group]) -> str:
     """The lines that name each group's unfinished runs left out ("" when none was)."""
     lines = [f"Left out of {g.label}, unfinished: {', '.join(g.left_out)}." for g in groups if g.left_out]
@@ -298,7 +317,7 @@ def run_compare(
     check_options(last_k, resamples)
     groups = parse_groups(specs, include_unfinished)
     text = markdown(compare(groups, last_k, resamples), last_k, resamples) + left_out_note(groups)
-    text = save_table(text, out)
+    text = save_table(text + base_note([(groups[0], g) for g in groups[1:]]), out)
     if figure:
         write_figure(groups, figure, resamples)
     return text

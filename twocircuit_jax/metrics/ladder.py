@@ -15,6 +15,7 @@ from twocircuit_jax.config.base import ConfigError
 from twocircuit_jax.metrics import stats
 from twocircuit_jax.metrics.compare import (
     Group,
+    base_note,
     by_seed,
     check_options,
     compare,
@@ -141,7 +142,10 @@ def run_ladder(
     xs = parse_ladder(values, len(specs))
     groups = parse_groups(specs, include_unfinished)
     rows = ladder(xs, groups, last_k, resamples)
-    text = save_table(f"### {name}: B − A per rung\n\n" + markdown(rows) + left_out_note(groups), out)
+    pairs = list(zip(groups[0::2], groups[1::2]))
+    text = save_table(
+        f"### {name}: B − A per rung\n\n" + markdown(rows) + left_out_note(groups) + base_note(pairs), out
+    )
     if figure:
         write_figure(rows, figure, name)
     return text

@@ -1,5 +1,5 @@
 """Run folders as `twocircuit plot` and `twocircuit compare` read them: each run's `metrics.jsonl` and `config.yaml`
-only, so finished runs, runs still in progress and copies from another machine read alike. An archived run
+(and `provenance.json`'s base fingerprint where the run has one), so finished runs, runs still in progress and copies from another machine read alike. An archived run
 (scripts/archive_runs.py: docs/results/) holds `metrics.jsonl.gz` instead and reads the same. A sweep folder
 (subfolders that are runs, ARM or ARM/seed_K) is expanded into its arms. No plotting here."""
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from twocircuit_jax import provenance
 from twocircuit_jax.config.base import ConfigError, registered
 from twocircuit_jax.config.sections import ActivationCodecConfig
 
@@ -69,6 +70,7 @@ class Run:
     path: str
     config: dict
     rows: list[dict] = field(default_factory=list)
+    base_sha: str | None = None  # sha256 of the base folder it started from (provenance.json), None: not recorded
 
     def __post_init__(self) -> None:
         sec = lambda k: self.config.get(k) if isinstance(self.config.get(k), dict) else {}  # noqa: E731
@@ -141,7 +143,8 @@ def load_run(path: str, name: str | None = None) -> Run:
             if isinstance(rec, dict) and isinstance(rec.get("step"), int):
                 rows.append(rec)
     rows.sort(key=lambda r: r["step"])
-    return Run(name or os.path.basename(os.path.normpath(path)), path, cfg, rows)
+    base_sha = provenance.read(path).get("base_model_sha256")
+    return Run(name or os.path.basename(os.path.normpath(path)), path, cfg, rows, base_sha)
 
 
 def _arms(folder: str) -> list[str]:

@@ -15,6 +15,7 @@ import os
 import sys
 import time
 
+from twocircuit_jax import provenance
 from twocircuit_jax.config.run import save_config
 from twocircuit_jax.metrics.gauges import length_slope, length_stats, to_floats
 from twocircuit_jax.metrics.logger import MetricsLogger
@@ -89,6 +90,9 @@ class GRPOTrainer:
         self.logger = None
         if is_primary():
             save_config(b.user_cfg, os.path.join(run_dir, "config.yaml"))
+            if not resume:  # the base as it is now, by content (a resume keeps the start's record)
+                base = b.user_cfg.base_model
+                provenance.write(run_dir, os.path.expanduser(base) if base else None)
             first = self.start_step if resume else None
             self.logger = MetricsLogger(run_dir, b.cfg.train.steps, show_progress=show_progress, resume_from_step=first)
             if resume_row is not None and self.logger.last_step < self.start_step:
