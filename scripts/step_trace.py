@@ -37,7 +37,7 @@ PACKAGES = ("twocircuit_jax", "pallas_kernels")
 MAX_WIRING = 10  # the bound on what a reader must hold to follow a step
 # The parts every layer may use (docs/architecture.md's bottom layers and the mesh): calling them is using a
 # utility, not wiring two components together.
-INFRA = {"config", "parallel", "names", "boundaries", "cli_flags", "outdir", "pallas_kernels"}
+INFRA = {"config", "parallel", "names", "boundaries", "cli_flags", "outdir", "pallas_kernels", "provenance"}
 SETS = [
     "fast.codec={type: prf_mask, p: 0.9, use_kernel: true}",
     "fast.kernel_interpret=true",
